@@ -1,0 +1,1 @@
+"""Layers and networks (NHWC). `build_model(name, ...)` is the entry point."""

@@ -1,0 +1,37 @@
+"""Builds the Cython kernels and installs kernels/, nets/ and datasets/ as
+mpitrain.kernels, mpitrain.nets and mpitrain.datasets, so that the project
+never shadows another distribution's top-level `kernels` or `datasets`."""
+import numpy
+from Cython.Build import cythonize
+from setuptools import Extension, find_packages, setup
+
+OPENMP = {"extra_compile_args": ["-O3", "-fopenmp"], "extra_link_args": ["-fopenmp"]}
+
+extensions = [
+    Extension("mpitrain.kernels._im2col", ["kernels/_im2col.pyx"],
+              include_dirs=[numpy.get_include()], **OPENMP),
+    Extension("mpitrain.kernels._pool", ["kernels/_pool.pyx"],
+              include_dirs=[numpy.get_include()], **OPENMP),
+]
+
+mapped = {"mpitrain.kernels": "kernels", "mpitrain.nets": "nets", "mpitrain.datasets": "datasets"}
+
+setup(
+    name="mpitrain",
+    version="0.1.0",
+    description="Parameter-server-free MPI data-parallel training of convolutional networks",
+    python_requires=">=3.10",
+    packages=find_packages(include=["mpitrain", "mpitrain.*"]) + list(mapped),
+    package_dir=mapped,
+    ext_modules=cythonize(extensions, language_level=3,
+                          compiler_directives={"boundscheck": False, "wraparound": False}),
+    install_requires=["numpy>=1.26", "numba>=0.60", "h5py>=3.8", "pillow>=10", "mpi4py>=4.0",
+                      "scikit-learn>=1.3", "pyyaml>=6"],
+    extras_require={
+        "gpu": ["cupy-cuda12x>=13", "numba-cuda>=0.4", "nvidia-nccl-cu12",
+                "nvidia-cudnn-frontend", "nvidia-cudnn-cu12"],
+        "test": ["pytest>=7", "threadpoolctl"],
+        "plot": ["matplotlib"],
+    },
+    entry_points={"console_scripts": ["mpitrain=mpitrain.cli:main"]},
+)
