@@ -1,0 +1,59 @@
+"""`python -m mpitrain inspect`: what a network is made of, layer by layer.
+
+One forward pass of a zero batch of one image in eval mode, with each leaf
+layer's `forward` wrapped on the instance, records every leaf's input and
+output shape; each leaf then reports its parameters and forward multiply-adds
+(`Module.macs`). The wrapping lives only here and only on the inspected model.
+"""
+import numpy as np
+
+from mpitrain.nets import build_model
+
+
+def layer_table(model_name, image_size=224, num_classes=1000):
+    """Rows (name, type, output shape, parameters, multiply-adds) for every leaf layer
+    in forward order, and the model (for totals)."""
+    model = build_model(model_name, num_classes=num_classes)
+    rows = []
+    for name, m in model.named_modules():
+        if not m.children():
+            _record_forward(m, name.rstrip("."), rows)
+    model.forward(np.zeros((1, image_size, image_size, 3), model.dtype), train=False)
+    return rows, model
+
+
+def _record_forward(module, name, rows):
+    forward = module.forward
+
+    def recording_forward(x, train=True):
+        y = forward(x, train)
+        rows.append((name, type(module).__name__, tuple(y.shape[1:]), module.num_params(),
+                     int(module.macs(x.shape, y.shape))))
+        return y
+
+    module.forward = recording_forward
+
+
+def report(model_name, image_size=224, num_classes=1000):
+    """The table as text, with totals: parameters and multiply-adds of one image's forward pass."""
+    rows, model = layer_table(model_name, image_size, num_classes)
+    total_macs = sum(r[4] for r in rows)
+    header = ("layer", "type", "output (H, W, C)", "parameters", "multiply-adds")
+    cells = [header] + [(n, t, str(s), f"{p:,}", f"{m:,}") for n, t, s, p, m in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
+
+    def line(c):
+        return "  ".join(c[i].ljust(widths[i]) if i < 3 else c[i].rjust(widths[i])
+                         for i in range(len(header)))
+
+    out = [f"{model_name}: input ({image_size}, {image_size}, 3), {num_classes} classes", "",
+           line(header), "  ".join("-" * w for w in widths)]
+    out += [line(c) for c in cells[1:]]
+    out += ["", f"total parameters:    {model.num_params():,}",
+            f"total multiply-adds: {total_macs:,} ({_si(total_macs)}) per image, forward",
+            f"leaf layers:         {len(rows)}"]
+    return "\n".join(out)
+
+
+def _si(n):
+    return f"{n / 1e9:.2f} G" if n >= 1e9 else f"{n / 1e6:.1f} M"

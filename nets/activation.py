@@ -1,0 +1,52 @@
+"""Elementwise layers without parameters: ReLU and dropout."""
+import numpy as np
+
+from mpitrain.backend import array_module
+
+from .module import Module
+
+
+class ReLU(Module):
+    """y = max(x, 0);  dx = dy * [x > 0]."""
+
+    def forward(self, x, train=True):
+        xp = array_module(x)
+        self.mask = x > 0    # (N, H, W, C) bool, or (N, F) after a flatten
+        return xp.maximum(x, 0)
+
+    def backward(self, dy):
+        return dy * self.mask
+
+
+class Dropout(Module):
+    """Inverted dropout (Srivastava et al. 2014).
+
+    Train mode: y = x * m / (1 - p), m_i ~ Bernoulli(1 - p) drawn afresh each call,
+    so the expected value of y is x and eval mode is the identity.
+    Backward: dx = dy * m / (1 - p) (the same mask); identity after an eval forward.
+
+    The mask comes from the layer's own NumPy generator (seeded by `seed`, reset
+    by `seed(s)`), so a run is reproducible; on the GPU it is copied over.
+    """
+
+    def __init__(self, p=0.5, seed=0):
+        if not 0 <= p < 1:
+            raise ValueError(f"Dropout probability must be in [0, 1), got {p}")
+        self.p = p
+        self.seed(seed)
+
+    def seed(self, s):
+        """Restart the mask sequence from seed s."""
+        self.rng = np.random.default_rng(s)
+
+    def forward(self, x, train=True):
+        if not train or self.p == 0:
+            self.mask = None
+            return x
+        xp = array_module(x)
+        keep = self.rng.random(x.shape, dtype=np.float32) >= self.p
+        self.mask = xp.asarray(keep.astype(x.dtype) * x.dtype.type(1 / (1 - self.p)))  # x.shape, 0 or 1/(1-p)
+        return x * self.mask
+
+    def backward(self, dy):
+        return dy if self.mask is None else dy * self.mask

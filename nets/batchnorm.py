@@ -1,0 +1,136 @@
+"""Batch normalisation over NHWC activations (Ioffe & Szegedy 2015)."""
+import numpy as np
+
+from mpitrain.arena import Buffer, Param
+from mpitrain.backend import array_module
+
+from .module import Module, constant
+
+# Elementwise passes run on a "wide" view of the (M, C) activations, (M/k, k*C),
+# with each per-channel vector tiled k times. On the plain (M, C) view NumPy
+# calls its inner loop once per row of only C elements when broadcasting a (C,)
+# vector, and that per-call overhead made every pass 1.3-2x slower than on the
+# wide view (measured on (8192, 64) and (2048, 512) float32). k*C is kept near
+# WIDE elements (64 KiB of fp32), so the tiled vectors stay in cache.
+WIDE = 16384
+
+
+class BatchNorm2d(Module):
+    """y = gamma * xhat + beta per channel, xhat = (x - mean) / sqrt(var + eps).
+
+    x is NHWC; with M = N*H*W each channel c has M values x_mc.
+
+    Train mode: mean and var are the batch's (biased) statistics over (N, H, W),
+        mean_c = sum_m x_mc / M,   var_c = sum_m (x_mc - mean_c)^2 / M,
+    and the running statistics move towards them as in PyTorch:
+        running_mean <- (1 - momentum) * running_mean + momentum * mean
+        running_var  <- (1 - momentum) * running_var  + momentum * var * M / (M - 1)
+    Eval mode: mean and var are running_mean and running_var.
+
+    Backward, with invstd = 1 / sqrt(var + eps) and xhat as above:
+        dbeta_c  = sum_m dy_mc
+        dgamma_c = sum_m dy_mc * xhat_mc
+        train:  dx = gamma * invstd * (dy - dbeta / M - xhat * dgamma / M)
+        eval:   dx = gamma * invstd * dy     (the statistics are constants)
+
+    Statistics, gamma, beta and the arithmetic are fp32 (float64 for float64
+    input) whatever x's dtype: fp16 input is cast up, and y and dx are returned
+    in the dtype of x and dy. gamma and beta are read from the fp32 master copy,
+    which the fp16 working copy would round.
+
+    zero_init: start gamma at 0 (Goyal et al.: the last BN of each residual
+    block, so that every block starts as the identity).
+    """
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, zero_init=False):
+        self.num_features = num_features
+        self.eps = eps
+        self.momentum = momentum
+        self.weight = Param((num_features,), constant(0.0 if zero_init else 1.0),
+                            decay=False, lars=False)
+        self.bias = Param((num_features,), constant(0.0), decay=False, lars=False)
+        self.running_mean = Buffer((num_features,), 0.0)
+        self.running_var = Buffer((num_features,), 1.0)
+
+    def forward(self, x, train=True):
+        xp = array_module(x)
+        C = self.num_features
+        if x.ndim != 4 or x.shape[3] != C:
+            raise ValueError(f"BatchNorm2d({C}) expects an NHWC batch (N, H, W, {C}), got shape {x.shape}")
+        stat = np.float64 if x.dtype == np.float64 else np.float32
+        M = x.size // C
+        k = _wide_factor(M, C)
+        xw = x.reshape(M // k, k * C).astype(stat, copy=False)
+
+        gamma = self.weight.master.astype(stat, copy=False)
+        beta = self.bias.master.astype(stat, copy=False)
+        if train:
+            if M < 2:
+                raise ValueError(f"BatchNorm2d needs more than one value per channel in train mode, got shape {x.shape}")
+            mean = _fold(_colsum(xw), k, C) / M
+            xc = xw - xp.tile(mean, k)
+            # two passes (centre, then square) keep var accurate when |mean| >> std
+            var = _fold(xp.einsum("ij,ij->j", xc, xc), k, C) / M
+            m = self.momentum
+            self.running_mean.data[...] = (1 - m) * self.running_mean.data + m * mean
+            self.running_var.data[...] = (1 - m) * self.running_var.data + m * var * (M / (M - 1))
+            invstd = 1.0 / xp.sqrt(var + self.eps)
+            y = xc * xp.tile(gamma * invstd, k)
+            y += xp.tile(beta, k)
+            self.xc, self.x = xc, None      # (M/k, k*C): x - mean in the wide layout
+        else:
+            # a pure affine map y = x * s + (beta - mean * s): two passes, and x - mean
+            # is formed only if backward is called
+            mean = self.running_mean.data.astype(stat, copy=False)
+            invstd = 1.0 / xp.sqrt(self.running_var.data.astype(stat, copy=False) + self.eps)
+            s = gamma * invstd
+            y = xw * xp.tile(s, k)
+            y += xp.tile(beta - mean * s, k)
+            self.xc, self.x, self.mean = None, xw, mean     # x: (M/k, k*C) wide layout; mean: (C,)
+
+        self.train, self.k = train, k
+        self.invstd = invstd    # (C,)
+        return y.reshape(x.shape).astype(x.dtype, copy=False)
+
+    def backward(self, dy):
+        xp = array_module(dy)
+        C, k, invstd = self.num_features, self.k, self.invstd
+        xc = self.xc if self.train else self.x - xp.tile(self.mean, k)
+        M = dy.size // C
+        dyw = dy.reshape(M // k, k * C).astype(xc.dtype, copy=False)
+
+        dbeta = _fold(_colsum(dyw), k, C)
+        dgamma = _fold(xp.einsum("ij,ij->j", dyw, xc), k, C) * invstd
+        self.weight.grad[...] = dgamma
+        self.bias.grad[...] = dbeta
+
+        scale = self.weight.master.astype(xc.dtype, copy=False) * invstd
+        dx = dyw * xp.tile(scale, k)
+        if self.train:
+            # dx += -scale*invstd*dgamma/M * xc - scale*dbeta/M, built in the cached
+            # xc (not needed after this) so that no further temporary is allocated
+            xc *= xp.tile(-scale * invstd * dgamma / M, k)
+            xc += xp.tile(-scale * dbeta / M, k)
+            dx += xc
+        self.xc = self.x = None
+        return dx.reshape(dy.shape).astype(dy.dtype, copy=False)
+
+
+def _wide_factor(M, C):
+    """The largest k that divides M with k*C <= WIDE (at least 1)."""
+    k = max(1, min(M, WIDE // C))
+    while M % k:
+        k -= 1
+    return k
+
+
+def _colsum(a):
+    """Column sums as a GEMV with a ones vector: BLAS runs it on every core, and on
+    the wide view it is several times faster than a.sum(0)."""
+    xp = array_module(a)
+    return xp.ones(a.shape[0], a.dtype) @ a
+
+
+def _fold(v, k, C):
+    """(k*C,) per-column results of the wide view -> (C,) per-channel sums."""
+    return v.reshape(k, C).sum(0)

@@ -1,0 +1,125 @@
+"""2-D convolution on NHWC activations with OHWI weights.
+
+With k x k kernels, stride s, zero padding p, Ho = (H + 2p - k) // s + 1:
+
+    forward   y[n, oh, ow, o] = b[o] + sum_{i, j, c} W[o, i, j, c] * x[n, oh*s - p + i, ow*s - p + j, c]
+              as a GEMM: y = col @ W.reshape(O, k*k*C).T, col = im2col(x)  (N*Ho*Wo, k*k*C)
+    backward  dW = dy^T @ col,  db = sum over rows of dy,  dx = col2im(dy @ W.reshape(O, k*k*C))
+
+where dy is reshaped to (N*Ho*Wo, O). A 1x1 convolution without padding needs
+no im2col: col is x itself (x[:, ::s, ::s] when strided), reshaped to (-1, C).
+On a GPU with the cuDNN frontend, forward and both gradients go to cuDNN instead.
+"""
+import numpy as np
+
+from mpitrain.backend import array_module
+from mpitrain.kernels import cudnn
+from mpitrain.kernels.im2col import col2im, conv_output_size, im2col
+
+from .module import Module, Param, constant, he_normal
+
+
+def matmul(a, b, out=None):
+    """a @ b, into `out` when given, computed in out's dtype (or a's).
+
+    NumPy has no fast fp16 GEMM, so on the CPU fp16 operands are multiplied in
+    fp32 and the result rounded once; weight gradients (out in the fp32
+    arena) are accumulated in fp32 on every device.
+    """
+    xp = array_module(a)
+    dtype = out.dtype if out is not None else a.dtype
+    compute = np.float32 if xp is np and dtype == np.float16 else dtype
+    a, b = a.astype(compute, copy=False), b.astype(compute, copy=False)
+    if out is None:
+        return xp.matmul(a, b).astype(dtype, copy=False)
+    if out.dtype == compute:
+        return xp.matmul(a, b, out=out)
+    out[...] = xp.matmul(a, b)
+    return out
+
+
+class Conv2d(Module):
+    """torchvision's Conv2d (square kernel, no dilation or groups) with an OHWI `weight`.
+
+    Weights are drawn from N(0, 2 / (out_channels * k * k)) (He, fan_out), as
+    torchvision's ResNet initialises them; the optional bias starts at zero
+    and takes neither weight decay nor LARS.
+    """
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=False):
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.k, self.stride, self.padding = kernel_size, stride, padding
+        self.weight = Param((out_channels, kernel_size, kernel_size, in_channels),
+                            he_normal(out_channels * kernel_size * kernel_size))
+        self.bias = Param((out_channels,), constant(0.0), decay=False, lars=False) if bias else None
+        self.pointwise = kernel_size == 1 and padding == 0   # a GEMM on x itself, no im2col
+        self.col = None
+
+    def __repr__(self):
+        return (f"Conv2d({self.in_channels}, {self.out_channels}, kernel_size={self.k}, "
+                f"stride={self.stride}, padding={self.padding}, bias={self.bias is not None})")
+
+    def _use_cudnn(self, x):
+        return array_module(x) is not np and cudnn.supports(x.dtype) and cudnn.available()
+
+    def forward(self, x, train=True):
+        if x.ndim != 4 or x.shape[3] != self.in_channels:
+            raise ValueError(f"Conv2d expects (N, H, W, {self.in_channels}), got {x.shape}")
+        xp = array_module(x)
+        N, H, W, C = x.shape
+        k, s, p, O = self.k, self.stride, self.padding, self.out_channels
+        Ho, Wo = conv_output_size(H, k, s, p), conv_output_size(W, k, s, p)
+        w = self.weight.data                                    # (O, k, k, C)
+        self.x_shape = x.shape
+        if self._use_cudnn(x):
+            y = cudnn.conv_forward(x, w, s, p)
+            self.x = x if train else None                       # (N, H, W, C)
+        else:
+            if self.pointwise:
+                xs = x if s == 1 else x[:, ::s, ::s, :]
+                col = xp.ascontiguousarray(xs).reshape(-1, C)
+                self.col = col if train else None               # (N*Ho*Wo, C)
+            else:
+                # the previous step's buffer is reused: backward has finished with it
+                reuse = self.col if (self.col is not None and self.col.dtype == x.dtype
+                                     and self.col.shape == (N * Ho * Wo, k * k * C)) else None
+                col = im2col(x, k, k, s, p, out=reuse)
+                self.col = col                                  # (N*Ho*Wo, k*k*C), kept as workspace
+            y = matmul(col, w.reshape(O, -1).T).reshape(N, Ho, Wo, O)
+        if self.bias is not None:
+            y += self.bias.data
+        return y
+
+    def backward(self, dy):
+        k, s, p, O = self.k, self.stride, self.padding, self.out_channels
+        w = self.weight.data
+        gw = self.weight.grad                                   # (O, k, k, C) arena view
+        if self.bias is not None:
+            dy.reshape(-1, O).sum(axis=0, dtype=self.bias.grad.dtype, out=self.bias.grad)
+        if self._use_cudnn(dy):
+            x, self.x = self.x, None
+            if gw.dtype == x.dtype:
+                cudnn.conv_backward_filter(x, dy, gw.shape, s, p, out=gw)
+            else:
+                gw[...] = cudnn.conv_backward_filter(x, dy, gw.shape, s, p)
+            return cudnn.conv_backward_data(dy, w, self.x_shape, s, p)
+        xp = array_module(dy)
+        dy2 = xp.ascontiguousarray(dy).reshape(-1, O)           # (N*Ho*Wo, O)
+        col = self.col
+        matmul(dy2.T, col, out=gw.reshape(O, -1))
+        if self.pointwise:
+            self.col = None
+            dcol = matmul(dy2, w.reshape(O, -1))                # (N*Ho*Wo, C)
+            if s == 1:
+                return dcol.reshape(self.x_shape)
+            N, H, W, C = self.x_shape
+            dx = xp.zeros(self.x_shape, dy.dtype)
+            dx[:, ::s, ::s, :] = dcol.reshape(N, dy.shape[1], dy.shape[2], C)
+            return dx
+        # col is not needed any more: dcol overwrites it in place
+        dcol = matmul(dy2, w.reshape(O, -1), out=col)           # (N*Ho*Wo, k*k*C)
+        return col2im(dcol, self.x_shape, k, k, s, p)
+
+    def macs(self, x_shape, y_shape):
+        N, Ho, Wo, O = y_shape
+        return N * Ho * Wo * O * self.k * self.k * x_shape[3]

@@ -1,0 +1,66 @@
+"""Softmax cross-entropy (the training loss) and top-k accuracy counts."""
+import numpy as np
+
+from mpitrain.backend import array_module
+
+
+def softmax_cross_entropy(logits, labels, label_smoothing=0.0):
+    """Mean cross-entropy of softmax(logits) against (smoothed) one-hot labels.
+
+    With K classes, batch N and eps = label_smoothing, the target of row n is
+        t_n = (1 - eps) * onehot(labels_n) + eps / K      (PyTorch's label_smoothing)
+    and with log p = log_softmax(logits) = z - max(z) - log sum exp(z - max(z)),
+        loss     = -(1/N) sum_n sum_k t_nk log p_nk
+        dlogits  = (softmax(logits) - t) / N.
+    Computed in fp32 (float64 for float64 logits) whatever the logits' dtype.
+
+    Returns (loss as a Python float, dlogits with the dtype and shape of logits).
+    """
+    xp = array_module(logits)
+    N, K, labels = _check(xp, logits, labels)
+    z = logits.astype(np.float64 if logits.dtype == np.float64 else np.float32)   # a copy
+    z -= z.max(axis=1, keepdims=True)
+    p = xp.exp(z)
+    sum_exp = p.sum(axis=1)
+    p /= sum_exp[:, None]
+    log_sum = xp.log(sum_exp)
+    rows = xp.arange(N)
+    eps = label_smoothing
+    # sum_k t_k log p_k = (1 - eps) log p_label + (eps / K) sum_k log p_k
+    nll = log_sum - z[rows, labels]
+    smooth = log_sum - z.mean(axis=1)
+    loss = float(((1 - eps) * nll + eps * smooth).mean())
+
+    p[rows, labels] -= 1 - eps
+    if eps:
+        p -= eps / K
+    p /= N
+    return loss, p.astype(logits.dtype, copy=False)
+
+
+def accuracy_counts(logits, labels, topk=(1, 5)):
+    """How many rows have their label among the k largest logits, for each k in topk
+    (k capped at the number of classes). A label counts as within the top k when
+    fewer than k logits are strictly larger than its own (ties favour the label)."""
+    xp = array_module(logits)
+    N, K, labels = _check(xp, logits, labels)
+    own = logits[xp.arange(N), labels]
+    rank = (logits > own[:, None]).sum(axis=1)
+    return [int((rank < min(k, K)).sum()) for k in topk]
+
+
+def _check(xp, logits, labels):
+    """(N, K, labels as an array) after checking that logits are (N, K) with N > 0
+    and labels are N integers in [0, K)."""
+    if getattr(logits, "ndim", None) != 2 or logits.shape[0] == 0:
+        raise ValueError(f"logits must be 2-D (N, classes) with N > 0, got shape {getattr(logits, 'shape', None)}")
+    N, K = logits.shape
+    labels = xp.asarray(labels)
+    if labels.shape != (N,):
+        raise ValueError(f"labels must be 1-D with one entry per row of logits ({N}), got shape {labels.shape}")
+    if labels.dtype.kind not in "iu":
+        raise ValueError(f"labels must be integers, got dtype {labels.dtype}")
+    lo, hi = int(labels.min()), int(labels.max())
+    if lo < 0 or hi >= K:
+        raise ValueError(f"labels must lie in [0, {K}) (there are {K} classes), got values from {lo} to {hi}")
+    return N, K, labels

@@ -1,0 +1,269 @@
+"""BatchNorm2d, ReLU, Dropout, Linear, Flatten and the loss: finite differences in
+float64, PyTorch where it is installed, and the fp16 contracts."""
+import numpy as np
+import pytest
+
+from gradcheck import assert_close, check_layer, numerical_grad
+from mpitrain.nets.activation import Dropout, ReLU
+from mpitrain.nets.batchnorm import BatchNorm2d
+from mpitrain.nets.linear import Flatten, Linear
+from mpitrain.nets.losses import accuracy_counts, softmax_cross_entropy
+
+
+def randn(*shape, seed=11):
+    # not seed 0: check_layer draws its random cotangent r from seed 0, and an x
+    # drawn from the same stream would make r an affine function of x per channel,
+    # which batch norm's dx projects to exactly zero
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
+def bn64(C, **kw):
+    """A float64 BatchNorm2d with gamma and beta away from their initial 1 and 0."""
+    bn = BatchNorm2d(C, **kw).bind(dtype=np.float64)
+    bn.weight.master[...] = 1 + 0.5 * randn(C, seed=1)
+    bn.bias.master[...] = randn(C, seed=2)
+    return bn
+
+
+# ----- BatchNorm2d -----
+@pytest.mark.parametrize("shape", [(2, 3, 5, 3), (3, 1, 1, 4)])
+def test_batchnorm_train_gradients(shape):
+    check_layer(bn64(shape[3]), 2 + 3 * randn(*shape), train=True, rtol=1e-6)
+
+
+def test_batchnorm_eval_gradients():
+    bn = bn64(3)
+    bn.running_mean.data[...] = [0.5, -1.0, 2.0]
+    bn.running_var.data[...] = [0.3, 2.0, 1.5]
+    check_layer(bn, randn(2, 3, 4, 3), train=False)
+
+
+def test_batchnorm_train_output_is_normalised_and_eval_uses_running_stats():
+    bn = BatchNorm2d(4).bind(dtype=np.float64)
+    x = 5 + 3 * randn(4, 3, 3, 4)
+    y = bn.forward(x, train=True)
+    assert np.allclose(y.reshape(-1, 4).mean(0), 0, atol=1e-12)
+    assert np.allclose(y.reshape(-1, 4).var(0), 1, rtol=1e-4)   # var / (var + eps)
+    bn.running_mean.data[...] = 1.0
+    bn.running_var.data[...] = 4.0
+    assert np.allclose(bn.forward(x, train=False), (x - 1) / np.sqrt(4 + 1e-5))
+
+
+def test_batchnorm_zero_init_and_flags():
+    bn = BatchNorm2d(5, zero_init=True).bind()
+    assert np.all(bn.weight.master == 0) and np.all(bn.bias.master == 0)
+    assert np.all(BatchNorm2d(5).bind().weight.master == 1)
+    assert [n for n, _ in bn.named_params()] == ["weight", "bias"]
+    assert [n for n, _ in bn.named_buffers()] == ["running_mean", "running_var"]
+    assert not any(p.decay or p.lars for _, p in bn.named_params())
+    assert np.all(bn.running_mean.data == 0) and np.all(bn.running_var.data == 1)
+
+
+def test_batchnorm_float16_input_uses_fp32_statistics():
+    x32 = (3 + 2 * randn(4, 6, 6, 8)).astype(np.float32)
+    x16 = x32.astype(np.float16)
+    dy16 = randn(4, 6, 6, 8, seed=3).astype(np.float16)
+    half = BatchNorm2d(8).bind(dtype=np.float32, working_dtype=np.float16)
+    ref = BatchNorm2d(8).bind(dtype=np.float32)
+    for bn in (half, ref):
+        bn.weight.master[...] = 1 + 0.5 * randn(8, seed=1)
+        bn.arena.sync_working()
+
+    y16 = half.forward(x16, train=True)
+    y32 = ref.forward(x16.astype(np.float32), train=True)
+    assert y16.dtype == np.float16
+    # the statistics are exactly those of the fp32 computation on the same values
+    np.testing.assert_array_equal(half.running_mean.data, ref.running_mean.data)
+    np.testing.assert_array_equal(half.running_var.data, ref.running_var.data)
+    np.testing.assert_allclose(y16, y32, rtol=1e-3, atol=2e-3)
+
+    dx16 = half.backward(dy16)
+    dx32 = ref.backward(dy16.astype(np.float32))
+    assert dx16.dtype == np.float16
+    np.testing.assert_allclose(dx16, dx32, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(half.weight.grad, ref.weight.grad, rtol=1e-5)
+    np.testing.assert_allclose(half.bias.grad, ref.bias.grad, rtol=1e-5)
+
+
+def test_batchnorm_rejects_bad_input():
+    bn = BatchNorm2d(3).bind()
+    with pytest.raises(ValueError, match=r"\(N, H, W, 3\)"):
+        bn.forward(np.zeros((2, 3, 4, 4), np.float32))
+    with pytest.raises(ValueError, match="more than one value per channel"):
+        bn.forward(np.zeros((1, 1, 1, 3), np.float32), train=True)
+
+
+@pytest.mark.torch
+def test_batchnorm_matches_torch():
+    import torch
+    C = 5
+    bn = bn64(C, momentum=0.2)
+    tbn = torch.nn.BatchNorm2d(C, momentum=0.2).double()
+    with torch.no_grad():
+        tbn.weight.copy_(torch.from_numpy(bn.weight.master))
+        tbn.bias.copy_(torch.from_numpy(bn.bias.master))
+    for step in range(2):
+        x = 1 + 2 * randn(3, 4, 5, C, seed=10 + step)
+        dy = randn(3, 4, 5, C, seed=20 + step)
+        xt = torch.from_numpy(x.transpose(0, 3, 1, 2).copy()).requires_grad_()
+        yt = tbn(xt)
+        yt.backward(torch.from_numpy(dy.transpose(0, 3, 1, 2).copy()))
+        y = bn.forward(x, train=True)
+        dx = bn.backward(dy)
+        np.testing.assert_allclose(y, yt.detach().numpy().transpose(0, 2, 3, 1), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(dx, xt.grad.numpy().transpose(0, 2, 3, 1), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(bn.weight.grad, tbn.weight.grad.numpy(), rtol=1e-10)
+        np.testing.assert_allclose(bn.bias.grad, tbn.bias.grad.numpy(), rtol=1e-10)
+        tbn.weight.grad = tbn.bias.grad = None
+    np.testing.assert_allclose(bn.running_mean.data, tbn.running_mean.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(bn.running_var.data, tbn.running_var.numpy(), rtol=1e-12)
+
+    tbn.eval()
+    x = randn(2, 3, 3, C, seed=30)
+    yt = tbn(torch.from_numpy(x.transpose(0, 3, 1, 2).copy())).detach().numpy().transpose(0, 2, 3, 1)
+    np.testing.assert_allclose(bn.forward(x, train=False), yt, rtol=1e-10, atol=1e-12)
+
+
+# ----- ReLU, Dropout, Flatten -----
+def test_relu():
+    x = randn(2, 3, 4, 5)
+    x += np.sign(x) * 0.1        # keep finite differences away from the kink at 0
+    y = check_layer(ReLU(), x)
+    np.testing.assert_array_equal(y, np.maximum(x, 0))
+
+
+def test_dropout_gradients_and_scaling():
+    d = Dropout(p=0.3, seed=7)
+    x = randn(3, 2, 2, 4)
+    y = check_layer(d, x, reseed=lambda: d.seed(7))
+    kept = y != 0
+    assert 0 < kept.sum() < x.size
+    np.testing.assert_allclose(y[kept], x[kept] / 0.7)
+
+
+def test_dropout_rate_eval_and_reseed():
+    d = Dropout(p=0.25, seed=1)
+    x = np.ones((200, 500), np.float32)
+    y = d.forward(x, train=True)
+    assert y.dtype == np.float32
+    assert abs((y != 0).mean() - 0.75) < 0.01
+    assert abs(y.mean() - 1) < 0.02                     # inverted dropout keeps the mean
+    assert not np.array_equal(y, d.forward(x, train=True))   # a fresh mask each call
+    d.seed(1)
+    np.testing.assert_array_equal(y, d.forward(x, train=True))
+    assert d.forward(x, train=False) is x
+    assert d.backward(x) is x
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        Dropout(p=1.0)
+
+
+def test_flatten():
+    x = randn(2, 3, 4, 5)
+    y = check_layer(Flatten(), x)
+    np.testing.assert_array_equal(y[1], x[1].reshape(-1))   # (H, W, C) order
+
+
+# ----- Linear -----
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_gradients(bias):
+    lin = Linear(7, 4, bias=bias).bind(dtype=np.float64)
+    assert [n for n, _ in lin.named_params()] == (["weight", "bias"] if bias else ["weight"])
+    check_layer(lin, randn(3, 7))
+
+
+def test_linear_init_flags_and_macs():
+    lin = Linear(100, 30).bind(seed=1)
+    assert lin.weight.shape == (30, 100)
+    assert 0.08 < np.abs(lin.weight.master).max() <= 0.1        # U(-1/sqrt(in), 1/sqrt(in))
+    assert np.abs(lin.bias.master).max() <= 0.1
+    assert lin.weight.decay and lin.weight.lars
+    assert not lin.bias.decay and not lin.bias.lars
+    assert lin.macs((8, 100), (8, 30)) == 8 * 100 * 30
+    with pytest.raises(ValueError, match=r"\(N, 100\)"):
+        lin.forward(np.zeros((8, 99), np.float32))
+
+
+def test_linear_float16_matches_float32():
+    lin = Linear(16, 8).bind(dtype=np.float32, working_dtype=np.float16)
+    x = randn(4, 16).astype(np.float16)
+    y = lin.forward(x)
+    assert y.dtype == np.float16
+    w = lin.weight.data.astype(np.float32)
+    np.testing.assert_allclose(y, x.astype(np.float32) @ w.T + lin.bias.data, rtol=1e-2, atol=1e-2)
+    dy = randn(4, 8, seed=1).astype(np.float16)
+    dx = lin.backward(dy)
+    assert dx.dtype == np.float16 and lin.weight.grad.dtype == np.float32
+    np.testing.assert_allclose(lin.weight.grad, dy.astype(np.float32).T @ x.astype(np.float32), rtol=1e-6)
+
+
+@pytest.mark.torch
+def test_linear_matches_torch():
+    import torch
+    lin = Linear(6, 3).bind(dtype=np.float64, seed=4)
+    tl = torch.nn.Linear(6, 3).double()
+    with torch.no_grad():
+        tl.weight.copy_(torch.from_numpy(lin.weight.master))
+        tl.bias.copy_(torch.from_numpy(lin.bias.master))
+    x, dy = randn(5, 6), randn(5, 3, seed=1)
+    xt = torch.from_numpy(x).requires_grad_()
+    yt = tl(xt)
+    yt.backward(torch.from_numpy(dy))
+    np.testing.assert_allclose(lin.forward(x), yt.detach().numpy(), rtol=1e-12)
+    np.testing.assert_allclose(lin.backward(dy), xt.grad.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(lin.weight.grad, tl.weight.grad.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(lin.bias.grad, tl.bias.grad.numpy(), rtol=1e-12)
+
+
+# ----- loss and accuracy -----
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_loss_gradient(smoothing):
+    logits = 3 * randn(4, 6)
+    labels = np.array([0, 5, 2, 2])
+    _, dlogits = softmax_cross_entropy(logits, labels, smoothing)
+    numeric = numerical_grad(lambda: softmax_cross_entropy(logits, labels, smoothing)[0], logits)
+    assert_close(dlogits, numeric, 1e-6, 1e-8, "dlogits")
+
+
+def test_loss_value_stability_and_dtype():
+    logits = np.array([[1000.0, 0.0, -1000.0], [0.0, 0.0, 0.0]])
+    loss, d = softmax_cross_entropy(logits, np.array([0, 1]))
+    assert np.isfinite(loss) and abs(loss - np.log(3) / 2) < 1e-12
+    loss16, d16 = softmax_cross_entropy(logits.astype(np.float16), np.array([0, 1]))
+    assert isinstance(loss16, float) and d16.dtype == np.float16 and np.all(np.isfinite(d16))
+    np.testing.assert_allclose(d16, d, atol=1e-3)
+
+
+@pytest.mark.torch
+def test_loss_matches_torch():
+    import torch
+    logits = 2 * randn(8, 10)
+    labels = np.random.default_rng(1).integers(0, 10, 8)
+    lt = torch.from_numpy(logits).requires_grad_()
+    ref = torch.nn.functional.cross_entropy(lt, torch.from_numpy(labels), label_smoothing=0.1)
+    ref.backward()
+    loss, d = softmax_cross_entropy(logits, labels, label_smoothing=0.1)
+    assert abs(loss - ref.item()) < 1e-12
+    np.testing.assert_allclose(d, lt.grad.numpy(), rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("labels, message", [
+    (np.array([0.0, 1.0, 2.0]), "integers"),
+    (np.array([[0, 1, 2]]), "1-D"),
+    (np.array([0, 1]), "one entry per row"),
+    (np.array([0, 1, 4]), r"\[0, 4\)"),
+    (np.array([0, -1, 2]), r"\[0, 4\)"),
+])
+def test_bad_labels_raise(labels, message):
+    logits = np.zeros((3, 4), np.float32)
+    with pytest.raises(ValueError, match=message):
+        softmax_cross_entropy(logits, labels)
+    with pytest.raises(ValueError, match=message):
+        accuracy_counts(logits, labels)
+
+
+def test_accuracy_counts():
+    logits = np.array([[0.1, 0.5, 0.2, 0.9],     # label 3: top-1
+                       [0.9, 0.5, 0.2, 0.1],     # label 1: second
+                       [0.9, 0.5, 0.2, 0.1]])    # label 3: last
+    labels = np.array([3, 1, 3])
+    assert accuracy_counts(logits, labels, topk=(1, 2, 5)) == [1, 2, 3]   # k = 5 capped at 4 classes
