@@ -46,15 +46,13 @@ def load_digits_split(seed=0, val_fraction=0.2):
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
     from sklearn.datasets import load_digits
+
+    from .convert import stratified_val
     digits = load_digits()
     images = digits.images.astype(np.float64)          # (1797, 8, 8), values 0..16
     labels = digits.target.astype(np.int64)
 
-    rng = np.random.default_rng(seed)
-    val = np.zeros(len(labels), bool)
-    for c in np.unique(labels):
-        members = rng.permutation(np.flatnonzero(labels == c))
-        val[members[:int(round(val_fraction * len(members)))]] = True
+    val = stratified_val(labels, val_fraction, np.random.default_rng(seed))
 
     x = upsample(images)
     mean, std = x[~val].mean(), x[~val].std()

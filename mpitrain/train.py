@@ -2,16 +2,17 @@
 
 Every rank holds a full replica of the model. One step:
 
-    batch      this rank's shard of the global batch (a per-epoch permutation
-               drawn from (seed, epoch), identical on every rank)
+    batch      this rank's shard of the global batch, read, decoded and augmented
+               ahead of the step by the loader's workers (mpitrain.datasets.loader)
     forward    model.forward(x, train=True)
     loss       softmax cross-entropy in fp32 (optional label smoothing)
     backward   model.backward(dlogits) writes every gradient into arena.grad
     all-reduce one MPI Allreduce(SUM) over the whole gradient arena, then / ranks
     update     SGD over the arena (mpitrain.optim), refreshing the working weights
 
-The data is held in memory (the bundled digits); every rank takes the same
-number of steps, so no rank waits in a collective for one that ran out of data.
+Data comes from HDF5 files (mpitrain.datasets; `--data digits` converts the
+bundled digits on first use). Every rank takes the same number of steps, so no
+rank waits in a collective for one that ran out of data.
 Before each evaluation the BatchNorm running statistics are averaged across
 ranks; each rank then evaluates a shard of the validation set and the correct
 counts are summed. Only rank 0 prints.
@@ -25,9 +26,18 @@ from . import backend
 from .optim import SGD, learning_rate
 
 # The default job: resnet_small on the digits with 2 ranks reaches >= 95% validation top-1.
-DEFAULTS = dict(model="resnet_small", data="digits", epochs=8, batch_size=32, lr=0.1,
-                momentum=0.9, nesterov=False, weight_decay=5e-4, label_smoothing=0.0,
-                warmup_epochs=1.0, seed=0, device="auto", eval_every=1)
+DEFAULTS = dict(model="resnet_small", data="digits", val_data=None, data_dir="data",
+                image_size=None, augment=None, workers=2, prefetch=2, skip_bad_records=False,
+                epochs=8, batch_size=32, lr=0.1, momentum=0.9, nesterov=False,
+                weight_decay=5e-4, label_smoothing=0.0, warmup_epochs=1.0, seed=0,
+                device="auto", eval_every=1)
+
+# Data sets known by name: files under data_dir, made by `convert` on first use.
+# The digits are centred 32x32 glyphs: random crops and flips would only hurt.
+PRESETS = {"digits": dict(train="digits_train.h5", val="digits_val.h5", convert="convert_digits",
+                          transform=dict(augment=False, crop_fraction=1.0))}
+# Anything else: random-resized-crop and flip for training, centre crop of 87.5% for validation.
+TRANSFORM = dict(augment=True, crop_fraction=0.875)
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                     "NUMBA_NUM_THREADS")
@@ -50,11 +60,41 @@ def check_batch(global_batch, world_size, num_train=None):
                          f"images: an epoch would have no step")
 
 
-def load_data(name, seed):
-    if name != "digits":
-        raise ConfigError(f"unknown data set {name!r}; available: digits")
-    from mpitrain.datasets.digits import load_digits_split
-    return load_digits_split(seed=seed)
+def resolve_data(cfg, comm):
+    """(train file, validation file, loader transform options) for the run's --data.
+
+    A preset name (digits) means files under data_dir, converted by rank 0 when
+    missing while the other ranks wait; anything else is a training file, with
+    --val-data or else the converter's FILE_val.h5 beside it as validation.
+    """
+    from mpitrain.datasets import convert
+    preset = PRESETS.get(cfg["data"])
+    if preset:
+        train_file, val_file = (os.path.join(cfg["data_dir"], preset[k]) for k in ("train", "val"))
+        if comm.rank == 0 and not (os.path.exists(train_file) and os.path.exists(val_file)):
+            print(f"mpitrain: converting {cfg['data']} into {cfg['data_dir']}/", flush=True)
+            getattr(convert, preset["convert"])(cfg["data_dir"])
+        comm.Barrier()
+        transform = dict(preset["transform"])
+    else:
+        train_file, transform = cfg["data"], dict(TRANSFORM)
+        val_file = cfg["val_data"] or convert.val_path(train_file)
+        for what, path in (("training", train_file), ("validation", val_file)):
+            if not os.path.exists(path):
+                raise ConfigError(f"{what} file {path} does not exist; make it with "
+                                  f"`python -m mpitrain convert ...`"
+                                  + (" or name it with --val-data" if what == "validation" else ""))
+    if cfg["augment"] is not None:
+        transform["augment"] = cfg["augment"]
+    return train_file, val_file, transform
+
+
+def describe_file(path):
+    """(number of images, number of classes, stored image size or None) of a data file."""
+    from mpitrain.datasets.h5format import Reader
+    with Reader(path) as reader:
+        return len(reader.labels), len(reader.class_names), \
+            reader.image_shape[0] if reader.image_shape else None
 
 
 def limit_threads(local_size):
@@ -129,31 +169,18 @@ def train_step(model, optimizer, comm, x, y, lr, label_smoothing=0.0):
     return float(loss)
 
 
-def shard_indices(num_samples, global_batch, seed, epoch, rank, world_size):
-    """This rank's sample indices for every step of an epoch: (steps, global_batch / ranks).
-
-    Step s uses images perm[s*B:(s+1)*B] of a permutation drawn from (seed, epoch);
-    rank r takes the r-th consecutive slice of them. The remainder is dropped.
-    """
-    perm = np.random.default_rng([seed, epoch]).permutation(num_samples)
-    steps = num_samples // global_batch
-    local = global_batch // world_size
-    return perm[:steps * global_batch].reshape(steps, world_size, local)[:, rank]
-
-
-def evaluate(model, comm, x, y, topk=(1, 5), batch_size=256):
-    """Top-k accuracy of the whole set; each rank scores a contiguous shard and the
-    correct counts are summed. Returns {"top1": fraction, "top5": fraction, ...}."""
+def evaluate(model, comm, loader, topk=(1, 5)):
+    """Top-k accuracy of the whole validation set: each rank scores its shard of every
+    (padded) step and the correct counts are summed. Returns {"top1": fraction, ...}."""
     from mpitrain.nets.losses import accuracy_counts
     xp = backend.xp
-    shard = np.array_split(np.arange(len(y)), comm.size)[comm.rank]
     counts = np.zeros(len(topk) + 1)            # correct at each k, then the number scored
-    for start in range(0, len(shard), batch_size):
-        idx = shard[start:start + batch_size]
-        logits = model.forward(xp.asarray(x[idx].astype(model.dtype)), train=False)
-        counts[:-1] += np.asarray(accuracy_counts(logits, xp.asarray(y[idx]), topk=topk),
-                                  dtype=np.float64)
-        counts[-1] += len(idx)
+    for x, y in loader:
+        n = loader.last_valid                   # the rest of the batch pads the last step
+        if n:
+            logits = model.forward(xp.asarray(x[:n]), train=False)
+            counts[:-1] += accuracy_counts(logits, xp.asarray(y[:n]), topk=topk)
+            counts[-1] += n
     allreduce_sum(comm, counts)
     return {f"top{k}": float(counts[i] / counts[-1]) for i, k in enumerate(topk)}
 
@@ -167,6 +194,7 @@ def train(comm=None, log=print, **options):
     seconds taken.
     """
     from mpi4py import MPI
+    from mpitrain.datasets.loader import Loader
     from mpitrain.nets import build_model
 
     cfg = {**DEFAULTS, **options}
@@ -182,55 +210,64 @@ def train(comm=None, log=print, **options):
     backend.use_device(cfg["device"], local.rank, local.size)
     xp = backend.xp
 
-    x_train, y_train, x_val, y_val = load_data(cfg["data"], cfg["seed"])
-    check_batch(cfg["batch_size"], size, len(y_train))
-    num_classes = int(y_train.max()) + 1
+    train_file, val_file, transform = resolve_data(cfg, comm)
+    num_train, num_classes, stored_size = describe_file(train_file)
+    check_batch(cfg["batch_size"], size, num_train)
+    size_px = cfg["image_size"] or stored_size or 224
+    batch, epochs = cfg["batch_size"], cfg["epochs"]
     model = build_model(cfg["model"], num_classes=num_classes, seed=cfg["seed"])
+    data = dict(rank=rank, size=size, image_size=size_px, workers=cfg["workers"],
+                prefetch=cfg["prefetch"], dtype=model.dtype, seed=cfg["seed"],
+                num_classes=num_classes, skip_bad_records=cfg["skip_bad_records"],
+                pinned=backend.xp is not np)
+    train_data = Loader(train_file, batch, train=True, **transform, **data)
+    val_data = Loader(val_file, batch, train=False, crop_fraction=transform["crop_fraction"], **data)
     limit_threads(local.size)
     local.Free()
     broadcast_model(model, comm)
     optimizer = SGD(model.arena, momentum=cfg["momentum"], weight_decay=cfg["weight_decay"],
                     nesterov=cfg["nesterov"])
 
-    batch, epochs = cfg["batch_size"], cfg["epochs"]
-    steps = len(y_train) // batch
+    steps = train_data.steps_per_epoch
     report_every = max(1, steps // 4) if steps >= 100 else steps   # a few lines in long epochs
-    say(f"mpitrain: {cfg['model']} ({model.num_params():,} parameters) on {cfg['data']} "
-        f"({len(y_train)} train / {len(y_val)} val images), {size} rank(s) on {backend.device}, "
-        f"global batch {batch} ({batch // size} per rank), {steps} steps/epoch, {epochs} epochs",
-        flush=True)
+    say(f"mpitrain: {cfg['model']} ({model.num_params():,} parameters) on {train_file} "
+        f"({len(train_data.labels)} train / {len(val_data.labels)} val images, {size_px}x{size_px}), "
+        f"{size} rank(s) on {backend.device}, global batch {batch} ({batch // size} per rank), "
+        f"{steps} steps/epoch, {epochs} epochs", flush=True)
 
     start = time.perf_counter()
     topk = (1, 5) if num_classes >= 5 else (1,)
     result = {}
     for epoch in range(epochs):
-        shard = shard_indices(len(y_train), batch, cfg["seed"], epoch, rank, size)
         t0 = time.perf_counter()
+        wait0 = train_data.wait_time
         loss_sum = np.zeros(2)                  # summed local losses, steps since last report
-        for s, idx in enumerate(shard):
+        for s, (x, y) in enumerate(train_data):
             lr = learning_rate(epoch + (s + 1) / steps, cfg["lr"], epochs, cfg["warmup_epochs"])
-            x = xp.asarray(x_train[idx].astype(model.dtype))
-            y = xp.asarray(y_train[idx])
-            loss_sum[0] += train_step(model, optimizer, comm, x, y, lr, cfg["label_smoothing"])
+            loss_sum[0] += train_step(model, optimizer, comm, xp.asarray(x), xp.asarray(y), lr,
+                                      cfg["label_smoothing"])
             loss_sum[1] += 1
             if (s + 1) % report_every == 0 or s + 1 == steps:
                 allreduce_sum(comm, loss_sum)
                 result["loss"] = float(loss_sum[0] / loss_sum[1])
-                rate = (s + 1) * batch / (time.perf_counter() - t0)
+                elapsed = time.perf_counter() - t0
                 line = (f"epoch {epoch + 1}/{epochs}  step {s + 1}/{steps}  loss {result['loss']:.4f}"
-                        f"  lr {lr:.4f}  {rate:,.0f} images/s")
+                        f"  lr {lr:.4f}  {(s + 1) * batch / elapsed:,.0f} images/s"
+                        f"  data wait {(train_data.wait_time - wait0) / elapsed:.0%}")
                 loss_sum[:] = 0
                 if s + 1 < steps:
                     say(line, flush=True)
         if (epoch + 1) % cfg["eval_every"] == 0 or epoch + 1 == epochs:
             average_buffers(model, comm)
-            accuracy = evaluate(model, comm, x_val, y_val, topk)
+            accuracy = evaluate(model, comm, val_data, topk)
             result.update(accuracy)
             line += "".join(f"  val {k} {v:.2%}" for k, v in accuracy.items())
         say(f"{line}  ({time.perf_counter() - start:.1f} s)", flush=True)
+    train_data.close()
+    val_data.close()
 
     result.update(steps=steps * epochs, seconds=time.perf_counter() - start)
     top5 = f", {result['top5']:.2%} top-5" if "top5" in result else ""
     say(f"final validation accuracy: {result['top1']:.2%} top-1{top5} "
-        f"({len(y_val)} images, {epochs} epochs, {result['seconds']:.1f} s)", flush=True)
+        f"({len(val_data.labels)} images, {epochs} epochs, {result['seconds']:.1f} s)", flush=True)
     return result

@@ -23,7 +23,9 @@ def run(*args, timeout=120):
     (["train", "--momentum", "1.5"], "argument --momentum: 1.5 must be < 1.0"),
     (["train", "--label-smoothing", "-0.1"], "argument --label-smoothing: -0.1 must be >= 0.0"),
     (["train", "--weight-decay=-1e-4"], "argument --weight-decay: -1e-4 must be >= 0.0"),
-    (["train", "--data", "imagenet"], "argument --data: invalid choice: 'imagenet'"),
+    (["train", "--data", "no/such/file.h5"], "training file no/such/file.h5 does not exist"),
+    (["convert", "synthetic", "x.h5", "--size", "500"], "argument --size: '500' is not WIDTHxHEIGHT"),
+    (["convert", "imagefolder", "src"], "the following arguments are required: dst"),
     (["train", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     (["train", "--no-such-option"], "unrecognized arguments: --no-such-option"),
     (["inspect", "--image-size", "0"], "argument --image-size: 0 must be >= 1"),
@@ -104,3 +106,20 @@ def test_native_openblas_runs_without_the_forcing_variables():
         assert all(f"{k}=" in removed for k in forced)
     else:
         assert removed == "nothing was set"
+
+
+def test_convert_then_bench_data(tmp_path):
+    """convert digits and synthetic JPEGs through the CLI, then time the loader on each."""
+    r = run("convert", "digits", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "train: 1438 images" in r.stdout and "val: 359 images" in r.stdout
+    jpegs = tmp_path / "synthetic.h5"
+    r = run("convert", "synthetic", str(jpegs), "--count", "8", "--size", "96x64", "--classes", "2")
+    assert r.returncode == 0, r.stderr
+    assert "train: 8 images" in r.stdout
+    for path, size in ((tmp_path / "digits_val.h5", "32"), (jpegs, "48")):
+        r = run("bench", "data", "--data", str(path), "--image-size", size, "--batch", "4",
+                "--workers", "1", "--batches", "2", "--json")
+        assert r.returncode == 0, r.stderr
+        result = json.loads(r.stdout)
+        assert result["mpitrain"]["images_per_s"] > 0

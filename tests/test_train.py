@@ -12,7 +12,7 @@ import pytest
 
 from mpitrain.arena import Arena, Param
 from mpitrain.optim import SGD, learning_rate
-from mpitrain.train import ConfigError, check_batch, shard_indices
+from mpitrain.train import ConfigError, check_batch
 
 
 # ----- SGD -----
@@ -90,19 +90,6 @@ def test_learning_rate_schedule():
         learning_rate(1.0, 1.0, 10, kind="poly")
 
 
-# ----- sharding -----
-@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
-def test_shards_of_all_ranks_make_up_the_serial_batches(ranks):
-    n, batch = 103, 12
-    serial = shard_indices(n, batch, seed=5, epoch=2, rank=0, world_size=1)     # (8, 12)
-    shards = [shard_indices(n, batch, 5, 2, r, ranks) for r in range(ranks)]    # (8, 12/ranks)
-    assert serial.shape == (n // batch, batch)
-    np.testing.assert_array_equal(np.concatenate(shards, axis=1), serial)
-    assert len(np.unique(serial)) == serial.size       # no image twice in an epoch
-    other_epoch = shard_indices(n, batch, 5, 3, 0, 1)
-    assert not np.array_equal(other_epoch, serial)
-
-
 def test_check_batch():
     check_batch(64, 4, num_train=1000)
     with pytest.raises(ConfigError, match="does not divide by the 3 MPI ranks"):
@@ -140,9 +127,10 @@ def test_batch_that_does_not_divide_is_refused_before_any_work():
     assert "epoch" not in r.stdout                          # no training happened
 
 
-def test_default_job_reaches_95_percent():
-    r = run_train(2, timeout=600)
+def test_default_job_reaches_95_percent(tmp_path):
+    r = run_train(2, "--data-dir", str(tmp_path), timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     final = re.findall(r"final validation accuracy: ([\d.]+)% top-1", r.stdout)
     assert len(final) == 1, r.stdout                        # rank 0 alone reports
     assert float(final[0]) >= 95.0, r.stdout
+    assert (tmp_path / "digits_train.h5").exists()          # it trained from converted files

@@ -1,0 +1,249 @@
+"""Converters into the mpitrain image format (datasets/h5format.py).
+
+    convert_imagefolder  ImageNet layout: SRC/<class>/<image>, one folder per class
+    convert_digits       the bundled scikit-learn digits, the split of digits.py
+    convert_synthetic    generated JPEGs of ImageNet size, for benchmarks
+
+Every image of a folder is decoded once to validate it; files that Pillow
+cannot read (corrupt, truncated, not an image) are skipped and listed, with
+the reason, in DST.skipped.txt. JPEG and PNG files are stored byte for byte;
+other formats Pillow reads are stored as PNG (lossless). Per-channel mean and
+std come from exact per-channel histograms of the decoded training images.
+
+`progress(done, total)` is called as images are processed. Under MPI (pass
+an mpi4py communicator) every rank validates and encodes an interleaved
+share of each round of images, rank 0 gathers them and writes; the result is
+the same file as a serial run.
+"""
+import io
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+from PIL import Image
+
+from .h5format import Writer
+
+ROUND = 64          # images per rank between two gathers under MPI
+
+
+@dataclass
+class Conversion:
+    """What a converter wrote: files {"train": path, "val": path}, records per
+    split, skipped [(relative path, reason)] and the report file's path."""
+    files: dict
+    counts: dict
+    skipped: list = field(default_factory=list)
+    report_path: str = None
+
+
+def val_path(dst):
+    """Where the validation split of `dst` goes: x.h5 -> x_val.h5."""
+    stem, ext = os.path.splitext(dst)
+    return f"{stem}_val{ext or '.h5'}"
+
+
+def list_imagefolder(src):
+    """(class_names, [(relative path, label)]): sorted class folders, sorted files,
+    hidden entries ignored."""
+    classes = sorted(d for d in os.listdir(src)
+                     if not d.startswith(".") and os.path.isdir(os.path.join(src, d)))
+    if not classes:
+        raise ValueError(f"{src}: no class folders (expected SRC/<class>/<image>)")
+    items = []
+    for label, name in enumerate(classes):
+        folder = os.path.join(src, name)
+        for file in sorted(os.listdir(folder)):
+            if not file.startswith(".") and os.path.isfile(os.path.join(folder, file)):
+                items.append((os.path.join(name, file), label))
+    return classes, items
+
+
+def histogram(rgb):
+    """(3, 256) int64 counts of each channel's values in a uint8 (H, W, 3) image."""
+    flat = np.asarray(rgb).reshape(-1, 3)
+    return np.stack([np.bincount(flat[:, c], minlength=256) for c in range(3)])
+
+
+def mean_std(hist):
+    """Per-channel mean and std from (3, 256) histograms."""
+    v = np.arange(256, dtype=np.float64)
+    n = hist.sum(axis=1)
+    mean = hist @ v / n
+    return mean, np.sqrt(np.maximum(hist @ v ** 2 / n - mean ** 2, 0))
+
+
+def encode_file(path, resize_short=None):
+    """(stored bytes, histogram) of one image file; raises if Pillow cannot decode it all.
+
+    The file's bytes are kept when it is a JPEG or PNG; with resize_short, an
+    image whose short side is larger is downscaled to it and stored as JPEG
+    (quality 90).
+    """
+    with open(path, "rb") as fh:
+        data = fh.read()
+    im = Image.open(io.BytesIO(data))
+    im.load()                                       # full decode: catches truncation
+    rgb = im.convert("RGB") if im.mode != "RGB" else im
+    if resize_short and min(rgb.size) > resize_short:
+        scale = resize_short / min(rgb.size)
+        rgb = rgb.resize((max(1, round(rgb.size[0] * scale)), max(1, round(rgb.size[1] * scale))),
+                         Image.BICUBIC)
+        data = _save(rgb, "JPEG", quality=90)
+    elif im.format not in ("JPEG", "PNG"):
+        data = _save(rgb, "PNG")
+    return data, histogram(rgb)
+
+
+def _save(im, fmt, **options):
+    buf = io.BytesIO()
+    im.save(buf, fmt, **options)
+    return buf.getvalue()
+
+
+def _process(src, item, resize_short):
+    """(label, bytes, histogram, None) or (label, None, None, reason)."""
+    rel, label = item
+    try:
+        data, hist = encode_file(os.path.join(src, rel), resize_short)
+        return label, data, hist, None
+    except Exception as e:
+        return label, None, None, f"{type(e).__name__}: {e}"
+
+
+def stratified_val(labels, val_fraction, rng):
+    """Boolean mask: round(val_fraction * n_c) members of each class c, drawn with rng."""
+    labels = np.asarray(labels)
+    val = np.zeros(len(labels), bool)
+    for c in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == c))
+        val[members[:int(round(val_fraction * len(members)))]] = True
+    return val
+
+
+def convert_imagefolder(src, dst, val_fraction=0.0, resize_short=None, seed=0, progress=None,
+                        comm=None):
+    """Convert SRC/<class>/<image> into dst (and val_path(dst) when val_fraction > 0).
+
+    The order on disk is a permutation drawn from `seed`; the validation split
+    is stratified by class. Returns a Conversion (skipped files and their
+    reasons; the same on every rank under MPI).
+    """
+    rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
+    plan = None
+    if rank == 0:
+        classes, items = list_imagefolder(src)
+        rng = np.random.default_rng(seed)
+        items = [items[i] for i in rng.permutation(len(items))]
+        is_val = stratified_val([label for _, label in items], val_fraction, rng) \
+            if val_fraction > 0 else np.zeros(len(items), bool)
+        plan = classes, items, is_val
+    if comm is not None:
+        plan = comm.bcast(plan, root=0)
+    classes, items, is_val = plan
+
+    if rank == 0:
+        splits = {"train": dst, "val": val_path(dst)} if val_fraction > 0 else {"train": dst}
+        writers = {name: Writer(path, classes) for name, path in splits.items()}
+        hist = np.zeros((3, 256), np.int64)
+        skipped = []
+    try:
+        block = ROUND * size
+        for start in range(0, len(items), block):
+            mine = [_process(src, items[j], resize_short)
+                    for j in range(start + rank, min(start + block, len(items)), size)]
+            shares = comm.gather(mine, root=0) if comm is not None else [mine]
+            if rank != 0:
+                continue
+            for j in range(start, min(start + block, len(items))):
+                label, data, h, reason = shares[(j - start) % size][(j - start) // size]
+                rel = items[j][0]
+                if reason is not None:
+                    skipped.append((rel, reason))
+                    continue
+                writers["val" if is_val[j] else "train"].add(label, data, rel)
+                if not is_val[j]:
+                    hist += h
+            if progress is not None:
+                progress(min(start + block, len(items)), len(items))
+        result = None
+        if rank == 0:
+            mean, std = mean_std(hist)
+            for name in reversed(list(writers)):    # train last: its presence means both are done
+                writers[name].commit(mean, std)
+            report_path = dst + ".skipped.txt"
+            with open(report_path, "w") as fh:
+                fh.write(f"# {len(skipped)} of {len(items)} files skipped (path<TAB>reason)\n")
+                fh.writelines(f"{rel}\t{reason}\n" for rel, reason in skipped)
+            result = Conversion(dict(splits), {n: len(w) for n, w in writers.items()},
+                                skipped, report_path)
+    except BaseException:
+        if rank == 0:           # no temporary file survives; under MPI run with
+            for w in writers.values():  # `python -m mpi4py` so the other ranks end too
+                w.abort()
+        raise
+    return comm.bcast(result, root=0) if comm is not None else result
+
+
+def convert_digits(dst_dir, seed=0, val_fraction=0.2):
+    """digits_train.h5 and digits_val.h5 in dst_dir: the split and pixels of
+    datasets/digits.py's load_digits_split(seed, val_fraction).
+
+    The 8x8 digits (values 0..16) upsampled bilinearly to 32x32 are multiples
+    of 1/64, so they are stored exactly as uint16 pixels p = 64 x (0..1024),
+    with the training split's scalar mean and std repeated over 3 channels:
+    (p - mean_p) / std_p equals the in-memory (x - mean) / std.
+    """
+    from sklearn.datasets import load_digits
+
+    from .digits import upsample
+    digits = load_digits()
+    labels = digits.target.astype(np.int64)
+    val = stratified_val(labels, val_fraction, np.random.default_rng(seed))
+    x = upsample(digits.images.astype(np.float64))
+    pixels = np.rint(x * 64)
+    if not np.array_equal(pixels / 64, x):
+        raise RuntimeError("upsampled digits are no longer multiples of 1/64; "
+                             "convert_digits must follow datasets/digits.py")
+    pixels = np.repeat(pixels.astype(np.uint16)[..., None], 3, axis=3)
+    mean, std = pixels[~val].mean(), pixels[~val].std()
+    os.makedirs(dst_dir, exist_ok=True)
+    files, counts = {}, {}
+    classes = [str(c) for c in range(10)]
+    for name, mask in (("val", val), ("train", ~val)):
+        path = os.path.join(dst_dir, f"digits_{name}.h5")
+        with Writer(path, classes, storage="pixels", pixel_dtype=np.uint16) as w:
+            for p, y in zip(pixels[mask], labels[mask]):
+                w.add(y, p)
+            w.commit([mean] * 3, [std] * 3)
+        files[name], counts[name] = path, int(mask.sum())
+    return Conversion(files, counts)
+
+
+def synthetic_image(rng, label, classes, size=(500, 375)):
+    """A uint8 (H, W, 3) image: a smooth random colour field tinted by the class,
+    with pixel noise, so that it compresses like a photograph."""
+    width, height = size
+    coarse = rng.integers(0, 256, (4, 5, 3), dtype=np.uint8)
+    field = np.asarray(Image.fromarray(coarse).resize((width, height), Image.BICUBIC),
+                       np.float32)
+    tint = 255 * np.array([np.cos(2 * np.pi * (label / classes + k / 3)) for k in range(3)])
+    noisy = 0.7 * field + 0.3 * (tint + 128) / 2 + rng.normal(0, 12, (height, width, 3))
+    return np.clip(noisy, 0, 255).astype(np.uint8)
+
+
+def convert_synthetic(dst, count, size=(500, 375), classes=10, seed=0, quality=90,
+                      progress=None):
+    """dst: `count` generated JPEGs of `size` (width, height), labels i mod classes."""
+    rng = np.random.default_rng(seed)
+    hist = np.zeros((3, 256), np.int64)
+    with Writer(dst, [f"class{c}" for c in range(classes)]) as w:
+        for i in range(count):
+            label = i % classes
+            rgb = synthetic_image(rng, label, classes, size)
+            hist += histogram(rgb)
+            w.add(label, _save(Image.fromarray(rgb), "JPEG", quality=quality), f"synthetic/{i}")
+            if progress is not None and ((i + 1) % 64 == 0 or i + 1 == count):
+                progress(i + 1, count)
+        w.commit(*mean_std(hist))
+    return Conversion({"train": dst}, {"train": count})

@@ -1,0 +1,329 @@
+"""The pipelined loader: a sharded per-epoch sampler, background workers, a ring of batches.
+
+Sharding (ShardedSampler). Epoch e's order is the permutation drawn from
+(seed, e): the same on every rank without any communication. Step s takes
+the global batch perm[s*B:(s+1)*B] and rank r its contiguous share
+[r*b:(r+1)*b] of it (b = B / size). With drop_last (the training default)
+there are N // B steps and the last N mod B samples of each epoch's
+permutation are not seen in that epoch (a different few every epoch); without
+it there are ceil(N / B) steps and the permutation is padded by repeating its
+start, as PyTorch's DistributedSampler does, so a few samples count twice.
+Either way every rank takes the same number of steps.
+
+Pipeline (Loader). Workers (threads: Pillow and NumPy release the GIL while
+decoding, resizing and normalising; each opens its own h5py handle) fill a
+ring of prefetch+1 batch buffers that are allocated once. A batch is split into
+one chunk of images per worker, and the chunks are handed out in order, so the
+workers cooperate on the next batch and run up to `prefetch` batches ahead of
+the step, across epoch boundaries. The consumer gets (x, y) views of a ring slot;
+the slot is handed back to the workers when the consumer asks for the next
+batch, so a view is valid until then. An exception in a worker is re-raised
+in the consumer: the pipeline never hangs on a bad record.
+
+Augmentation is drawn from a generator seeded by (seed, epoch, index), so the
+data of a step does not depend on the number of workers or on timing, and a
+resumed run sees the same images as an uninterrupted one.
+"""
+import threading
+import time
+
+import numpy as np
+
+from .augment import RATIO, SCALE, Augment
+from .h5format import Reader
+
+
+class DataError(RuntimeError):
+    """A record that cannot be read or decoded; the message names the file and the index."""
+
+
+class ShardedSampler:
+    """This rank's indices of each step of each epoch (see the module docstring).
+
+    Iterating yields (local_batch,) index arrays from the current (epoch, step)
+    to the end of that epoch, then moves to the next epoch. `state_dict()` and
+    `load_state_dict()` save and restore the position.
+    """
+
+    def __init__(self, num_samples, global_batch, rank, size, seed=0, drop_last=True,
+                 shuffle=True):
+        if global_batch % size:
+            raise ValueError(f"global batch {global_batch} does not divide by {size} ranks")
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} outside 0..{size - 1}")
+        self.num_samples, self.global_batch = num_samples, global_batch
+        self.rank, self.size, self.seed = rank, size, seed
+        self.local_batch = global_batch // size
+        self.drop_last, self.shuffle = drop_last, shuffle
+        if drop_last:
+            self.steps = num_samples // global_batch
+            if self.steps == 0:
+                raise ValueError(f"{num_samples} samples make no full global batch of "
+                                 f"{global_batch}; lower the batch size or use drop_last=False")
+        else:
+            self.steps = -(-num_samples // global_batch)
+        self.epoch, self.step = 0, 0
+
+    def __len__(self):
+        return self.steps
+
+    def permutation(self, epoch):
+        if not self.shuffle:
+            return np.arange(self.num_samples)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+
+    def epoch_indices(self, epoch):
+        """(steps, local_batch) int64: this rank's indices for every step of `epoch`."""
+        order = np.resize(self.permutation(epoch), self.steps * self.global_batch)
+        return order.reshape(self.steps, self.size, self.local_batch)[:, self.rank]
+
+    def __iter__(self):
+        indices = self.epoch_indices(self.epoch)
+        while self.step < self.steps:
+            self.step += 1
+            yield indices[self.step - 1]
+        self.epoch, self.step = self.epoch + 1, 0
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "step": self.step}
+
+    def load_state_dict(self, state):
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        if not 0 <= self.step <= self.steps:
+            raise ValueError(f"step {self.step} outside 0..{self.steps}")
+
+
+class Loader:
+    """Batches (x, y) of one split for one rank: x (local_batch, image_size,
+    image_size, 3) in `dtype`, normalised; y (local_batch,) int64.
+
+    `for x, y in loader:` runs one epoch from the current position. Training
+    (train=True) shuffles, drops the remainder and augments (random-resized-crop
+    with `scale`, flip if `flip`); validation keeps file order, pads the last
+    step and applies resize + centre crop with `crop_fraction`. `augment`,
+    `shuffle` and `drop_last` override those defaults one by one.
+
+    The file's schema is checked on opening (labels against `num_classes`).
+    A record that fails to read or decode raises DataError naming its index; with
+    skip_bad_records it is replaced by the next record in file order that
+    decodes, and counted in `skipped` (`bad_indices` lists them).
+
+    Without drop_last, `last_valid` says how many leading entries of the last
+    batch are real samples (the rest pad the last step), so an evaluation can
+    score x[:last_valid] and count every sample exactly once.
+
+    workers=0 does the work in the consumer (no threads). `wait_time` is the
+    total time the consumer has waited for data (with workers=0: spent loading
+    it), `last_wait` that of the last batch. Call `close()` (or use `with`) to
+    stop the workers. `pinned=True` allocates the ring in page-locked host memory (CuPy), so
+    the trainer can copy it to the GPU asynchronously.
+    """
+
+    def __init__(self, path, global_batch, rank=0, size=1, train=True, image_size=224,
+                 workers=2, prefetch=2, dtype=np.float32, seed=0, skip_bad_records=False,
+                 num_classes=None, augment=None, shuffle=None, drop_last=None,
+                 scale=SCALE, ratio=RATIO, crop_fraction=0.875, flip=True, pinned=False):
+        with Reader(path, num_classes) as reader:
+            self.labels = reader.labels
+            self.class_names = reader.class_names
+            self.mean, self.std = reader.mean, reader.std
+        self.path = path
+        self.num_classes = len(self.class_names) if num_classes is None else num_classes
+        self.sampler = ShardedSampler(len(self.labels), global_batch, rank, size, seed,
+                                      drop_last=train if drop_last is None else drop_last,
+                                      shuffle=train if shuffle is None else shuffle)
+        self.local_batch = self.sampler.local_batch
+        self.steps_per_epoch = self.sampler.steps
+        self.augment = Augment(image_size, self.mean, self.std,
+                               train=train if augment is None else augment, scale=scale,
+                               ratio=ratio, crop_fraction=crop_fraction, flip=flip)
+        self.seed, self.workers, self.skip_bad_records = seed, workers, skip_bad_records
+        self.ring = prefetch + 1
+        shape = (self.ring, self.local_batch, image_size, image_size, 3)
+        self.x = _empty(shape, dtype, pinned)
+        self.y = np.zeros((self.ring, self.local_batch), np.int64)
+        self.chunk = -(-self.local_batch // max(workers, 1))
+        self.chunks = -(-self.local_batch // self.chunk)
+        self.wait_time = self.last_wait = 0.0
+        self.last_valid = 0
+        self.skipped, self.bad_indices = 0, set()
+        self._next = 0            # absolute number (epoch * steps + step) of the next batch
+        self._threads = []
+        self._epochs = {}         # epoch -> this rank's indices, for the epochs in flight
+        self._lock = threading.Lock()   # guards _epochs, skipped, bad_indices
+
+    # -- position -------------------------------------------------------------
+    def __len__(self):
+        return self.steps_per_epoch
+
+    @property
+    def epoch(self):
+        return self._next // self.steps_per_epoch
+
+    def state_dict(self):
+        """Position of the next batch to be consumed: {"epoch", "step"}."""
+        return {"epoch": self._next // self.steps_per_epoch,
+                "step": self._next % self.steps_per_epoch}
+
+    def load_state_dict(self, state):
+        self.close()
+        self.sampler.load_state_dict(state)
+        self._next = self.sampler.epoch * self.steps_per_epoch + self.sampler.step
+
+    # -- consumer -------------------------------------------------------------
+    def __iter__(self):
+        """The remaining batches of the current epoch."""
+        end = (self.epoch + 1) * self.steps_per_epoch
+        if self.workers == 0:
+            with Reader(self.path, check=False) as reader:
+                while self._next < end:
+                    a = self._next
+                    start = time.perf_counter()
+                    self._fill(reader, a, 0, self.local_batch)
+                    self.last_wait = time.perf_counter() - start
+                    self.wait_time += self.last_wait
+                    self._next = a + 1
+                    self.last_valid = self._valid(a)
+                    yield self.x[a % self.ring], self.y[a % self.ring]
+            return
+        while self._next < end:
+            self._start()
+            a = self._next
+            k = a % self.ring
+            start = time.perf_counter()
+            with self._cond:
+                self._held = a                  # hands the previous batch's slot back
+                self._cond.notify_all()
+                while not self._ready(a) and self._error is None:
+                    self._cond.wait()
+                ready = self._ready(a)
+            if not ready:                       # a worker failed; this batch will never come
+                self.close()
+                raise self._error
+            self.last_wait = time.perf_counter() - start
+            self.wait_time += self.last_wait
+            self._next = a + 1
+            self.last_valid = self._valid(a)
+            yield self.x[k], self.y[k]
+
+    def _valid(self, a):
+        """How many leading entries of batch a are real samples, not padding."""
+        first = (a % self.steps_per_epoch) * self.sampler.global_batch \
+            + self.sampler.rank * self.local_batch
+        return int(np.clip(len(self.labels) - first, 0, self.local_batch))
+
+    def _ready(self, a):
+        k = a % self.ring
+        return self._slot_batch[k] == a and self._slot_done[k] == self.chunks
+
+    # -- workers ---------------------------------------------------------------
+    def _start(self):
+        if self._threads:
+            return
+        self._cond = threading.Condition()
+        self._stop = False
+        self._error = None
+        self._held = self._next
+        self._task = (self._next, 0)
+        self._slot_batch = [-1] * self.ring
+        self._slot_done = [0] * self.ring
+        self._threads = [threading.Thread(target=self._work, name=f"loader-{i}", daemon=True)
+                         for i in range(self.workers)]
+        for t in self._threads:
+            t.start()
+
+    def close(self):
+        """Stop the workers (they restart on the next iteration)."""
+        if not self._threads:
+            return
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join()
+        self._threads = []
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def _work(self):
+        reader = None
+        try:
+            reader = Reader(self.path, check=False)     # this worker's own h5py handle
+            while True:
+                with self._cond:
+                    # a batch may be filled once the batch `ring` places before it is handed back
+                    while not self._stop and self._task[0] >= self._held + self.ring:
+                        self._cond.wait()
+                    if self._stop:
+                        return
+                    a, c = self._task
+                    self._task = (a, c + 1) if c + 1 < self.chunks else (a + 1, 0)
+                    if c == 0:
+                        self._slot_batch[a % self.ring] = a
+                        self._slot_done[a % self.ring] = 0
+                lo = c * self.chunk
+                self._fill(reader, a, lo, min(lo + self.chunk, self.local_batch))
+                with self._cond:
+                    self._slot_done[a % self.ring] += 1
+                    self._cond.notify_all()
+        except BaseException as e:          # handed to the consumer, which raises it
+            with self._cond:
+                if self._error is None:
+                    self._error = e
+                self._cond.notify_all()
+        finally:
+            if reader is not None:
+                reader.close()
+
+    def _indices(self, epoch):
+        with self._lock:
+            if epoch not in self._epochs:
+                for old in [e for e in self._epochs if e < epoch - 1]:
+                    del self._epochs[old]
+                self._epochs[epoch] = self.sampler.epoch_indices(epoch)
+            return self._epochs[epoch]
+
+    def _fill(self, reader, a, lo, hi):
+        """Images lo..hi-1 of absolute batch a into its ring slot."""
+        epoch, step = divmod(a, self.steps_per_epoch)
+        k = a % self.ring
+        indices = self._indices(epoch)[step]
+        for j in range(lo, hi):
+            i = int(indices[j])
+            self.y[k, j] = self._load(reader, i, epoch, self.x[k, j])
+
+    def _load(self, reader, i, epoch, out):
+        """Decode and augment record i into out; returns its label."""
+        n = len(self.labels)
+        for tries in range(min(n, 100)):
+            r = (i + tries) % n
+            try:
+                self.augment(reader.record(r), out, np.random.default_rng([self.seed, epoch, r]))
+                return self.labels[r]
+            except Exception as e:
+                if not self.skip_bad_records:
+                    raise DataError(f"{self.path}: record {r} cannot be decoded "
+                                    f"({type(e).__name__}: {e})") from e
+                with self._lock:
+                    self.skipped += 1
+                    self.bad_indices.add(r)
+        raise DataError(f"{self.path}: records {i}..{r} are all bad; giving up")
+
+
+def _empty(shape, dtype, pinned):
+    if pinned:
+        import cupyx
+        return cupyx.empty_pinned(shape, dtype)
+    return np.empty(shape, dtype)

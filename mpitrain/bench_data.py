@@ -1,0 +1,161 @@
+"""`python -m mpitrain bench data`: images/s of read + decode + augment.
+
+Measures mpitrain's Loader on an encoded (JPEG) file in training mode
+(random-resized-crop, flip, normalise into NHWC float32). With
+reference="torch", the same records of the same file go, in the same run,
+through a PyTorch DataLoader with the same number of worker processes and the
+classic PIL pipeline written out here (decode, RandomResizedCrop as
+torchvision draws it, flip, ToTensor, Normalize, default collate), and the
+ratio is reported. The first batch of each is left out of the timing (worker
+start-up).
+"""
+import glob
+import io
+import json
+import os
+import time
+
+import numpy as np
+from PIL import Image
+
+from mpitrain.datasets.augment import random_resized_crop_box
+from mpitrain.datasets.h5format import Reader
+from mpitrain.datasets.loader import Loader
+
+
+def _children():
+    """Process ids of this process's children (Linux /proc; empty elsewhere)."""
+    pids = []
+    for task in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        with open(task) as fh:
+            pids += [int(p) for p in fh.read().split()]
+    return pids
+
+
+def _cpu_seconds():
+    """CPU time of this process (all threads) and of its children so far."""
+    total = time.process_time()
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in _children():
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick     # utime + stime
+        except OSError:
+            pass
+    return total
+
+
+def _time_batches(batches, count):
+    """Wall seconds, CPU seconds and images of `count` batches after the first one.
+
+    CPU seconds (this process and its worker processes) make a measure that
+    holds on a machine shared with other work: images per CPU-second."""
+    it = iter(batches)
+    next(it)
+    images = 0
+    cpu, start = _cpu_seconds(), time.perf_counter()
+    for _ in range(count):
+        x, y = next(it)
+        images += len(y)
+    return time.perf_counter() - start, _cpu_seconds() - cpu, images
+
+
+def _forever(loader):
+    while True:
+        yield from loader
+
+
+def bench_mpitrain(path, workers, batch, image_size, count):
+    loader = Loader(path, batch, train=True, image_size=image_size, workers=workers, prefetch=2)
+    try:
+        seconds, cpu, images = _time_batches(_forever(loader), count)
+    finally:
+        loader.close()
+    return {"images_per_s": images / seconds, "images_per_cpu_s": images / cpu,
+            "seconds": seconds, "images": images, "consumer_wait_s": loader.wait_time}
+
+
+def _torch_dataset(path, image_size):
+    import torch
+
+    class H5Images(torch.utils.data.Dataset):
+        """The PIL pipeline of torchvision's ImageNet example, reading the same file."""
+
+        def __init__(self):
+            with Reader(path) as r:
+                self.labels, self.mean, self.std = r.labels, r.mean / 255, r.std / 255
+            self.reader = None      # opened in each worker process
+
+        def __len__(self):
+            return len(self.labels)
+
+        def __getitem__(self, i):
+            if self.reader is None:
+                self.reader = Reader(path, check=False)
+                self.rng = np.random.default_rng(torch.initial_seed() % 2 ** 32)
+            im = Image.open(io.BytesIO(self.reader.record(i))).convert("RGB")
+            x0, y0, w, h = random_resized_crop_box(im.size[0], im.size[1], self.rng)
+            im = im.crop((x0, y0, x0 + w, y0 + h)).resize((image_size, image_size),
+                                                          Image.BILINEAR)
+            if self.rng.random() < 0.5:
+                im = im.transpose(Image.FLIP_LEFT_RIGHT)
+            t = torch.from_numpy(np.array(im, np.uint8, copy=True))
+            t = t.permute(2, 0, 1).contiguous().to(torch.float32).div(255)     # ToTensor
+            mean = torch.as_tensor(self.mean, dtype=torch.float32)[:, None, None]
+            std = torch.as_tensor(self.std, dtype=torch.float32)[:, None, None]
+            return t.sub_(mean).div_(std), int(self.labels[i])                 # Normalize
+
+    return H5Images()
+
+
+def bench_torch(path, workers, batch, image_size, count):
+    import torch
+    data = torch.utils.data.DataLoader(
+        _torch_dataset(path, image_size), batch_size=batch, shuffle=True, drop_last=True,
+        num_workers=workers, persistent_workers=workers > 0)
+
+    def forever():
+        while True:
+            yield from data
+    seconds, cpu, images = _time_batches(forever(), count)
+    return {"images_per_s": images / seconds, "images_per_cpu_s": images / cpu,
+            "seconds": seconds, "images": images}
+
+
+def run(path, workers=2, batch=32, image_size=224, reference=None, json_out=False, batches=None):
+    """Benchmark the loader on `path` (and the reference); prints and returns the results.
+
+    batches: how many batches to time (default: two epochs' worth, at least 8).
+    """
+    with Reader(path) as r:
+        n, storage = len(r), r.storage
+        mean_bytes = r.offsets[-1] / n if storage == "encoded" else None
+    count = batches or max(8, 2 * (n // batch))
+    result = {"file": path, "records": n, "mean_record_bytes": mean_bytes,
+              "workers": workers, "batch": batch, "image_size": image_size,
+              "timed_batches": count}
+    ours = bench_mpitrain(path, workers, batch, image_size, count)
+    ours["per_worker"] = ours["images_per_s"] / max(workers, 1)
+    result["mpitrain"] = ours
+    if reference == "torch":
+        ref = bench_torch(path, workers, batch, image_size, count)
+        ref["per_worker"] = ref["images_per_s"] / max(workers, 1)
+        result["torch"] = ref
+        result["ratio"] = ours["images_per_s"] / ref["images_per_s"]
+        result["ratio_cpu"] = ours["images_per_cpu_s"] / ref["images_per_cpu_s"]
+    elif reference is not None:
+        raise ValueError(f"unknown reference {reference!r} (torch is the one there is)")
+    if json_out:
+        print(json.dumps(result))
+    else:
+        print(f"{path}: {n} records, {workers} workers, batch {batch}, "
+              f"{image_size}x{image_size} training crops, {count} batches timed")
+        rows = [("mpitrain", ours)] + ([("torch", result["torch"])] if "torch" in result else [])
+        for name, r in rows:
+            print(f"  {name:9s} {r['images_per_s']:8.1f} images/s  "
+                  f"{r['per_worker']:7.1f} per worker  {r['images_per_cpu_s']:7.1f} per CPU-second")
+        if "ratio" in result:
+            print(f"  ratio     {result['ratio']:.2f}x images/s, "
+                  f"{result['ratio_cpu']:.2f}x per CPU-second")
+    return result

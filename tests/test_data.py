@@ -1,0 +1,473 @@
+"""The data pipeline: file format, converters, sharded sampler, loader, augmentation."""
+import io
+import os
+
+import h5py
+import numpy as np
+import pytest
+from PIL import Image
+
+from mpitrain.datasets.augment import Augment, draft_factor, random_resized_crop_box
+from mpitrain.datasets.convert import (convert_digits, convert_imagefolder, stratified_val,
+                                       val_path)
+from mpitrain.datasets.h5format import FormatError, Reader, Writer
+from mpitrain.datasets.loader import DataError, Loader, ShardedSampler
+
+
+# -- fixtures -------------------------------------------------------------------
+def digit_images(per_class=4):
+    """uint8 (N, 32, 32, 3) digits (upsampled to 0..255) and their labels."""
+    from sklearn.datasets import load_digits
+
+    from mpitrain.datasets.digits import upsample
+    d = load_digits()
+    pick = np.concatenate([np.flatnonzero(d.target == c)[:per_class] for c in range(10)])
+    grey = np.clip(np.rint(upsample(d.images[pick].astype(np.float64)) * 255 / 16), 0, 255)
+    return np.repeat(grey.astype(np.uint8)[..., None], 3, axis=3), d.target[pick].astype(np.int64)
+
+
+def encode(rgb, fmt, **options):
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, fmt, **options)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """Digits as JPEG and PNG files in class folders, plus three bad files.
+
+    Returns (root, {relative path: (label, pixels, format)}, [bad relative paths])."""
+    root = tmp_path_factory.mktemp("digits_folder")
+    images, labels = digit_images()
+    good = {}
+    for i, (rgb, y) in enumerate(zip(images, labels)):
+        fmt, ext = ("JPEG", "jpg") if i % 2 else ("PNG", "png")
+        rel = os.path.join(str(y), f"img{i:03d}.{ext}")
+        os.makedirs(root / str(y), exist_ok=True)
+        (root / rel).write_bytes(encode(rgb, fmt, **({"quality": 95} if fmt == "JPEG" else {})))
+        good[rel] = (int(y), rgb, fmt)
+    jpeg = encode(images[0], "JPEG", quality=95)
+    bad = {os.path.join("0", "corrupt.jpg"): b"\xff\xd8\xff\xe0" + bytes(range(256)) * 4,
+           os.path.join("1", "truncated.jpg"): jpeg[:len(jpeg) // 2],
+           os.path.join("2", "notes.txt"): b"not an image at all\n"}
+    for rel, data in bad.items():
+        (root / rel).write_bytes(data)
+    return root, good, sorted(bad)
+
+
+@pytest.fixture(scope="module")
+def converted(folder, tmp_path_factory):
+    root, good, bad = folder
+    dst = str(tmp_path_factory.mktemp("converted") / "digits.h5")
+    return dst, convert_imagefolder(str(root), dst, seed=3)
+
+
+def jpeg_file(path, n=12, size=(96, 72), classes=3, corrupt=()):
+    """An encoded file of n smooth JPEGs (labels i mod classes); records in
+    `corrupt` hold bytes that are not an image."""
+    rng = np.random.default_rng(0)
+    with Writer(path, [f"c{c}" for c in range(classes)]) as w:
+        for i in range(n):
+            coarse = rng.integers(0, 256, (3, 4, 3), dtype=np.uint8)
+            rgb = np.asarray(Image.fromarray(coarse).resize(size, Image.BICUBIC))
+            data = b"garbage" * 50 if i in corrupt else encode(rgb, "JPEG", quality=90)
+            w.add(i % classes, data)
+        w.commit([120.0, 110.0, 100.0], [60.0, 55.0, 50.0])
+    return path
+
+
+# -- round trip through an image folder -------------------------------------------
+def test_convert_reports_exactly_the_bad_files(folder, converted):
+    root, good, bad = folder
+    dst, result = converted
+    assert sorted(rel for rel, _ in result.skipped) == bad
+    assert result.counts == {"train": len(good)}
+    with open(result.report_path) as fh:
+        lines = [line for line in fh if not line.startswith("#")]
+    assert sorted(line.split("\t")[0] for line in lines) == bad
+    assert all(len(line.split("\t")[1].strip()) > 0 for line in lines)   # a reason each
+
+
+def test_round_trip_keeps_labels_bytes_and_pixels(folder, converted):
+    root, good, bad = folder
+    dst, _ = converted
+    with Reader(dst) as r:
+        names = [s.decode() for s in r.file["filenames"][:]]
+        assert sorted(names) == sorted(good)
+        assert r.class_names == [str(c) for c in range(10)]
+        for i, name in enumerate(names):
+            label, rgb, fmt = good[name]
+            assert r.labels[i] == label
+            data = bytes(r.record(i))
+            assert data == (root / name).read_bytes()           # stored, never re-encoded
+            decoded = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+            if fmt == "PNG":
+                assert np.array_equal(decoded, rgb)
+            else:
+                assert np.abs(decoded.astype(int) - rgb).mean() < 2.0
+
+
+def test_loader_gives_back_the_images(folder, converted):
+    root, good, bad = folder
+    dst, _ = converted
+    loader = Loader(dst, global_batch=8, train=False, image_size=32, crop_fraction=1.0,
+                    workers=2)
+    with Reader(dst) as r:
+        names = [s.decode() for s in r.file["filenames"][:]]
+        mean, std = r.mean, r.std
+    seen = 0
+    for step, (x, y) in enumerate(loader):
+        for j in range(len(y)):
+            i = step * 8 + j
+            if i >= len(names):
+                break               # padding of the last step
+            label, rgb, fmt = good[names[i]]
+            assert y[j] == label
+            pixels = x[j] * std + mean
+            tolerance = 1e-3 if fmt == "PNG" else 3.0
+            assert np.abs(pixels - rgb).mean() < tolerance
+            seen += 1
+    assert seen == len(good)
+    loader.close()
+
+
+def test_order_follows_the_seed_and_split_is_stratified(folder, tmp_path):
+    root, good, bad = folder
+
+    def order(seed, name):
+        dst = str(tmp_path / name)
+        convert_imagefolder(str(root), dst, seed=seed)
+        with h5py.File(dst) as f:
+            return list(f["filenames"][:])
+    assert order(1, "a.h5") == order(1, "b.h5")
+    assert order(1, "a.h5") != order(2, "c.h5")
+
+    dst = str(tmp_path / "split.h5")
+    result = convert_imagefolder(str(root), dst, val_fraction=0.25, seed=0)
+    assert result.files == {"train": dst, "val": val_path(dst)}
+    with Reader(dst) as tr, Reader(val_path(dst)) as va:
+        assert np.array_equal(tr.mean, va.mean)       # validation uses training statistics
+        names = set(tr.file["filenames"][:]) | set(va.file["filenames"][:])
+        assert len(names) == len(good) == len(tr) + len(va)
+        # round(0.25 * 5) = 1 file of each class is drawn for validation before the
+        # files are decoded, so a bad file may take its class's place (classes 0-2)
+        per_class = np.bincount(va.labels, minlength=10)
+        assert (per_class[3:] == 1).all() and (per_class[:3] <= 1).all()
+
+
+def test_resize_short_stores_downscaled_jpegs(folder, tmp_path):
+    root, good, bad = folder
+    dst = str(tmp_path / "small.h5")
+    convert_imagefolder(str(root), dst, resize_short=16)
+    with Reader(dst) as r:
+        for i in range(len(r)):
+            im = Image.open(io.BytesIO(bytes(r.record(i))))
+            assert im.format == "JPEG" and min(im.size) == 16
+
+
+def test_stratified_val_takes_a_fraction_of_each_class():
+    labels = np.repeat(np.arange(4), [10, 20, 5, 1])
+    val = stratified_val(labels, 0.2, np.random.default_rng(0))
+    assert [int(val[labels == c].sum()) for c in range(4)] == [2, 4, 1, 0]
+
+
+def test_interrupted_conversion_leaves_no_file(folder, tmp_path):
+    root, good, bad = folder
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def interrupt(done, total):
+        raise KeyboardInterrupt("stopped by the user")
+    with pytest.raises(KeyboardInterrupt):
+        convert_imagefolder(str(root), str(out / "x.h5"), val_fraction=0.2, progress=interrupt)
+    assert os.listdir(out) == []
+
+    with pytest.raises(RuntimeError):
+        with Writer(str(out / "y.h5"), ["a"]) as w:
+            w.add(0, b"bytes")
+            raise RuntimeError("disk full")
+    assert os.listdir(out) == []
+
+
+# -- the digits files ----------------------------------------------------------------
+def test_convert_digits_equals_the_in_memory_split(tmp_path):
+    from mpitrain.datasets.digits import load_digits_split
+    result = convert_digits(str(tmp_path))
+    assert set(os.listdir(tmp_path)) == {"digits_train.h5", "digits_val.h5"}
+    expected = load_digits_split(seed=0, val_fraction=0.2)
+    for name, x_ref, y_ref in (("train", *expected[:2]), ("val", *expected[2:])):
+        loader = Loader(result.files[name], global_batch=len(y_ref), train=False,
+                        image_size=32, crop_fraction=1.0, workers=0)
+        x, y = next(iter(loader))
+        assert np.array_equal(y, y_ref)
+        assert x.dtype == np.float32
+        np.testing.assert_allclose(x, x_ref, rtol=1e-5, atol=1e-5)
+
+
+# -- sharding ------------------------------------------------------------------------
+def shard_epoch(n, global_batch, size, seed, epoch, drop_last=True):
+    """(steps, global_batch) indices of one epoch, assembled from every rank."""
+    parts = []
+    for rank in range(size):
+        s = ShardedSampler(n, global_batch, rank, size, seed, drop_last=drop_last)
+        s.load_state_dict({"epoch": epoch, "step": 0})
+        parts.append(np.array(list(s)))
+    assert len({p.shape for p in parts}) == 1          # every rank the same number of steps
+    return np.concatenate(parts, axis=1)
+
+
+@pytest.mark.parametrize("size", [1, 3, 4])
+def test_epoch_covers_every_sample_once_minus_the_remainder(size):
+    n, global_batch = 103, 12
+    epoch = shard_epoch(n, global_batch, size, seed=5, epoch=0).ravel()
+    assert len(epoch) == (n // global_batch) * global_batch == 96
+    assert len(np.unique(epoch)) == len(epoch)
+    assert set(epoch) <= set(range(n))
+    # the dropped remainder is the permutation's tail, different every epoch
+    dropped = [set(range(n)) - set(shard_epoch(n, global_batch, size, 5, e).ravel())
+               for e in range(3)]
+    assert all(len(d) == n % global_batch for d in dropped)
+    assert dropped[0] != dropped[1]
+
+
+def test_epochs_differ_and_seeds_repeat():
+    a0 = shard_epoch(50, 10, 2, seed=1, epoch=0)
+    assert not np.array_equal(a0, shard_epoch(50, 10, 2, seed=1, epoch=1))
+    assert np.array_equal(a0, shard_epoch(50, 10, 2, seed=1, epoch=0))
+    assert not np.array_equal(a0, shard_epoch(50, 10, 2, seed=2, epoch=0))
+
+
+def test_padding_repeats_the_start_without_drop_last():
+    epoch = shard_epoch(23, 8, 2, seed=0, epoch=0, drop_last=False).ravel()
+    assert len(epoch) == 24
+    assert set(epoch) == set(range(23))
+    assert epoch[-1] == epoch[0]
+
+
+def test_validation_loader_marks_the_padding(tmp_path):
+    path = jpeg_file(str(tmp_path / "ten.h5"), n=10)
+    seen = []
+    for rank in range(2):
+        loader = Loader(path, 4, rank=rank, size=2, train=False, image_size=8, workers=1)
+        valid = []
+        for x, y in loader:
+            valid.append(loader.last_valid)
+            seen += list(y[:loader.last_valid])
+        loader.close()
+        assert valid == ([2, 2, 2] if rank == 0 else [2, 2, 0])
+    assert sorted(seen) == sorted(np.arange(10) % 3)   # every label once
+
+
+def test_sampler_resumes_mid_epoch():
+    s = ShardedSampler(40, 8, 1, 2, seed=3)
+    it = iter(s)
+    first = [next(it) for _ in range(2)]
+    state = s.state_dict()
+    assert state == {"epoch": 0, "step": 2}
+    rest = list(it)
+    t = ShardedSampler(40, 8, 1, 2, seed=3)
+    t.load_state_dict(state)
+    assert all(np.array_equal(a, b) for a, b in zip(rest, t))
+    assert len(first) + len(rest) == 5 and s.state_dict() == {"epoch": 1, "step": 0}
+
+
+def test_sampler_refuses_batches_that_do_not_split():
+    with pytest.raises(ValueError, match="does not divide"):
+        ShardedSampler(100, 10, 0, 3)
+    with pytest.raises(ValueError, match="no full global batch"):
+        ShardedSampler(5, 8, 0, 1)
+
+
+# -- augmentation -----------------------------------------------------------------------
+def smooth_image(width, height, seed=0):
+    rng = np.random.default_rng(seed)
+    coarse = rng.integers(0, 256, (4, 5, 3), dtype=np.uint8)
+    return np.asarray(Image.fromarray(coarse).resize((width, height), Image.BICUBIC))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_augment_shape_dtype_and_range(dtype):
+    mean, std = np.array([120.0, 110, 100]), np.array([60.0, 55, 50])
+    data = encode(smooth_image(120, 90), "JPEG", quality=90)
+    out = np.full((5, 40, 40, 3), np.nan, dtype)
+    for train in (True, False):
+        aug = Augment(40, mean, std, train=train)
+        for i in range(5):
+            aug(data, out[i], np.random.default_rng(i))
+        assert np.isfinite(out).all()
+        lo, hi = (0 - mean) / std, (255 - mean) / std
+        assert (out >= lo - 1e-2).all() and (out <= hi + 1e-2).all()
+        assert np.abs(out.astype(np.float64)).max() > 0.5        # not all constant
+
+
+def test_augment_pixel_records_in_any_integer_dtype():
+    rgb = smooth_image(40, 40).astype(np.uint16) * 4           # stored units 0..1020
+    mean, std = np.array([500.0] * 3), np.array([250.0] * 3)
+    out = np.empty((24, 24, 3), np.float32)
+    Augment(24, mean, std, train=True)(rgb, out, np.random.default_rng(0))
+    assert np.isfinite(out).all() and out.min() >= -2.01 and out.max() <= 2.09
+    same = np.empty((40, 40, 3), np.float32)                     # whole image, same size
+    Augment(40, mean, std, train=False, crop_fraction=1.0)(rgb, same)
+    np.testing.assert_allclose(same, (rgb - mean) / std, rtol=1e-6, atol=1e-6)
+
+
+def test_validation_is_deterministic_training_is_random():
+    data = encode(smooth_image(120, 90), "JPEG", quality=90)
+    val = Augment(32, [128] * 3, [64] * 3, train=False)
+    a, b = np.empty((32, 32, 3), np.float32), np.empty((32, 32, 3), np.float32)
+    val(data, a, np.random.default_rng(0))
+    val(data, b, np.random.default_rng(1))
+    assert np.array_equal(a, b)
+    train = Augment(32, [128] * 3, [64] * 3, train=True)
+    train(data, a, np.random.default_rng(0))
+    train(data, b, np.random.default_rng(0))
+    assert np.array_equal(a, b)
+    train(data, b, np.random.default_rng(1))
+    assert not np.array_equal(a, b)
+
+
+def test_validation_transform_is_resize_then_centre_crop():
+    rgb = smooth_image(192, 96)         # short side 96 -> 64 = 56 / 0.875: whole pixels throughout
+    val = Augment(56, [0] * 3, [1] * 3, train=False, crop_fraction=0.875)
+    out = np.empty((56, 56, 3), np.float32)
+    val(encode(rgb, "PNG"), out)
+    resized = Image.fromarray(rgb).resize((128, 64), Image.BILINEAR)
+    ref = np.asarray(resized.crop((36, 4, 92, 60)), np.float32)
+    assert np.abs(out - ref).mean() < 0.5
+
+
+def test_random_crop_boxes_fit_and_respect_scale_and_ratio():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        x0, y0, w, h = random_resized_crop_box(500, 375, rng)
+        assert 0 <= x0 and 0 <= y0 and x0 + w <= 500 and y0 + h <= 375
+        assert 0.07 <= w * h / (500 * 375) <= 1.0
+        assert 3 / 4 - 0.02 <= w / h <= 4 / 3 + 0.02
+
+
+def test_flip_mirrors_the_crop():
+    data = encode(smooth_image(64, 64), "PNG")
+    aug = Augment(64, [0] * 3, [1] * 3, train=True, scale=(1.0, 1.0), ratio=(1.0, 1.0))
+    outs = []
+    for seed in range(8):
+        out = np.empty((64, 64, 3), np.float32)
+        aug(data, out, np.random.default_rng(seed))
+        outs.append(out)
+    plain = [o for o in outs if np.array_equal(o, outs[0])]
+    mirrored = [o for o in outs if np.array_equal(o, outs[0][:, ::-1])]
+    assert len(plain) + len(mirrored) == 8 and plain and mirrored
+
+
+def test_draft_decoding_matches_full_decoding():
+    rgb = smooth_image(400, 300)
+    data = encode(rgb, "JPEG", quality=95)
+    assert draft_factor(300, 300, 32) == 8 and draft_factor(300, 300, 100) == 2
+    aug = Augment(32, [0] * 3, [1] * 3, train=False, crop_fraction=1.0)
+    out = np.empty((32, 32, 3), np.float32)
+    aug(data, out)
+    full = Image.open(io.BytesIO(data)).convert("RGB")
+    ref = np.asarray(full.resize((32, 32), Image.BILINEAR, box=(50, 0, 350, 300)), np.float32)
+    assert np.abs(out - ref).mean() < 2.0
+
+
+# -- bad files and bad records -----------------------------------------------------------------
+def test_reader_refuses_other_formats_and_versions(tmp_path):
+    path = jpeg_file(str(tmp_path / "ok.h5"))
+    for attr, value, expected in (("format", "fuel-imagenet", "expected 'mpitrain-images'"),
+                                  ("version", 7, "version 7, expected 1")):
+        bad = str(tmp_path / f"bad_{attr}.h5")
+        with open(path, "rb") as src, open(bad, "wb") as dst:
+            dst.write(src.read())
+        with h5py.File(bad, "r+") as f:
+            f.attrs[attr] = value
+        with pytest.raises(FormatError, match=expected) as info:
+            Loader(bad, 4)
+        assert bad in str(info.value)
+    not_hdf5 = tmp_path / "plain.h5"
+    not_hdf5.write_bytes(b"hello")
+    with pytest.raises(FormatError, match="cannot be opened as HDF5"):
+        Reader(str(not_hdf5))
+
+
+def test_reader_refuses_missing_keys_and_labels_out_of_range(tmp_path):
+    path = jpeg_file(str(tmp_path / "three.h5"), classes=3)
+    with pytest.raises(FormatError, match=r"label 2 of record 2 is outside 0..1 \(the model has "
+                                          r"2 classes\)") as info:
+        Loader(path, 4, num_classes=2)
+    assert path in str(info.value)
+    Loader(path, 4, num_classes=3).close()
+    with h5py.File(path, "r+") as f:
+        del f["offsets"]
+    with pytest.raises(FormatError, match="'offsets' is missing"):
+        Reader(path)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_corrupt_record_raises_naming_its_index(tmp_path, workers):
+    path = jpeg_file(str(tmp_path / "corrupt.h5"), n=12, corrupt={7})
+    loader = Loader(path, 4, train=False, workers=workers, image_size=32)
+    with pytest.raises(DataError, match=r"corrupt.h5: record 7 cannot be decoded"):
+        for _ in loader:
+            pass
+    loader.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_skip_bad_records_replaces_and_counts(tmp_path, workers):
+    path = jpeg_file(str(tmp_path / "corrupt.h5"), n=12, corrupt={3, 7})
+    loader = Loader(path, 4, train=True, workers=workers, image_size=32, skip_bad_records=True)
+    for epoch in range(2):
+        labels = np.concatenate([y.copy() for _, y in loader])
+        assert len(labels) == 12
+    assert loader.bad_indices == {3, 7}
+    assert loader.skipped == 4                          # two records, two epochs
+    loader.close()
+
+
+# -- the loader ---------------------------------------------------------------------------
+def test_loader_is_deterministic_whatever_the_workers_and_resumes(tmp_path):
+    path = jpeg_file(str(tmp_path / "data.h5"), n=24)
+
+    def batches(workers, state=None, count=8):
+        loader = Loader(path, 8, rank=1, size=2, train=True, image_size=24, workers=workers,
+                        prefetch=2, seed=4)
+        if state:
+            loader.load_state_dict(state)
+        got = []
+        while len(got) < count:
+            for x, y in loader:
+                got.append((x.copy(), y.copy(), loader.state_dict()))
+                if len(got) == count:
+                    break
+        loader.close()
+        return got
+
+    serial, threaded = batches(0), batches(3)
+    assert len(serial) == 8                               # 3 steps per epoch, across epochs
+    for (xa, ya, sa), (xb, yb, sb) in zip(serial, threaded):
+        assert np.array_equal(xa, xb) and np.array_equal(ya, yb) and sa == sb
+    assert serial[2][2] == {"epoch": 1, "step": 0}
+    resumed = batches(2, state=serial[3][2], count=4)
+    for (xa, ya, _), (xb, yb, _) in zip(serial[4:], resumed):
+        assert np.array_equal(xa, xb) and np.array_equal(ya, yb)
+    assert not np.array_equal(serial[0][0], serial[3][0])  # epochs differ
+
+
+@pytest.mark.gpu
+def test_pinned_ring_gives_the_same_batches(tmp_path):
+    path = jpeg_file(str(tmp_path / "data.h5"), n=8)
+    plain = Loader(path, 4, train=False, image_size=16, workers=1)
+    pinned = Loader(path, 4, train=False, image_size=16, workers=1, pinned=True)
+    for (xa, ya), (xb, yb) in zip(plain, pinned):
+        assert np.array_equal(xa, xb) and np.array_equal(ya, yb)
+    plain.close()
+    pinned.close()
+
+
+def test_loader_reports_waiting_and_reuses_its_buffers(tmp_path):
+    path = jpeg_file(str(tmp_path / "data.h5"), n=16)
+    loader = Loader(path, 4, train=False, image_size=16, workers=1, prefetch=1)
+    buffers = {x.__array_interface__["data"][0] for x, _ in loader}
+    assert len(buffers) == 2                              # double-buffered
+    assert loader.wait_time > 0 and loader.last_wait >= 0
+    loader.close()
