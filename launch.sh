@@ -4,7 +4,7 @@
 #   ./launch.sh                 set up, then the default job: resnet_small on the bundled
 #                               digits with 2 MPI ranks (ends with the validation accuracy)
 #   ./launch.sh test            set up, then every test: single-process, then the MPI tests
-#                               under mpirun -np 1, 2 and 4
+#                               under mpirun -np 1, 2, 3 and 4
 #   ./launch.sh train ARGS...   set up, then `python -m mpitrain train ARGS...` launched with
 #                               srun inside a Slurm allocation, else mpirun -np ${NP:-2}
 #   ./launch.sh setup           set up only: .venv, editable install, Cython kernels
@@ -78,19 +78,27 @@ run_train() {
     fi
 }
 
-# One test phase under `timeout` (a hang cannot stall CI); records a summary line.
-# Uses run_tests' `summary` and `failed`.
+# One test phase under `timeout` (a hang cannot stall CI); records a summary line and
+# adds the phase's pytest counts to the totals. Uses run_tests' `summary`, `failed`, `count`.
 run_phase() {   # name, time limit in seconds, command...
-    local name=$1 limit=$2 start=$SECONDS rc=0
+    local name=$1 limit=$2 start=$SECONDS rc=0 log line word n
     shift 2
     echo "=== $name"
-    timeout -k 10 "$limit" "$@" || rc=$?
+    log=$(mktemp)
+    timeout -k 10 "$limit" "$@" 2>&1 | tee "$log" || rc=$?
+    line=$(grep -E '^=*ImportError|[0-9]+ (passed|failed|skipped|errors?)\b' "$log" | tail -n 1 || true)
+    rm -f "$log"
+    for word in passed failed skipped error; do
+        n=$(grep -Eo "[0-9]+ $word" <<<"$line" | cut -d' ' -f1 || true)
+        count[$word]=$(( ${count[$word]} + ${n:-0} ))
+    done
     if (( rc == 0 )); then
         summary+=("PASS  $name  ($((SECONDS - start)) s)")
     else
         local why="exit $rc"
         (( rc == 124 )) && why="timed out after $limit s"
         (( rc == 5 )) && why="no tests collected"
+        [[ -n "$line" ]] || count[error]=$(( ${count[error]} + 1 ))   # died before reporting
         summary+=("FAIL  $name  ($why, $((SECONDS - start)) s)")
         failed=1
     fi
@@ -98,16 +106,19 @@ run_phase() {   # name, time limit in seconds, command...
 
 run_tests() {
     local summary=() failed=0 mpirun n
+    local -A count=([passed]=0 [failed]=0 [skipped]=0 [error]=0)
     mpirun=$(mpirun_cmd)
     # shellcheck disable=SC2046
     run_phase "single-process tests" 900 env $(thread_env 1) "$PY" -m pytest tests --ignore=tests/mpi -q
-    for n in 1 2 4; do
+    # 3 ranks: a world that is not a power of two, and uneven nodes with --ranks-per-node 2
+    for n in 1 2 3 4; do
         # shellcheck disable=SC2046
         run_phase "MPI tests, $n rank(s)" 300 env $(thread_env "$n") \
             "$mpirun" -np "$n" "$PY" -m mpi4py -m pytest tests/mpi -q -p no:cacheprovider
     done
     echo "=== summary"
     printf '%s\n' "${summary[@]}"
+    echo "total: ${count[passed]} passed, $(( count[failed] + count[error] )) failed, ${count[skipped]} skipped"
     return "$failed"
 }
 

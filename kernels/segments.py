@@ -1,0 +1,130 @@
+"""How the optimizer kernels walk the arena: pieces, chunks, and which implementation runs.
+
+The arena's segment table (offset, size, decay, lars per parameter) says where
+each parameter lies in the flat buffers. The kernels cut the arena at every
+segment boundary and at every multiple of `chunk` elements:
+
+    arena   |--- seg 0 ---|-------------- seg 1 --------------|- seg 2 -|
+    chunks  |----- chunk 0 -----|----- chunk 1 -----|--- chunk 2 -------|
+    pieces  |  p0         |p1   |  p2               | p3      | p4      |
+
+A piece lies inside one parameter (one set of per-parameter constants: step
+size, decay) and inside one chunk. The CPU kernels give whole chunks to the
+threads: every chunk has the same number of elements (the last one fewer), so
+both cores get the same work even when one parameter is huge and the rest are
+tiny. The CUDA kernels run one thread block per piece (chunk = a few thousand
+elements). Per-parameter sums (norms) are first taken per piece and then added
+per segment in piece order, so the result does not depend on how many threads
+ran: every rank computes bit-identical norms.
+
+Implementations: every kernel has three with one signature, picked by `pick`:
+"numpy" (the reference, whose docstring states the formula), "numba" (CPU,
+`njit(parallel=True)`), "cuda" (`cuda.jit`, for CuPy arrays; also runs under
+the numba-cuda simulator with NUMBA_ENABLE_CUDASIM=1 on NumPy arrays).
+"""
+import importlib
+from functools import lru_cache
+from typing import NamedTuple
+
+import numpy as np
+
+from mpitrain.arena import SEGMENT_DTYPE
+from mpitrain.backend import array_module
+
+IMPLEMENTATIONS = ("numpy", "numba", "cuda")
+
+CPU_CHUNK = 1 << 16        # elements per CPU work unit: 256 KiB of fp32, hundreds per ResNet-50
+LANES = 64                 # independent float64 partial sums in the CPU reductions (see norms.py)
+CUDA_MAX_THREADS = 256     # size of the shared-memory reduction buffers
+
+
+def pick(impl, array):
+    """The implementation to run on `array`: `impl` if given, else "cuda" for a CuPy
+    array and "numba" for a NumPy one."""
+    on_gpu = array_module(array) is not np
+    if impl is None:
+        return "cuda" if on_gpu else "numba"
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown kernel implementation {impl!r}; choose one of "
+                         f"{', '.join(IMPLEMENTATIONS)}")
+    if impl == "numba" and on_gpu:
+        raise ValueError("the numba CPU kernels need NumPy arrays; use impl='cuda' for CuPy arrays")
+    return impl
+
+
+def cuda_shape():
+    """(threads per block, elements per piece) for the CUDA kernels.
+
+    The simulator runs every GPU thread as a Python thread, so it gets small
+    blocks and small pieces (which also makes small test arenas span several
+    pieces per parameter)."""
+    from numba import config
+    return (32, 128) if config.ENABLE_CUDASIM else (CUDA_MAX_THREADS, 16 * CUDA_MAX_THREADS)
+
+
+class Layout(NamedTuple):
+    """The pieces of an arena (see the module docstring); all int64 unless noted."""
+    piece_seg: np.ndarray      # (pieces,) segment of each piece
+    piece_start: np.ndarray    # (pieces,) first element
+    piece_stop: np.ndarray     # (pieces,) one past the last element
+    seg_first: np.ndarray      # (segments + 1,) pieces of segment s: seg_first[s]:seg_first[s+1]
+    chunk_first: np.ndarray    # (chunks + 1,) pieces of chunk c: chunk_first[c]:chunk_first[c+1]
+    decay: np.ndarray          # (segments,) bool: weight decay applies
+    lars: np.ndarray           # (segments,) bool: the trust ratio applies
+
+    @property
+    def num_segments(self):
+        return self.decay.size
+
+
+def layout(segments, chunk=None):
+    """The Layout of a segment table (a structured array with offset, size, decay, lars),
+    cut into chunks of `chunk` elements (default CPU_CHUNK); cached per table."""
+    return _layout(_key(segments), int(chunk or CPU_CHUNK))
+
+
+def device_layout(segments, chunk, xp):
+    """`layout(segments, chunk)` with every array moved to the array module xp (cached)."""
+    return _device_layout(_key(segments), int(chunk), xp.__name__)
+
+
+def _key(segments):
+    """The table as bytes of mpitrain.arena.SEGMENT_DTYPE: hashable, for the caches."""
+    return np.asarray(segments).astype(SEGMENT_DTYPE).tobytes()
+
+
+@lru_cache(maxsize=16)
+def _layout(table_bytes, chunk):
+    seg = np.frombuffer(table_bytes, dtype=SEGMENT_DTYPE)
+    n = seg.size
+    offset = seg["offset"].astype(np.int64)
+    end = offset + seg["size"].astype(np.int64)
+    total = int(end[-1]) if n else 0
+    if np.any(offset != np.concatenate([[0], end[:-1]])):
+        raise ValueError("the segment table must tile the arena: each offset is the previous end")
+    chunk_starts = np.arange(0, total, chunk, dtype=np.int64)
+    cuts = np.unique(np.concatenate([offset, end, chunk_starts, [total]]))
+    piece_start, piece_stop = cuts[:-1], cuts[1:]
+    # the segment holding a piece is the first whose end lies beyond the piece's start
+    # (empty segments end where they start, so they hold no piece)
+    piece_seg = np.searchsorted(end, piece_start, side="right").astype(np.int64)
+    seg_first = np.append(np.searchsorted(piece_start, offset), piece_start.size).astype(np.int64)
+    chunk_first = np.append(np.searchsorted(piece_start, chunk_starts),
+                            piece_start.size).astype(np.int64)
+    out = Layout(piece_seg, piece_start, piece_stop, seg_first, chunk_first,
+                 seg["decay"].astype(np.bool_), seg["lars"].astype(np.bool_))
+    for a in out:
+        a.flags.writeable = False      # shared by every caller through the cache
+    return out
+
+
+@lru_cache(maxsize=16)
+def _device_layout(table_bytes, chunk, xp_name):
+    xp = importlib.import_module(xp_name)
+    return Layout(*(xp.asarray(np.array(a)) for a in _layout(table_bytes, chunk)))
+
+
+def as_dtype(array, *values):
+    """Python scalars as NumPy scalars of array's dtype, so the kernels compute in that dtype."""
+    t = array.dtype.type
+    return tuple(t(v) for v in values)

@@ -1,0 +1,176 @@
+"""`python -m mpitrain bench update`: one optimizer step over a real model's arena, per
+kernel implementation, against this machine's memory bandwidth measured in the same run.
+
+The step is a LARS step (kernels.update.sgd_update with trust=True) on the
+model's own segment table (`build_model`: ResNet-50 has 25,557,032 parameters
+in 161 segments), with fp32 master weights and an fp16 working copy, a loss
+scale of 1024 to undo, momentum and weight decay. It is the per-parameter norm
+pass followed by the fused pass. Every figure is the median of `repeats` runs
+after one untimed run (which also compiles the Numba kernels); the kernels and
+the bandwidth measurements run interleaved, round by round, so that other load
+on the machine touches them alike.
+
+Bytes the step must move, per parameter:
+    norm pass    read master, grad                         4 + 4
+    fused pass   read master, grad, momentum               4 + 4 + 4
+                 write master, momentum, working (fp16)    4 + 4 + 2
+    total                                                  30 bytes
+The bandwidth floor is the best of three measurements on arena-sized fp32
+arrays: a NumPy copy (8 bytes per element), a NumPy triad a = b + s*c (12
+bytes; NumPy makes it two passes) and a Numba parallel triad (12 bytes).
+Bytes are counted as the program asks for them, for the floor and the kernels
+alike (the cache's extra reads before writes are not counted for either).
+floor_ms = bytes / best bandwidth; the kernels' target is time <= 1.3 x floor_ms.
+
+With a GPU visible to CuPy, the "cuda" implementation runs on a copy of the
+arena on the device, against a CuPy copy on the device as its floor.
+"""
+import json
+import os
+import time
+
+import numpy as np
+
+STEP = dict(lr=0.1, momentum=0.9, weight_decay=5e-5, inv_scale=1 / 1024, trust=True, eta=0.001)
+BYTES_PER_PARAM = (4 + 4) + (4 + 4 + 4) + (4 + 4 + 2)
+
+
+def _times(fns, repeats, sync=lambda: None):
+    """name -> seconds of each of `repeats` calls of fns[name], after one untimed call of
+    each. The calls are interleaved round by round, so that a change in the machine's load
+    during the run touches every measurement alike."""
+    for fn in fns.values():
+        fn()
+    sync()
+    out = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            out[name].append(time.perf_counter() - t0)
+    return out
+
+
+def _numba_triad():
+    from numba import njit, prange
+
+    @njit(parallel=True)
+    def triad(a, b, c, s):
+        for i in prange(a.size):
+            a[i] = b[i] + s * c[i]
+    return triad
+
+
+def _bandwidth_runs(n):
+    """name -> (fn, bytes per element) for a NumPy copy, a NumPy triad and a Numba parallel
+    triad on n-element fp32 arrays."""
+    rng = np.random.default_rng(0)
+    a = np.zeros(n, np.float32)
+    b = rng.random(n, np.float32)
+    c = rng.random(n, np.float32)
+    s = np.float32(3.0)
+    triad = _numba_triad()
+
+    def numpy_triad():
+        np.multiply(c, s, out=a)
+        np.add(a, b, out=a)
+
+    return {"numpy_copy": (lambda: np.copyto(a, b), 8),
+            "numpy_triad": (numpy_triad, 12),
+            "numba_triad": (lambda: triad(a, b, c, s), 12)}
+
+
+def _step(arrays, segments, impl):
+    from mpitrain.kernels.update import sgd_update
+    master, working, grad, momentum = arrays
+    return lambda: sgd_update(master, working, grad, momentum, segments, impl=impl, **STEP)
+
+
+def run(model="resnet50", repeats=7, json_out=False):
+    """Time one LARS step per implementation; print a table (or one JSON object) and
+    return the figures as a dict. Every figure is a median over `repeats`."""
+    import numba
+
+    from mpitrain import backend
+    from mpitrain.nets import build_model
+
+    net = build_model(model, num_classes=1000, dtype=np.float32, working_dtype=np.float16)
+    arena = net.arena
+    n = arena.size
+    arena.grad[...] = np.random.default_rng(1).standard_normal(n, np.float32) * 1e-3 * 1024
+    arrays = (arena.master, arena.working, arena.grad, arena.momentum)
+    step_bytes = BYTES_PER_PARAM * n
+
+    copies = _bandwidth_runs(n)
+    impls = ("numpy", "numba")
+    fns = {**{name: fn for name, (fn, _) in copies.items()},
+           **{impl: _step(arrays, arena.segments, impl) for impl in impls}}
+    times = _times(fns, repeats)
+    bandwidth = {name: per * n / float(np.median(times[name])) / 1e9
+                 for name, (_, per) in copies.items()}
+    floor_gbs = max(bandwidth.values())
+    results = {impl: {"median_ms": 1e3 * float(np.median(times[impl])),
+                      "min_ms": 1e3 * min(times[impl]), "floor_gbs": floor_gbs}
+               for impl in impls}
+    if backend.gpu_available():
+        results["cuda"] = _gpu_run(arrays, arena.segments, repeats)
+
+    for r in results.values():
+        r["gbs"] = step_bytes / (r["median_ms"] / 1e3) / 1e9
+        r["fraction_of_bandwidth"] = r["gbs"] / r["floor_gbs"]
+        r["floor_ms"] = 1e3 * step_bytes / (r["floor_gbs"] * 1e9)
+        r["x_floor"] = r["median_ms"] / r["floor_ms"]
+        r["speedup_vs_numpy"] = results["numpy"]["median_ms"] / r["median_ms"]
+
+    report = {"model": model, "params": int(n), "segments": int(len(arena.segments)),
+              "step": "LARS (norms + fused update), fp32 master, fp16 working",
+              "bytes_per_step": int(step_bytes), "bytes_per_param": BYTES_PER_PARAM,
+              "repeats": repeats, "cpu_count": os.cpu_count(),
+              "numba_threads": numba.get_num_threads(),
+              "bandwidth_gbs": bandwidth, "floor_gbs": floor_gbs,
+              "floor_ms": 1e3 * step_bytes / (floor_gbs * 1e9), "results": results}
+    print(json.dumps(report) if json_out else _table(report))
+    return report
+
+
+def _gpu_run(arrays, segments, repeats):
+    """The "cuda" implementation on a device copy of the arena, and a CuPy copy of
+    arena-sized fp32 arrays on the device as its floor."""
+    import cupy
+    dev = tuple(cupy.asarray(a) for a in arrays)
+    src = cupy.ones(dev[0].size, cupy.float32)
+    dst = cupy.empty_like(src)
+    times = _times({"cuda": _step(dev, segments, "cuda"),
+                    "copy": lambda: cupy.copyto(dst, src)},
+                   repeats, cupy.cuda.get_current_stream().synchronize)
+    return {"median_ms": 1e3 * float(np.median(times["cuda"])), "min_ms": 1e3 * min(times["cuda"]),
+            "floor_gbs": 8 * src.size / float(np.median(times["copy"])) / 1e9}
+
+
+def _table(r):
+    bw = r["bandwidth_gbs"]
+    lines = [
+        f"bench update: {r['model']}, {r['params']:,} parameters in {r['segments']} segments; "
+        f"{r['step']}",
+        f"bytes per step: {r['bytes_per_step'] / 1e6:.1f} MB ({r['bytes_per_param']} B/param: "
+        f"norms read 8, update reads 12 and writes 10)",
+        f"memory bandwidth (medians of {r['repeats']}): numpy copy {bw['numpy_copy']:.1f} GB/s, "
+        f"numpy triad {bw['numpy_triad']:.1f} GB/s, numba triad {bw['numba_triad']:.1f} GB/s "
+        f"({r['numba_threads']} threads)",
+        f"floor: {r['floor_gbs']:.1f} GB/s -> {r['floor_ms']:.1f} ms per step",
+        "",
+        f"{'impl':6s} {'median ms':>10s} {'min ms':>8s} {'GB/s':>7s} {'of bandwidth':>13s} "
+        f"{'x floor':>8s} {'vs numpy':>9s}",
+    ]
+    for name, x in r["results"].items():
+        lines.append(f"{name:6s} {x['median_ms']:10.1f} {x['min_ms']:8.1f} {x['gbs']:7.1f} "
+                     f"{100 * x['fraction_of_bandwidth']:12.0f}% {x['x_floor']:7.2f}x "
+                     f"{x['speedup_vs_numpy']:8.1f}x")
+    if "cuda" in r["results"]:
+        lines.append("(cuda: against a CuPy copy on the device as its floor)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    run()

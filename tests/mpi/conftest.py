@@ -1,0 +1,37 @@
+"""Under mpirun every rank runs the same tests; rank 0 alone reports.
+
+The other ranks' pytest report goes to a temporary file, shown on stderr only
+when that rank's session failed, so a failure seen by one rank is never lost.
+"""
+import sys
+import tempfile
+
+import pytest
+from _pytest.config import create_terminal_writer
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    from mpi4py import MPI
+    rank = MPI.COMM_WORLD.rank
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if rank == 0 or reporter is None:
+        return
+    config._rank = rank
+    config._rank_log = tempfile.TemporaryFile(mode="w+")
+    reporter._tw = create_terminal_writer(config, file=config._rank_log)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config._exitstatus = exitstatus
+
+
+def pytest_unconfigure(config):
+    log = getattr(config, "_rank_log", None)
+    if log is None:
+        return
+    if getattr(config, "_exitstatus", 1) != 0:
+        log.seek(0)
+        sys.stderr.write(f"----- pytest report of rank {config._rank} -----\n{log.read()}")
+        sys.stderr.flush()
+    log.close()
