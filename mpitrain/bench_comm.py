@@ -1,0 +1,194 @@
+"""Benchmark of the gradient all-reduce: `mpirun -np N python -m mpitrain.bench_comm`.
+
+For ResNet-50's gradient arena (25,557,032 values, 161 tensors) it times one
+step's worth of summing, for each algorithm:
+
+    whole        one all-reduce of the whole arena
+    fused F      the arena in consecutive slices of F bytes (fusion buckets;
+                 views of the one buffer, nothing copied)
+    per-tensor   one all-reduce per parameter tensor (161 calls)
+
+with the values on the wire in fp32 and in fp16 (an fp16 arena; "fp16+cast"
+adds the casts from and back to an fp32 arena that training pays), and a sweep
+of single buffers from 4 KiB to 64 MiB per algorithm, the data behind the
+`hybrid` rule. Each time is the slowest rank's, the median of `repeats` runs
+after one warm-up. Bandwidth is the algorithmic bus bandwidth
+2 (p-1)/p * bytes / time (p ranks), the rate each rank's link must sustain.
+"""
+import argparse
+import json
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from mpitrain.comm import ALGORITHMS, Communicator, choose
+
+MiB = 1 << 20
+
+
+def resnet50_tensor_sizes():
+    """The 161 parameter tensor sizes of torchvision's ResNet-50, in arena (backward) order.
+
+    Forward order: conv1 (7x7x3x64) and bn1; for each stage (3, 4, 6, 3 blocks
+    of width 64, 128, 256, 512) each bottleneck's 1x1, 3x3 and 1x1 (x4 width)
+    convolutions each followed by BatchNorm (weight, bias), the first block of
+    a stage with a 1x1 downsample convolution and its BatchNorm; fc 2048x1000
+    and its bias. Total 25,557,032. Used when mpitrain.nets cannot build the model.
+    """
+    sizes = [7 * 7 * 3 * 64, 64, 64]
+    cin = 64
+    for blocks, width in ((3, 64), (4, 128), (6, 256), (3, 512)):
+        for b in range(blocks):
+            sizes += [cin * width, width, width, 9 * width * width, width, width,
+                      width * 4 * width, 4 * width, 4 * width]
+            if b == 0:
+                sizes += [cin * 4 * width, 4 * width, 4 * width]
+            cin = 4 * width
+    sizes += [2048 * 1000, 1000]
+    return sizes[::-1]
+
+
+def model_tensor_sizes(model):
+    """Tensor sizes in arena order: from the model's segment table when mpitrain.nets
+    builds it, else (ResNet-50 only) the list above. Returns (sizes, source)."""
+    try:
+        from mpitrain.nets import build_model
+        net = build_model(model)
+        return [int(s) for s in net.arena.segments["size"]], f"{model} segment table"
+    except (ImportError, AttributeError):
+        if model != "resnet50":
+            raise
+        return resnet50_tensor_sizes(), "resnet50 tensor list (bench_comm.resnet50_tensor_sizes)"
+
+
+def _time(comm, steps, repeats):
+    """{name: (median, minimum)} over `repeats` runs of each step() (after one warm-up),
+    each run timed on the slowest rank. The steps take turns within each repeat (in
+    rotating order), so that a change of load on a shared machine hits them alike; there,
+    the minimum is the better estimate of the cost."""
+    names = list(steps)
+    for name in names:
+        steps[name]()
+    times = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            comm.barrier()
+            t = time.perf_counter()
+            steps[name]()
+            times[name].append(comm.allreduce_max(time.perf_counter() - t))
+    return {name: (float(np.median(v)), float(np.min(v))) for name, v in times.items()}
+
+
+def _slices(n, itemsize, fusion_bytes):
+    step = max(1, fusion_bytes // itemsize)
+    return [slice(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+def run(model="resnet50", algorithms=("flat", "hierarchical", "2d", "hybrid"),
+        fusion=(1 * MiB, 4 * MiB, 16 * MiB), repeats=5, ranks_per_node=None,
+        sweep=True, json_out=False, mpi_comm=None):
+    """Time the all-reduce of `model`'s gradients; rank 0 prints a table (or one JSON
+    object with json_out) and every rank returns the result dict."""
+    comm = Communicator(mpi_comm or MPI.COMM_WORLD, ranks_per_node)
+    for a in algorithms:
+        if a not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {a!r}; choose from {ALGORITHMS}")
+    sizes, source = model_tensor_sizes(model) if comm.rank == 0 else (None, None)
+    sizes, source = comm.world.bcast((sizes, source), root=0)
+    n = sum(sizes)
+    p = comm.size
+    # zeros: the cost of a sum does not depend on the values, and repeated in-place sums
+    # of anything else would overflow (p**k grows past float16 within a few repeats)
+    grads = {"fp32": np.zeros(n, np.float32), "fp16": np.zeros(n, np.float16)}
+    bounds = np.concatenate(([0], np.cumsum(sizes)))
+    tensors = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    rows = []
+
+    def measure(mode, wire, buf, parts, extra=None, wire_dtype=None):
+        """One row per algorithm (and per extra step) for summing buf[parts]."""
+        used = {a: [] for a in algorithms}
+
+        def step(a):
+            return lambda: [used[a].append(comm.allreduce(buf[s], a, wire_dtype=wire_dtype)) for s in parts]
+        steps = {a: step(a) for a in algorithms}
+        steps.update(extra or {})
+        nbytes = n * np.dtype(np.float16 if wire.startswith("fp16") else np.float32).itemsize
+        for name, (med, low) in _time(comm, steps, repeats).items():
+            rows.append(dict(algorithm=name, mode=mode, wire=wire, bytes=int(nbytes), calls=len(parts),
+                             ms=round(med * 1e3, 3), min_ms=round(low * 1e3, 3),
+                             busbw_GBps=round(2 * (p - 1) / p * nbytes / med / 1e9, 3),
+                             ran=sorted(set(used.get(name, [name])))))
+
+    for wire in ("fp32", "fp16"):
+        buf = grads[wire]
+        modes = [("whole", [slice(0, n)])]
+        modes += [(f"fused {f // MiB} MiB", _slices(n, buf.itemsize, f)) for f in fusion]
+        modes.append(("per-tensor", tensors))
+        for mode, parts in modes:
+            extra = {}
+            # MPICH's own half type (MPIX_C_FLOAT16), against the user-defined fp16 sum
+            if wire == "fp16" and mode in ("whole", "fused 4 MiB") and MPI.FLOAT16_T != MPI.DATATYPE_NULL:
+                extra["flat, MPI.FLOAT16_T"] = lambda parts=parts: [
+                    comm.world.Allreduce(MPI.IN_PLACE, [buf[s], MPI.FLOAT16_T], op=MPI.SUM) for s in parts]
+            measure(mode, wire, buf, parts, extra)
+    # what training pays for fp16 on the wire from an fp32 arena: cast, sum, cast back
+    measure("fused 4 MiB", "fp16+cast", grads["fp32"], _slices(n, 2, 4 * MiB), wire_dtype=np.float16)
+
+    sweep_rows = []
+    if sweep:
+        for wire in ("fp32", "fp16"):
+            x = grads[wire]
+            for nbytes in [4096 * 4 ** k for k in range(8)]:        # 4 KiB .. 64 MiB
+                count = min(nbytes // x.itemsize, n)
+                reps = max(repeats, int(min(200, 2e7 / nbytes)))
+                t = _time(comm, {a: (lambda a=a: comm.allreduce(x[:count], a))
+                                 for a in ("flat", "hierarchical", "2d")}, reps)
+                sweep_rows.append(dict(wire=wire, bytes=count * x.itemsize,
+                                       hybrid=choose(comm, count * x.itemsize, x.dtype),
+                                       **{a: round(v[1] * 1e3, 4) for a, v in t.items()}))
+
+    result = dict(model=model, tensors=len(sizes), values=n, source=source, ranks=p,
+                  topology=comm.describe(), node_sizes=comm.node_sizes, repeats=repeats,
+                  rows=rows, sweep=sweep_rows)
+    if comm.rank == 0:
+        print(json.dumps(result) if json_out else format_table(result), flush=True)
+    comm.free()
+    return result
+
+
+def format_table(r):
+    lines = [f"all-reduce of {r['model']} gradients: {r['values']:,} values in {r['tensors']} tensors "
+             f"({r['source']})", r["topology"],
+             f"ms: median of {r['repeats']} (and minimum), slowest rank; "
+             f"busbw = 2(p-1)/p * bytes / median time",
+             "",
+             f"{'algorithm':<28} {'mode':<13} {'wire':<9} {'calls':>5} {'ms':>9} {'min ms':>9} {'busbw GB/s':>10}  ran"]
+    for row in r["rows"]:
+        lines.append(f"{row['algorithm']:<28} {row['mode']:<13} {row['wire']:<9} {row['calls']:>5} "
+                     f"{row['ms']:>9.2f} {row['min_ms']:>9.2f} {row['busbw_GBps']:>10.2f}  {','.join(row['ran'])}")
+    if r["sweep"]:
+        lines += ["", "single buffer, minimum ms:",
+                  f"{'wire':<5} {'bytes':>10} {'flat':>9} {'hierarchical':>13} {'2d':>9}  hybrid picks"]
+        for e in r["sweep"]:
+            lines.append(f"{e['wire']:<5} {e['bytes']:>10} {e['flat']:>9.3f} {e['hierarchical']:>13.3f} "
+                         f"{e['2d']:>9.3f}  {e['hybrid']}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--algorithms", default="flat,hierarchical,2d,hybrid")
+    ap.add_argument("--fusion-mib", default="1,4,16", help="fusion slice sizes in MiB")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--ranks-per-node", type=int, default=None)
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    run(a.model, tuple(a.algorithms.split(",")), tuple(int(f) * MiB for f in a.fusion_mib.split(",")),
+        a.repeats, a.ranks_per_node, not a.no_sweep, a.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Communicator: who is on which node, and the communicators the algorithms use.
+
+    world          every rank (a duplicate of the communicator given, so that
+                   mpitrain's collectives never match the caller's own)
+    node_comm      the ranks of this rank's node, ordered by world rank
+    leaders_comm   local rank 0 of every node, ordered by node (COMM_NULL on
+                   the other ranks): the middle phase of `hierarchical`
+    cross_comm     the ranks with this rank's local index, one per node that
+                   has that many ranks, ordered by node: the middle phase of
+                   `2d` (for local index 0 it is the leaders' group)
+
+Nodes are numbered by their lowest world rank. A node is what
+`Split_type(COMM_TYPE_SHARED)` finds (ranks sharing memory), or, with
+`ranks_per_node=K`, the ranks with equal `rank // K`, so that one host can
+play several nodes; the last node may be smaller than K.
+"""
+import numpy as np
+from mpi4py import MPI
+
+from mpitrain.backend import array_module
+
+from . import algorithms
+
+
+class Communicator:
+    def __init__(self, mpi_comm=None, ranks_per_node=None):
+        self.world = (mpi_comm or MPI.COMM_WORLD).Dup()
+        self.rank, self.size = self.world.rank, self.world.size
+        if ranks_per_node is None:
+            self.node_comm = self.world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        else:
+            if int(ranks_per_node) < 1:
+                raise ValueError(f"ranks_per_node must be a positive integer, got {ranks_per_node}")
+            self.node_comm = self.world.Split(color=self.rank // int(ranks_per_node), key=self.rank)
+        self.ranks_per_node = ranks_per_node
+        self.local_rank, self.local_size = self.node_comm.rank, self.node_comm.size
+
+        # name each node by its leader's world rank; nodes are numbered in that order
+        leader = self.node_comm.bcast(self.rank, root=0)
+        leader_of = self.world.allgather(leader)
+        leaders = sorted(set(leader_of))
+        self.node_of = [leaders.index(r) for r in leader_of]     # node of every world rank
+        self.node = self.node_of[self.rank]
+        self.num_nodes = len(leaders)
+        self.node_sizes = [self.node_of.count(k) for k in range(self.num_nodes)]
+
+        self.cross_comm = self.world.Split(color=self.local_rank, key=self.node)
+        self.leaders_comm = self.cross_comm if self.local_rank == 0 else MPI.COMM_NULL
+        self._scratch = {}
+        self._nccl = None
+
+    # ------------------------------------------------------------------
+    def describe(self):
+        """A few lines naming the nodes and their ranks (rank 0 prints it at start)."""
+        how = ("ranks sharing memory (MPI COMM_TYPE_SHARED)" if self.ranks_per_node is None
+               else f"rank // {self.ranks_per_node} (--ranks-per-node {self.ranks_per_node})")
+        lines = [f"{self.size} rank(s) on {self.num_nodes} node(s), nodes grouped by {how}"]
+        for k in range(self.num_nodes):
+            ranks = [r for r, n in enumerate(self.node_of) if n == k]
+            lines.append(f"  node {k}: {len(ranks)} rank(s): {_ranges(ranks)}")
+        return "\n".join(lines)
+
+    def free(self):
+        """Release the MPI communicators (collective)."""
+        for c in (self.cross_comm, self.node_comm, self.world):
+            if c != MPI.COMM_NULL:
+                c.Free()
+        self.leaders_comm = MPI.COMM_NULL
+
+    # ------------------------------------------------------------------
+    def allreduce(self, buf, algorithm="hybrid", wire_dtype=None):
+        """Sum the contiguous 1-D array `buf` over all ranks, in place; the same bits everywhere.
+
+        algorithm: "flat", "hierarchical", "2d" or "hybrid" (see algorithms.py).
+        wire_dtype: send the values in this dtype (np.float16 halves the bytes
+        of a float32 buffer): `buf` is cast into a reused wire buffer, summed
+        there (in the wire dtype, so partial sums round to it) and cast back.
+        A float16 sum that exceeds 65504 becomes inf on every rank, which the
+        loss scaler's overflow check then sees.
+        Returns the algorithm that ran.
+        """
+        if buf.ndim != 1 or not buf.flags.c_contiguous:
+            raise ValueError(f"all-reduce needs a contiguous 1-D array, got shape {buf.shape} "
+                             f"(contiguous: {buf.flags.c_contiguous}); pass a flat slice of the arena")
+        if algorithm not in algorithms.ALGORITHMS:
+            raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; "
+                             f"choose one of {', '.join(algorithms.ALGORITHMS)}")
+        if wire_dtype is not None and np.dtype(wire_dtype) != buf.dtype:
+            wire = self.scratch(wire_dtype, buf.size, like=buf, purpose="wire")
+            algorithms.cast_into(wire, buf)
+            ran = self.allreduce(wire, algorithm)
+            algorithms.cast_into(buf, wire)
+            return ran
+        algorithms.wire(buf)      # reject an unsupported dtype before any collective starts
+        on_device = array_module(buf) is not np
+        if algorithm == "hybrid":
+            algorithm = algorithms.choose(self, buf.nbytes, buf.dtype, on_device)
+        if not on_device:
+            algorithms.HOST[algorithm](self, buf)
+        else:
+            self._device_allreduce(buf, algorithm)
+        return algorithm
+
+    def _device_allreduce(self, buf, algorithm):
+        """A CuPy buffer: NCCL when there is NCCL, else MPI on the device buffer
+        (CUDA-aware MPI) or on a host copy; MPI only after the stream is idle."""
+        engine = self.nccl()
+        if engine is not None:
+            engine.allreduce(buf, algorithm)
+            return
+        import cupy
+        cupy.cuda.get_current_stream().synchronize()
+        # the float16 op's kernel runs on the host, so float16 always goes through host memory
+        if _cuda_aware() and buf.dtype != np.float16:
+            algorithms.HOST[algorithm](self, buf)
+        else:
+            host = buf.get()
+            algorithms.HOST[algorithm](self, host)
+            buf.set(host)
+
+    def nccl(self):
+        """The NCCL engine for CuPy buffers, created on first use (collectively); None without NCCL."""
+        if self._nccl is None:
+            from . import nccl
+            self._nccl = nccl.NcclEngine(self) if nccl.available() else False
+        return self._nccl or None
+
+    def scratch(self, dtype, n, like=None, purpose="shard"):
+        """A reused buffer of n elements (grown, never shrunk) on the device of `like`."""
+        xp = array_module(like) if like is not None else np
+        key = (purpose, np.dtype(dtype).str, xp.__name__)
+        buf = self._scratch.get(key)
+        if buf is None or buf.size < n:
+            buf = self._scratch[key] = xp.empty(max(n, 1), dtype)
+        return buf[:n]
+
+    # ------------------------------------------------------------------
+    def bcast_(self, buf, root=0):
+        """Overwrite `buf` on every rank with root's, in place (NCCL for CuPy buffers)."""
+        if array_module(buf) is not np:
+            engine = self.nccl()
+            if engine is not None:
+                engine.broadcast(engine.world, buf, root)
+                return buf
+            import cupy
+            cupy.cuda.get_current_stream().synchronize()
+            if not _cuda_aware():
+                host = buf.get()
+                self.world.Bcast(host, root=root)
+                buf.set(host)
+                return buf
+        self.world.Bcast(buf, root=root)
+        return buf
+
+    def average_(self, buf, algorithm="flat"):
+        """Replace `buf` by its mean over the ranks, in place (BN running statistics)."""
+        self.allreduce(buf, algorithm)
+        buf *= buf.dtype.type(1.0 / self.size)
+        return buf
+
+    def allreduce_max(self, value):
+        """The largest `value` (a Python or NumPy scalar) over all ranks."""
+        return self.world.allreduce(value.item() if hasattr(value, "item") else value, op=MPI.MAX)
+
+    def any_true(self, flag):
+        """True on every rank if `flag` is true on any rank (the overflow flag)."""
+        return bool(self.allreduce_max(bool(flag)))
+
+    def barrier(self):
+        self.world.Barrier()
+
+
+def _cuda_aware():
+    """Whether the MPI library takes CUDA device buffers (MPI 4.1 memory allocation kinds)."""
+    info = MPI.COMM_WORLD.Get_info()
+    kinds = (info.Get("mpi_memory_alloc_kinds") or "").split(",")
+    info.Free()
+    return "cuda" in kinds or "cuda:device" in kinds
+
+
+def _ranges(ranks):
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}-{a}" if a != start else f"{a}")
+            start = b
+    return ", ".join(out)

@@ -1,0 +1,335 @@
+"""The communication layer under `mpirun -np N python -m mpi4py -m pytest tests/mpi`, N = 1..4.
+
+Every rank fills its buffer from (seed, rank), so every rank can regenerate
+all inputs and compute the float64 serial sum itself. A test never asserts
+before all ranks have exchanged their outcomes (`agree`), so a failure on one
+rank fails the test on every rank instead of leaving the others waiting in a
+collective; a watchdog aborts the job if a test blocks anyway.
+"""
+import hashlib
+import threading
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpitrain.comm import ALGORITHMS, Communicator
+from mpitrain.comm import algorithms
+
+pytestmark = pytest.mark.mpi
+
+WORLD = MPI.COMM_WORLD
+P = WORLD.size
+DTYPES = (np.float32, np.float64, np.float16)
+GROUPINGS = (None, 1, 2, 3)     # None: the real topology (one host: one node)
+WATCHDOG_S = 120
+
+
+@pytest.fixture(autouse=True)
+def watchdog(request):
+    """Abort the whole job, naming the test, if a test blocks (a rank left a collective)."""
+    def fire():
+        print(f"\nrank {WORLD.rank}: {request.node.nodeid} still running after {WATCHDOG_S} s; "
+              f"aborting the job", flush=True)
+        WORLD.Abort(1)
+    timer = threading.Timer(WATCHDOG_S, fire)
+    timer.daemon = True
+    timer.start()
+    yield
+    timer.cancel()
+
+
+_comms = {}
+
+
+def communicator(k):
+    """One Communicator per grouping, created in the same test order on every rank."""
+    if k not in _comms:
+        _comms[k] = Communicator(WORLD, ranks_per_node=k)
+    return _comms[k]
+
+
+def agree(ok, detail=""):
+    """Assert, identically on every rank, that `ok` holds on every rank."""
+    outcomes = WORLD.allgather((bool(ok), str(detail)))
+    bad = [f"rank {r}: {d}" for r, (o, d) in enumerate(outcomes) if not o]
+    assert not bad, "; ".join(bad)
+
+
+def digest(a):
+    return hashlib.sha1(np.ascontiguousarray(a).view(np.uint8)).hexdigest()
+
+
+def inputs(n, dtype, rank, seed=1234):
+    """Rank `rank`'s buffer: values in [-1, 1) times powers of two from 2**-4 to 2**4."""
+    rng = np.random.default_rng([seed, rank])
+    x = rng.random(n, dtype=np.float32) * 2 - 1
+    x *= _SCALES[rng.integers(0, _SCALES.size, n, dtype=np.uint8)]
+    return x.astype(dtype)
+
+
+_SCALES = np.exp2(np.arange(-4, 5)).astype(np.float32)
+
+
+def check_sum(buf, n, dtype, seed=1234):
+    """(ok, detail): `buf` is the sum of every rank's inputs within the dtype's rounding,
+    and has the same bits on every rank."""
+    xs = [inputs(n, dtype, r, seed).astype(np.float64) for r in range(P)]
+    ref = np.sum(xs, axis=0)
+    # P - 1 additions, each off by at most half an ulp of a partial sum <= sum |x|;
+    # below the normal range, half a step of the subnormal grid per addition
+    tiny = np.finfo(dtype).smallest_subnormal
+    tol = (P - 1) * (np.finfo(dtype).eps * np.sum(np.abs(xs), axis=0) + tiny)
+    err = np.abs(buf.astype(np.float64) - ref)
+    ok_value = bool(np.all(err <= tol))
+    same = len(set(WORLD.allgather(digest(buf)))) == 1
+    worst = int(np.argmax(err - tol)) if n else 0
+    return ok_value and same, (f"value ok {ok_value} (worst index {worst}: error {err[worst]:.3g}, "
+                               f"tolerance {tol[worst]:.3g}); bitwise identical on all ranks {same}")
+
+
+def run_case(k, algorithm, dtype, n):
+    comm = communicator(k)
+    buf = inputs(n, dtype, comm.rank)
+    try:
+        ran = comm.allreduce(buf, algorithm)
+        ok, detail = check_sum(buf, n, dtype)
+        detail = f"{algorithm} ran as {ran}: {detail}"
+    except Exception as e:      # noqa: BLE001 -- reported through agree()
+        ok, detail = False, repr(e)
+    agree(ok, detail)
+
+
+# ----------------------------------------------------------------------------
+# sums: every algorithm x grouping x dtype, small sizes; odd and MiB sizes on a subset
+# ----------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 7, 1001])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("k", GROUPINGS, ids=lambda k: f"rpn{k}")
+def test_small_sums(k, algorithm, dtype, n):
+    run_case(k, algorithm, dtype, n)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("k", GROUPINGS, ids=lambda k: f"rpn{k}")
+def test_medium_sums(k, algorithm):
+    # 100,003 is prime (no node size or rank count divides it); 400 KB takes MPI's
+    # large-message algorithms
+    run_case(k, algorithm, np.float32, 100_003)
+
+
+# 1,000,003 is prime too; in float32 it is 3.8 MiB, the size of a fusion bucket
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("dtype, k", [(np.float32, 3), (np.float16, 2), (np.float64, 1)],
+                         ids=["float32-rpn3", "float16-rpn2", "float64-rpn1"])
+def test_large_sums(algorithm, dtype, k):
+    run_case(k, algorithm, dtype, 1_000_003)
+
+
+def test_repeated_calls_reuse_scratch():
+    """A smaller buffer after a larger one (2d's shard scratch is reused) and the same
+    buffer twice give the correct sums."""
+    comm = communicator(2)
+    outcomes = []
+    for n in (5000, 3, 5000):
+        buf = inputs(n, np.float32, comm.rank)
+        comm.allreduce(buf, "2d")
+        outcomes.append(check_sum(buf, n, np.float32))
+    agree(all(o for o, _ in outcomes), [d for _, d in outcomes])
+
+
+# ----------------------------------------------------------------------------
+# topology
+# ----------------------------------------------------------------------------
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_topology_of_ranks_per_node(k):
+    comm = communicator(k)
+    expect_sizes = [k] * (P // k) + ([P % k] if P % k else [])
+    leaders = comm.leaders_comm
+    facts = dict(
+        node=comm.node == comm.rank // k,
+        local_rank=comm.local_rank == comm.rank % k,
+        local_size=comm.local_size == expect_sizes[comm.rank // k],
+        node_sizes=comm.node_sizes == expect_sizes,
+        num_nodes=comm.num_nodes == len(expect_sizes),
+        leaders=(leaders != MPI.COMM_NULL) == (comm.local_rank == 0),
+        leaders_group=leaders == MPI.COMM_NULL or (leaders.size == comm.num_nodes
+                                                    and leaders.rank == comm.node),
+        cross=comm.cross_comm.size == sum(s > comm.local_rank for s in expect_sizes)
+        and comm.cross_comm.rank == comm.node,
+        describe=all(f"node {j}: {s} rank(s)" in comm.describe()
+                     for j, s in enumerate(expect_sizes)),
+    )
+    agree(all(facts.values()), [f for f, v in facts.items() if not v])
+
+
+def test_topology_of_shared_memory():
+    """Without ranks_per_node the ranks of this one host form one node."""
+    comm = communicator(None)
+    agree(comm.num_nodes == 1 and comm.local_size == P and comm.node_sizes == [P]
+          and comm.local_rank == comm.rank and comm.node == 0,
+          comm.describe())
+
+
+@pytest.mark.parametrize("n, node_sizes, expect", [
+    (7, [3, 3], [3, 2, 2]),          # equal nodes: one shard per local rank
+    (7, [3, 1], [7, 0, 0]),          # a node of one rank: one shard, as hierarchical
+    (10, [3, 3, 2], [5, 5, 0]),      # uneven nodes: min(node_sizes) shards everywhere
+    (1, [4, 4], [1, 0, 0, 0]),       # fewer elements than shards
+])
+def test_shard_layout(n, node_sizes, expect):
+    counts, displs = algorithms.shard_layout(n, node_sizes, len(expect))
+    assert counts == expect
+    assert displs == np.concatenate(([0], np.cumsum(expect)[:-1])).tolist()
+
+
+# ----------------------------------------------------------------------------
+# float16
+# ----------------------------------------------------------------------------
+def test_half_sum_matches_numpy_bitwise():
+    """The MPI op's kernel equals NumPy's float16 addition bit for bit (NaN: any NaN):
+    random bit patterns, near-cancellations, subnormals, and all 65536 halves against
+    zeros, smallest/largest normals and subnormals, infinities and NaN."""
+    rng = np.random.default_rng(7)
+    a = rng.integers(0, 1 << 16, 1 << 18, dtype=np.uint16)
+    b = rng.integers(0, 1 << 16, 1 << 18, dtype=np.uint16)
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    cases = [(a, b), (a, a ^ 0x8000 ^ (b & 7)), (a & 0x83ff, b & 0x87ff)]
+    for special in (0x0000, 0x8000, 0x0001, 0x03ff, 0x0400, 0x3c00, 0x7bff, 0xfbff, 0x7c00, 0xfc00, 0x7e00):
+        cases.append((every, np.full(every.size, special, np.uint16)))
+    bad = 0
+    for x, y in cases[WORLD.rank::P]:        # the ranks share the cases
+        with np.errstate(all="ignore"):
+            expect = (x.view(np.float16) + y.view(np.float16)).view(np.uint16)
+        got = x.copy()
+        algorithms.half_sum(got, y)
+        nan = np.isnan(expect.view(np.float16))
+        bad += int(np.sum((got != expect) & ~nan)) + int(np.sum(~np.isnan(got.view(np.float16)) & nan))
+    agree(bad == 0, f"{bad} sums differ from NumPy's")
+
+
+def test_casts_match_numpy_bitwise():
+    rng = np.random.default_rng(8)
+    f = np.concatenate([
+        rng.integers(0, 1 << 32, 1 << 18, dtype=np.uint32).view(np.float32),   # every exponent
+        (rng.random(1 << 16, dtype=np.float32) * 2 - 1) * np.float32(2.0 ** -14),  # half subnormals
+        np.float32([65504, 65519.99, 65520, -65520, 2.0 ** -25, 2.0 ** -25 * 1.0001, 0.0, -0.0])])
+    h = np.empty(f.size, np.float16)
+    algorithms.cast_into(h, f)
+    with np.errstate(all="ignore"):
+        expect = f.astype(np.float16)
+    nan = np.isnan(expect)
+    assert np.array_equal(h.view(np.uint16)[~nan], expect.view(np.uint16)[~nan])
+    assert np.isnan(h[nan]).all()
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    back = np.empty(every.size, np.float32)
+    algorithms.cast_into(back, every)
+    ok = ~np.isnan(every)
+    assert np.array_equal(back[ok].view(np.uint32), every[ok].astype(np.float32).view(np.uint32))
+    assert np.isnan(back[~ok]).all()
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_float16_overflow_is_inf_on_every_rank(algorithm):
+    """A float16 sum past 65504 is inf everywhere, so the overflow check skips the step
+    on all ranks together."""
+    comm = communicator(2)
+    buf = np.full(5, 40000.0, np.float16)
+    buf[0] = 1.0
+    comm.allreduce(buf, algorithm)
+    overflow = comm.any_true(np.isinf(buf).any())
+    expect_inf = P >= 2
+    agree(overflow == expect_inf and bool(np.isinf(buf[1:]).all()) == expect_inf
+          and buf[0] == P and len(set(WORLD.allgather(digest(buf)))) == 1, buf)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_fp16_on_the_wire(algorithm):
+    """A float32 buffer sent as float16 equals the float16 sum of its float16-rounded
+    values, cast back, on every rank."""
+    comm = communicator(3)
+    n = 3001
+    buf = inputs(n, np.float32, comm.rank)
+    comm.allreduce(buf, algorithm, wire_dtype=np.float16)
+    half = inputs(n, np.float16, comm.rank)          # the same values rounded to half
+    comm.allreduce(half, algorithm)
+    agree(buf.dtype == np.float32 and np.array_equal(buf, half.astype(np.float32))
+          and check_sum(half, n, np.float16)[0], "fp16 wire differs from the float16 sum")
+
+
+# ----------------------------------------------------------------------------
+# helpers and errors
+# ----------------------------------------------------------------------------
+def test_bcast_average_max_any():
+    comm = communicator(2)
+    root = P - 1
+    b = np.full(9, float(comm.rank))
+    comm.bcast_(b, root=root)
+    m = np.full(4, float(comm.rank), np.float32)
+    comm.average_(m)
+    biggest = comm.allreduce_max(np.int64(comm.rank * 3))
+    anyone = comm.any_true(comm.rank == root)
+    nobody = comm.any_true(False)
+    comm.barrier()
+    agree(np.all(b == root) and np.allclose(m, (P - 1) / 2) and biggest == 3 * (P - 1)
+          and anyone is True and nobody is False, (b[0], m[0], biggest, anyone, nobody))
+
+
+def test_bad_buffers_raise_before_any_collective():
+    """Errors are raised on every rank before a collective starts, so no rank is left
+    waiting, and the communicator still works afterwards."""
+    comm = communicator(1)
+    errors = []
+    for bad, algorithm in ((np.zeros((2, 3), np.float32), "flat"),
+                           (np.zeros(10, np.float32)[::2], "flat"),
+                           (np.zeros(4, np.int32), "2d"),
+                           (np.zeros(4, np.float32), "ring")):
+        try:
+            comm.allreduce(bad, algorithm)
+            errors.append(None)
+        except (ValueError, TypeError) as e:
+            errors.append(type(e).__name__)
+    buf = np.ones(3, np.float32)
+    comm.allreduce(buf, "hierarchical")
+    agree(None not in errors and np.all(buf == P), errors)
+
+
+@pytest.mark.parametrize("k", GROUPINGS, ids=lambda k: f"rpn{k}")
+def test_hybrid_rule(k):
+    """flat for float32/float64 and for device buffers at every size; 2d for float16
+    from FP16_2D_MIN_BYTES up when every node has two ranks or more."""
+    comm = communicator(k)
+    sizes = [1 << s for s in range(2, 31)]
+    split = min(comm.node_sizes) > 1
+    facts = dict(
+        fp32=all(algorithms.choose(comm, b, np.float32) == "flat" for b in sizes),
+        fp64=all(algorithms.choose(comm, b, np.float64) == "flat" for b in sizes),
+        device=all(algorithms.choose(comm, b, np.float16, device=True) == "flat" for b in sizes),
+        fp16=all(algorithms.choose(comm, b, np.float16)
+                 == ("2d" if split and b >= algorithms.FP16_2D_MIN_BYTES else "flat") for b in sizes),
+        ran=comm.allreduce(np.zeros(algorithms.FP16_2D_MIN_BYTES // 2, np.float16), "hybrid")
+        == ("2d" if split else "flat"),
+    )
+    agree(all(facts.values()), [f for f, v in facts.items() if not v])
+
+
+# ----------------------------------------------------------------------------
+# GPU: the NCCL engine (skipped without a GPU)
+# ----------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("k", [None, 2], ids=lambda k: f"rpn{k}")
+def test_nccl_sums(k, algorithm, dtype):
+    import cupy
+    if P > cupy.cuda.runtime.getDeviceCount():
+        pytest.skip("NCCL needs one GPU per rank")
+    comm = communicator(k)
+    cupy.cuda.Device(comm.rank).use()
+    n = 100_003
+    buf = cupy.asarray(inputs(n, dtype, comm.rank))
+    comm.allreduce(buf, algorithm)
+    cupy.cuda.get_current_stream().synchronize()
+    ok, detail = check_sum(buf.get(), n, dtype)
+    agree(ok, detail)
