@@ -2,10 +2,12 @@
 
 One process, random data, no all-reduce: the step is forward + loss, backward
 and the SGD update, each timed separately (median over the timed steps, after
-untimed warm-up steps). With `--reference torch` the same network with the same
+untimed warm-up steps). Under mpirun -np N > 1 it times data-parallel steps
+instead, and their scaling against one rank (bench_step_parallel). With `--reference torch` the same network with the same
 weights (mpitrain.reference_torch) takes the same batch through the same step
-with torch.optim.SGD, in the same run, with torch's thread count matched to
-NumPy's BLAS; the ratio ours / torch is what to quote.
+with torch.optim.SGD, in the same run (in a child process with the user's own
+environment), with torch's thread count matched to NumPy's BLAS; the ratio
+ours / torch is what to quote.
 
 OpenBLAS reads OPENBLAS_CORETYPE when it loads. Where a machine forces an older
 core type, `--native-openblas` re-runs the command without it (and without
@@ -97,25 +99,190 @@ def time_torch(model, x, y, steps, warmup, threads, lr=0.01, momentum=0.9, weigh
             **_summary(len(y), phases)}
 
 
+def torch_in_child(spec):
+    """time_torch in a fresh process that imports torch before mpitrain.
+
+    mpitrain sets OMP_WAIT_POLICY=PASSIVE for its own OpenMP kernels (mpitrain/__init__.py);
+    torch's OpenMP runtime would read it too and run slower, so the child gets the
+    environment the user gave. The same seed rebuilds the same weights and batch.
+    """
+    import subprocess
+    import mpitrain
+    env = dict(os.environ)
+    if mpitrain.OMP_WAIT_POLICY_SET:
+        env.pop("OMP_WAIT_POLICY", None)
+    code = ("import torch, json, sys; from mpitrain.bench import _torch_child; "
+            "print(json.dumps(_torch_child(json.loads(sys.argv[1]))))")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env=env,
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _torch_child(spec):
+    from mpitrain.nets import build_model
+    model = build_model(spec["model_name"], num_classes=spec["num_classes"], seed=spec["seed"])
+    x, y = random_batch(model, spec["batch"], spec["image_size"], spec["num_classes"], spec["seed"])
+    return time_torch(model, x, y, spec["steps"], spec["warmup"], spec["threads"])
+
+
+def random_batch(model, batch, image_size, num_classes, seed):
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, image_size, image_size, 3)).astype(model.dtype)
+    return x, rng.integers(0, num_classes, batch)
+
+
 def bench_step(model_name, image_size=64, batch=32, steps=10, warmup=2, num_classes=1000,
                seed=0, reference=None):
     """Time training steps of `model_name` on a random batch; returns a dict (see main_step)."""
-    import numpy as np
     from mpitrain.nets import build_model
     model = build_model(model_name, num_classes=num_classes, seed=seed)
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((batch, image_size, image_size, 3)).astype(model.dtype)
-    y = rng.integers(0, num_classes, batch)
+    x, y = random_batch(model, batch, image_size, num_classes, seed)
     result = {"model": model_name, "image_size": image_size, "batch": batch, "steps": steps,
               "warmup": warmup, "blas": blas_info()}
     result["mpitrain"] = time_ours(model, x, y, steps, warmup)
     if reference == "torch":
-        # torch is imported only now, so that it cannot disturb our timings; the same
-        # seed rebuilds the same starting weights
-        fresh = build_model(model_name, num_classes=num_classes, seed=seed)
-        result["torch"] = time_torch(fresh, x, y, steps, warmup, result["blas"]["threads"])
+        result["torch"] = torch_in_child(dict(
+            model_name=model_name, image_size=image_size, batch=batch, num_classes=num_classes,
+            seed=seed, steps=steps, warmup=warmup, threads=result["blas"]["threads"]))
         result["ratio"] = result["mpitrain"]["images_per_s"] / result["torch"]["images_per_s"]
     return result
+
+
+# ----- under mpirun: data-parallel steps, scaling against one rank -----
+def under_mpirun():
+    """Whether an MPI launcher started this process (checked without initialising MPI)."""
+    return any(k in os.environ for k in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE",
+                                         "PMIX_RANK"))
+
+
+class ParallelSteps:
+    """Data-parallel training steps (mpitrain.train.train_step with a Reducer), each timed
+    on the slowest rank. Phases per step (ms): forward (with loss), backward, comm_wait
+    (the wait for the gradient sum after backward: what backward did not hide),
+    comm_total (the buckets' all-reduce time, measured where it runs), update."""
+    NAMES = {"forward": "forward", "backward": "backward", "comm": "comm_wait",
+             "bucket": "comm_total", "update": "update"}
+
+    def __init__(self, model, reducer, comm, lr=0.01):
+        from mpitrain.metrics import Timeline
+        from mpitrain.optim import SGD
+        self.model, self.reducer, self.comm, self.lr = model, reducer, comm, lr
+        self.optimizer = SGD(model.arena, momentum=0.9, weight_decay=1e-4)
+        self.timeline = reducer.timeline = Timeline()
+        self.phases = {v: [] for v in self.NAMES.values()}
+        self.steps = []
+
+    def step(self, x, y, record=True):
+        from mpi4py import MPI
+        from mpitrain.train import train_step
+        self.comm.Barrier()
+        t0 = time.perf_counter()
+        train_step(self.model, self.optimizer, self.comm, x, y, self.lr, timeline=self.timeline,
+                   reducer=self.reducer)
+        took = self.comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        totals = self.timeline.take_totals()
+        if record:
+            self.steps.append(took)
+            for k, v in self.NAMES.items():
+                self.phases[v].append(totals.get(k, 0.0))
+
+    def summary(self, images):
+        step = _median(self.steps)
+        return {"images_per_s": images / step, "step_ms": 1e3 * step,
+                **{f"{name}_ms": 1e3 * _median(t) for name, t in self.phases.items()}}
+
+
+def _sleep_until(request):
+    """Wait for a non-blocking MPI request without spinning a core (MPICH's blocking waits
+    poll): the ranks that wait must not slow down the one being timed."""
+    while not request.Test():
+        time.sleep(0.005)
+
+
+def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
+                        num_classes=1000, seed=0, threshold=4 << 20, algorithm="hybrid",
+                        comm_dtype="fp32"):
+    """Under mpirun: N ranks x `batch` images each, with the gradient buckets summed during
+    backward and after it (--no-overlap), against one rank with the same batch and the
+    threads of all the node's ranks (the other ranks sleep meanwhile). The three take
+    turns step by step, so that a change of load on a shared machine hits them alike.
+    Scaling efficiency = N-rank images/s / one-rank images/s (the issue's "2 ranks x 1
+    thread vs 1 rank x 2 threads"). hidden_fraction: the share of the all-reduce time that
+    ran while backward was still running; saved_ms: how much shorter the overlapped step
+    is than the --no-overlap one (medians)."""
+    import numpy as np
+    from mpi4py import MPI
+    from threadpoolctl import threadpool_limits
+
+    from mpitrain.comm import Communicator
+    from mpitrain.comm.buckets import Reducer
+    from mpitrain.nets import build_model
+    from mpitrain.train import limit_threads
+    world = MPI.COMM_WORLD
+    comm = Communicator(world)
+    limit_threads(comm.local_size)
+    threads = blas_info()["threads"]
+    rng = np.random.default_rng(seed + world.rank)
+    model = build_model(model_name, num_classes=num_classes, seed=seed)
+    x = rng.standard_normal((batch, image_size, image_size, 3)).astype(model.dtype)
+    y = rng.integers(0, num_classes, batch)
+    result = {"model": model_name, "image_size": image_size, "batch_per_rank": batch,
+              "ranks": world.size, "threads_per_rank": threads, "steps": steps, "warmup": warmup,
+              "fusion_threshold": threshold, "allreduce": algorithm, "comm_dtype": comm_dtype,
+              "blas": blas_info()}
+    wire = np.float16 if comm_dtype == "fp16" else None
+    runs = {key: ParallelSteps(model, Reducer(model, comm, threshold, algorithm, wire, overlap),
+                               world) for key, overlap in (("overlap", True), ("no_overlap", False))}
+    one = build_model(model_name, num_classes=num_classes, seed=seed) if world.rank == 0 else None
+    one_threads = threads * comm.local_size
+    one_times = []
+    for i in range(warmup + steps):
+        if world.rank == 0:      # one rank with the threads of all its node's ranks
+            with threadpool_limits(one_threads):
+                t = time_ours(one, x, y, 1, 0)["step_ms"]
+            if i >= warmup:
+                one_times.append(t)
+        _sleep_until(world.Ibarrier())
+        for key in (list(runs) if i % 2 else list(runs)[::-1]):
+            runs[key].step(x, y, record=i >= warmup)
+    for key, run in runs.items():
+        result[key] = run.summary(world.size * batch)
+        run.reducer.close()
+    result["buckets"] = len(runs["overlap"].reducer.bounds)
+    if world.rank == 0:
+        step = _median(one_times)
+        result["one_rank"] = {"threads": one_threads, "images_per_s": 1e3 * batch / step,
+                              "step_ms": step}
+        for key in runs:
+            result[key]["efficiency"] = result[key]["images_per_s"] / result["one_rank"]["images_per_s"]
+        o = result["overlap"]
+        result["hidden_fraction"] = 1 - o["comm_wait_ms"] / max(o["comm_total_ms"], 1e-9)
+        result["saved_ms"] = result["no_overlap"]["step_ms"] - o["step_ms"]
+    comm.free()
+    return result
+
+
+def format_parallel(r):
+    lines = [f"bench step: {r['model']} at {r['image_size']}x{r['image_size']}, {r['ranks']} ranks "
+             f"x batch {r['batch_per_rank']} x {r['threads_per_rank']} thread(s), median of "
+             f"{r['steps']} steps after {r['warmup']} warm-up; {r['buckets']} gradient buckets "
+             f"of ~{r['fusion_threshold']:,} bytes, all-reduce {r['allreduce']}, "
+             f"{r['comm_dtype']} on the wire",
+             f"1 rank x {r['one_rank']['threads']} threads, batch {r['batch_per_rank']}: "
+             f"{r['one_rank']['images_per_s']:.1f} images/s, step {r['one_rank']['step_ms']:.1f} ms"]
+    for key, label in (("overlap", "overlapped"), ("no_overlap", "--no-overlap")):
+        t = r[key]
+        lines.append(f"{r['ranks']} ranks, {label}: {t['images_per_s']:.1f} images/s, step "
+                     f"{t['step_ms']:.1f} ms (forward+loss {t['forward_ms']:.1f}, backward "
+                     f"{t['backward_ms']:.1f}, comm wait {t['comm_wait_ms']:.1f} of "
+                     f"{t['comm_total_ms']:.1f} all-reduce, update {t['update_ms']:.1f}); "
+                     f"scaling efficiency {t['efficiency']:.2f} (vs 1 rank x "
+                     f"{r['one_rank']['threads']} threads)")
+    lines.append(f"overlap: {r['hidden_fraction']:.0%} of the all-reduce time ran behind "
+                 f"backward; the overlapped step is {r['saved_ms']:.1f} ms shorter than the "
+                 f"--no-overlap step, whose all-reduce took {r['no_overlap']['comm_total_ms']:.1f} ms")
+    return "\n".join(lines)
 
 
 def _reexec_without_openblas_forcing(argv, to_stderr):
@@ -135,6 +302,15 @@ def main_step(args, argv):
     if args.native_openblas and REEXEC_MARK not in os.environ \
             and any(k in os.environ for k in OPENBLAS_FORCING):
         _reexec_without_openblas_forcing(argv, to_stderr=args.json)
+    if under_mpirun():
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.size > 1:
+            result = bench_step_parallel(args.model, args.image_size, args.batch, args.steps,
+                                         args.warmup, args.num_classes, args.seed,
+                                         args.fusion_threshold, args.allreduce, args.comm_dtype)
+            if MPI.COMM_WORLD.rank == 0:
+                print(json.dumps(result) if args.json else format_parallel(result))
+            return
     result = bench_step(args.model, args.image_size, args.batch, args.steps, args.warmup,
                         args.num_classes, args.seed, args.reference)
     if args.native_openblas:

@@ -1,4 +1,4 @@
-"""`python -m mpitrain <command>`: train, convert, inspect, bench.
+"""`python -m mpitrain <command>`: train, eval, plot, convert, inspect, bench.
 
 Bad values are refused by argparse (exit status 2, with its usage message)
 before any work starts. NumPy and MPI are imported only by the command that
@@ -69,7 +69,8 @@ def build_parser():
     train.add_argument("--batch-size", type=positive_int, default=D["batch_size"],
                        help="GLOBAL batch size, split evenly over the ranks")
     train.add_argument("--lr", type=positive_float, default=D["lr"],
-                       help="peak learning rate (after warm-up; cosine decay to 0)")
+                       help="peak learning rate (after warm-up), for the batch --lr-ref-batch "
+                            "when that is given")
     train.add_argument("--momentum", type=fraction, default=D["momentum"])
     train.add_argument("--nesterov", action="store_true", help="Nesterov momentum")
     train.add_argument("--weight-decay", type=nonnegative_float, default=D["weight_decay"],
@@ -82,6 +83,77 @@ def build_parser():
     train.add_argument("--device", choices=["cpu", "gpu", "auto"], default=D["device"])
     train.add_argument("--eval-every", type=positive_int, default=D["eval_every"],
                        help="evaluate every N epochs (and after the last)")
+    # optimizer, schedule and precision
+    train.add_argument("--optimizer", choices=["sgd", "lars", "lamb"], default=D["optimizer"],
+                       help="SGD with momentum; LARS (per-layer trust ratio on SGD); LAMB")
+    train.add_argument("--lr-ref-batch", type=positive_int, default=D["lr_ref_batch"],
+                       help="linear scaling rule: peak lr = LR * batch-size / N "
+                            "(default: no scaling)")
+    train.add_argument("--lars-eta", type=positive_float, default=D["lars_eta"],
+                       help="LARS trust coefficient: local lr = eta |w| / (|g| + wd |w| + eps)")
+    train.add_argument("--lars-eps", type=nonnegative_float, default=D["lars_eps"])
+    train.add_argument("--schedule", choices=["cosine", "poly", "step", "constant"],
+                       default=D["schedule"],
+                       help="decay after warm-up: cosine to 0, poly (power 2) to 0, step "
+                            "(x0.1 at each of --milestones), constant")
+    train.add_argument("--milestones", type=positive_float, nargs="+", default=D["milestones"],
+                       metavar="EPOCH", help="epochs at which --schedule step multiplies lr by 0.1")
+    train.add_argument("--precision", choices=["fp32", "fp16"], default=D["precision"],
+                       help="fp16: fp16 activations and working weights, fp32 master weights, "
+                            "BN statistics and loss (mixed precision)")
+    train.add_argument("--loss-scale", type=loss_scale, default=D["loss_scale"],
+                       metavar="S|dynamic",
+                       help="multiply the loss gradient by S (unscaled in the update), or "
+                            "'dynamic' (from 2^16, halved on overflow, doubled after 2000 clean "
+                            "steps); default: dynamic under fp16, 1 under fp32")
+    # the run around the loop
+    train.add_argument("--config", metavar="YAML",
+                       help="a YAML file of train options (keys as the flags, dashes or "
+                            "underscores); flags given on the command line override it")
+    train.add_argument("--run-dir",
+                       help="where config.json, environment.json, metrics.jsonl and the "
+                            "checkpoints go; not given: runs/<timestamp>")
+    train.add_argument("--checkpoint-every", type=nonnegative_int, default=D["checkpoint_every"],
+                       help="write a checkpoint every N epochs and after the last (0: only on "
+                            "SIGTERM/SIGUSR1)")
+    train.add_argument("--keep-checkpoints", type=positive_int, default=D["keep_checkpoints"],
+                       help="keep the newest K checkpoints")
+    train.add_argument("--resume", metavar="auto|PATH",
+                       help="continue from the newest complete checkpoint in --run-dir (auto) "
+                            "or from PATH; the global batch must be the same, the number of "
+                            "ranks may differ")
+    train.add_argument("--trace", metavar="FILE",
+                       help="write a Chrome-trace timeline per rank: FILE.rankN.json, or "
+                            "DIR/trace.rankN.json when FILE is a directory or ends in /")
+    train.add_argument("--collective-timeout", type=positive_float, metavar="S",
+                       help="end the job (MPI Abort) when no step, evaluation or checkpoint "
+                            "completes for S seconds")
+    train.add_argument("--log-every", type=positive_int, metavar="N",
+                       help="a progress line and a metrics.jsonl record every N steps "
+                            "(default: 4 per epoch of 100 steps or more, else 1 per epoch)")
+    # communication
+    train.add_argument("--ranks-per-node", type=positive_int, metavar="K",
+                       help="treat ranks r with equal r // K as one node (exercises the "
+                            "multi-node algorithms on one host); default: the ranks sharing "
+                            "memory form a node")
+    train.add_argument("--allreduce", choices=["flat", "hierarchical", "2d", "hybrid"],
+                       default=D["allreduce"],
+                       help="gradient all-reduce algorithm (hybrid: chosen per bucket from "
+                            "size and topology, see mpitrain/comm/algorithms.py)")
+    train.add_argument("--fusion-threshold", type=positive_int, default=D["fusion_threshold"],
+                       metavar="BYTES", help="gradients are summed in buckets of about this "
+                                             "many bytes of the gradient arena")
+    train.add_argument("--no-overlap", dest="overlap", action="store_false",
+                       help="sum the gradient buckets after backward instead of during it "
+                            "(overlap on: %(default)s)")
+    train.add_argument("--comm-dtype", choices=["fp32", "fp16"], default=D["comm_dtype"],
+                       help="dtype of the gradients on the wire (fp16 halves the bytes)")
+    train.add_argument("--check-replicas", type=nonnegative_int, default=D["check_replicas"],
+                       metavar="N", help="every N steps compare a checksum of the master "
+                                         "weights across ranks and stop if they differ (0: never)")
+    train.add_argument("--bn-group", type=positive_int, default=D["bn_group"], metavar="G",
+                       help="BatchNorm batch statistics over groups of G consecutive ranks "
+                            "(1: per rank)")
     train.set_defaults(command_parser=train)     # for errors found after parsing
 
     inspect = commands.add_parser(
@@ -129,10 +201,13 @@ def build_parser():
                                             "measured in the same run.")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="benchmark")
     step = benches.add_parser(
-        "step", help="training-step throughput on random data, one process",
+        "step", help="training-step throughput on random data (under mpirun: scaling)",
         description="Throughput (images/s) of full training steps (forward + loss, backward, "
                     "SGD update) on random data in one process (no all-reduce), with the "
-                    "median time of each phase; optionally the same in PyTorch.",
+                    "median time of each phase; optionally the same in PyTorch. Under "
+                    "mpirun -np N: N ranks with --batch images each, with the gradient "
+                    "all-reduce overlapped and not, against one rank with N times the "
+                    "threads (scaling efficiency) and the share of communication hidden.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     step.add_argument("--model", choices=models, default="resnet50")
     step.add_argument("--image-size", type=positive_int, default=64)
@@ -144,6 +219,12 @@ def build_parser():
     step.add_argument("--reference", choices=["torch"],
                       help="also time the same network and batch in PyTorch, and the ratio")
     step.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    step.add_argument("--fusion-threshold", type=positive_int, default=D["fusion_threshold"],
+                      metavar="BYTES", help="under mpirun: gradient bucket size")
+    step.add_argument("--allreduce", choices=["flat", "hierarchical", "2d", "hybrid"],
+                      default=D["allreduce"], help="under mpirun: all-reduce algorithm")
+    step.add_argument("--comm-dtype", choices=["fp32", "fp16"], default=D["comm_dtype"],
+                      help="under mpirun: gradient dtype on the wire")
     step.add_argument("--native-openblas", action="store_true",
                       help="re-run this command with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE "
                            "removed from the environment (OpenBLAS picks its own core type)")
@@ -160,7 +241,68 @@ def build_parser():
     data.add_argument("--batches", type=positive_int, help="batches timed (default: two epochs)")
     data.add_argument("--reference", choices=["torch"])
     data.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    update = benches.add_parser(
+        "update", help="one optimizer step over a model's arena, per kernel implementation",
+        description="Time one LARS step (norms + fused update, fp32 master, fp16 working "
+                    "copy) over a model's parameter arena for each kernel implementation "
+                    "available here, against the NumPy reference and against this machine's "
+                    "memory bandwidth measured in the same run.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    update.add_argument("--model", choices=models, default="resnet50")
+    update.add_argument("--repeats", type=positive_int, default=7, help="timed runs (median)")
+    update.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    comm = benches.add_parser(
+        "comm", help="gradient all-reduce: algorithms, fused vs per-tensor, fp16 vs fp32",
+        description="Under mpirun: time one step's gradient sum of a model's arena for each "
+                    "all-reduce algorithm, as one buffer, as fusion buckets and per tensor, "
+                    "with fp32 and fp16 on the wire, and a sweep of buffer sizes; reports "
+                    "milliseconds and algorithmic bus bandwidth.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    comm.add_argument("--model", choices=models, default="resnet50")
+    comm.add_argument("--algorithms", default="flat,hierarchical,2d,hybrid",
+                      help="comma-separated algorithms")
+    comm.add_argument("--fusion-mib", default="1,4,16", help="fusion bucket sizes in MiB")
+    comm.add_argument("--repeats", type=positive_int, default=5, help="timed runs (median)")
+    comm.add_argument("--ranks-per-node", type=positive_int, metavar="K")
+    comm.add_argument("--no-sweep", action="store_true", help="skip the buffer-size sweep")
+    comm.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    evaluate = commands.add_parser(
+        "eval", help="top-1/top-5 accuracy of a checkpoint on a data file (distributed)",
+        description="Score a checkpoint's model on an HDF5 file made by `convert`; under "
+                    "mpirun the ranks share the file. The model and its number of classes "
+                    "come from the checkpoint.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    evaluate.add_argument("--checkpoint", required=True, help="a checkpoint-*.h5 file")
+    evaluate.add_argument("--data", required=True, help="an HDF5 file made by `convert`")
+    evaluate.add_argument("--batch-size", type=positive_int,
+                          help="GLOBAL batch (default: the checkpoint's training batch)")
+    evaluate.add_argument("--workers", type=nonnegative_int, default=D["workers"])
+    evaluate.add_argument("--device", choices=["cpu", "gpu", "auto"], default=D["device"])
+    evaluate.add_argument("--json", action="store_true", help="print one JSON object")
+    evaluate.set_defaults(command_parser=evaluate)
+
+    plot = commands.add_parser(
+        "plot", help="PNG curves (loss, accuracy, learning rate, throughput) of a run",
+        description="Draw RUN_DIR/metrics.jsonl as PNG files in RUN_DIR (or --out): "
+                    "loss.png, accuracy.png, lr.png, throughput.png. Needs matplotlib "
+                    "(pip install 'mpitrain[plot]').")
+    plot.add_argument("run_dir")
+    plot.add_argument("--out", help="directory for the PNG files (default: RUN_DIR)")
+    plot.set_defaults(command_parser=plot)
     return parser
+
+
+def loss_scale(text):
+    """'dynamic' or a positive number."""
+    if text == "dynamic":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a positive number nor 'dynamic'")
+    return value
 
 
 def image_size(text):
@@ -200,16 +342,113 @@ def run_convert(args):
         print(f"{len(result.skipped)} files skipped, listed in {result.report_path}")
 
 
-def run_train(args):
-    from mpi4py import MPI
-    from mpitrain.train import ConfigError, train
-    options = {k: v for k, v in vars(args).items() if k not in ("command", "command_parser")}
+def explicit_options(parser, argv):
+    """The train options given on the command line (not left at their defaults): parse
+    again with every default suppressed."""
+    sub = parser._subparsers._group_actions[0].choices["train"]
+    saved = [(a, a.default) for a in sub._actions]
     try:
-        train(**options)
+        for action, _ in saved:
+            action.default = argparse.SUPPRESS
+        given = vars(parser.parse_args(argv))
+    finally:
+        for action, default in saved:
+            action.default = default
+    return set(given) - {"command", "command_parser"}
+
+
+def apply_config_file(args, parser, argv):
+    """Fill in args from --config YAML where the command line did not give the option;
+    each YAML value goes through the flag's own type and choices."""
+    from mpitrain.config import ConfigFileError, load_yaml
+    sub = args.command_parser
+    actions = {a.dest: a for a in sub._actions if a.dest not in ("help", "config")}
+    try:
+        values = load_yaml(args.config, set(actions))
+    except ConfigFileError as e:
+        sub.error(str(e))
+    explicit = explicit_options(parser, argv)
+    for key, value in values.items():
+        if key in explicit:
+            continue
+        action = actions[key]
+        try:
+            value = _config_value(action, value)
+        except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
+            sub.error(f"config file {args.config}: {key}: {e}")
+        setattr(args, key, value)
+
+
+def _config_value(action, value):
+    if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
+        if not isinstance(value, bool):
+            raise ValueError(f"{value!r} is not true or false")
+        return value
+    convert = action.type or (lambda v: v)
+    if isinstance(value, list):
+        if action.nargs is None:
+            raise ValueError(f"{value!r}: one value expected")
+        value = [convert(str(v)) for v in value]
+        if action.choices is not None and any(v not in action.choices for v in value):
+            raise ValueError(f"{value!r}: choose from {sorted(action.choices)}")
+        return value
+    value = value if value is None else convert(str(value))
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"{value!r}: choose from {sorted(action.choices)}")
+    return value
+
+
+def run_train(args, parser=None, argv=()):
+    from mpi4py import MPI
+    from mpitrain.checkpoint import StopSignals
+    from mpitrain.precision import LossScaleError
+    from mpitrain.train import ConfigError, TrainingError, train
+    if getattr(args, "config", None):
+        apply_config_file(args, parser, argv)
+    options = {k: v for k, v in vars(args).items()
+               if k not in ("command", "command_parser", "config")}
+    try:
+        result = train(**options)
     except ConfigError as e:
         if MPI.COMM_WORLD.rank == 0:
             args.command_parser.error(str(e))    # usage and message on stderr, exit status 2
         sys.exit(2)
+    except (TrainingError, LossScaleError) as e:   # raised on every rank alike
+        if MPI.COMM_WORLD.rank == 0:
+            sys.stderr.write(f"mpitrain train: error: {e}\n")
+        sys.exit(1)
+    if result["stopped"]:                        # SIGUSR1: 0, SIGTERM: 143, checkpoint written
+        sys.exit(StopSignals.EXIT_STATUS[result["stopped"]])
+
+
+def run_eval(args):
+    from mpi4py import MPI
+    from mpitrain.evaluate import EvalError, evaluate_checkpoint
+    try:
+        result = evaluate_checkpoint(args.checkpoint, args.data, args.batch_size, args.workers,
+                                     args.device)
+    except EvalError as e:
+        if MPI.COMM_WORLD.rank == 0:
+            args.command_parser.error(str(e))
+        sys.exit(2)
+    if MPI.COMM_WORLD.rank == 0:
+        if args.json:
+            import json
+            print(json.dumps(result))
+        else:
+            top5 = f", top-5 {result['top5']:.2%}" if "top5" in result else ""
+            print(f"{args.checkpoint} on {args.data} ({result['images']} images): "
+                  f"top-1 {result['top1']:.2%}{top5}")
+
+
+def run_plot(args):
+    from mpitrain.plot import PlotError, plot_run
+    try:
+        paths = plot_run(args.run_dir, args.out)
+    except PlotError as e:
+        args.command_parser.error(str(e))
+    for path in paths:
+        print(path)
 
 
 def main(argv=None):
@@ -217,7 +456,11 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "train":
-        run_train(args)
+        run_train(args, parser, argv)
+    elif args.command == "eval":
+        run_eval(args)
+    elif args.command == "plot":
+        run_plot(args)
     elif args.command == "inspect":
         from mpitrain.inspect import report
         print(report(args.model, image_size=args.image_size, num_classes=args.num_classes))
@@ -230,3 +473,11 @@ def main(argv=None):
         from mpitrain.bench_data import run
         run(args.data, args.workers, args.batch, args.image_size, args.reference, args.json,
             args.batches)
+    elif args.bench == "update":
+        from mpitrain.bench_update import run
+        run(args.model, args.repeats, args.json)
+    elif args.bench == "comm":
+        from mpitrain.bench_comm import MiB, run
+        run(args.model, tuple(args.algorithms.split(",")),
+            tuple(int(f) * MiB for f in args.fusion_mib.split(",")), args.repeats,
+            args.ranks_per_node, not args.no_sweep, args.json)

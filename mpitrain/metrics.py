@@ -1,9 +1,12 @@
-"""Progress output for long work.
+"""Progress output, metrics records and the Chrome-trace timeline.
 
 On a terminal the line redraws in place; elsewhere (a Slurm log, CI) it prints a
 plain line every `every` seconds, so logs stay readable.
 """
+import json
+import os
 import sys
+import threading
 import time
 
 
@@ -36,3 +39,246 @@ class Progress:
 
     def close(self):
         self._write(time.perf_counter(), end="\n")
+
+
+def trace_path(path, rank):
+    """Where rank `rank` writes its trace: inside `path` when it is a directory (an existing
+    one, or a name ending in '/'), else `path` with '.rankN' before its extension
+    (trace.json -> trace.rank0.json)."""
+    if path.endswith(os.sep) or os.path.isdir(path):
+        return os.path.join(path, f"trace.rank{rank}.json")
+    root, ext = os.path.splitext(path)
+    return f"{root}.rank{rank}{ext or '.json'}"
+
+
+class _Span:
+    """Times one `with` block into its Timeline (and records the event when tracing)."""
+    __slots__ = ("timeline", "name", "cat", "start", "outer")
+
+    def __init__(self, timeline, name, cat):
+        self.timeline, self.name, self.cat = timeline, name, cat
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        if threading.current_thread() is threading.main_thread():
+            self.outer, self.timeline.current = self.timeline.current, self
+        return self
+
+    def __exit__(self, *exc):
+        end = time.perf_counter()
+        if threading.current_thread() is threading.main_thread():
+            self.timeline.current = self.outer
+        self.timeline.add(self.name, self.cat, self.start, end)
+        return False
+
+
+class _NoSpan:
+    __slots__ = ()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_SPAN = _NoSpan()
+
+
+class Timeline:
+    """Phase times of the training loop, and optionally a Chrome-trace timeline.
+
+    `with timeline.span("forward", "forward"):` times the block. Every span adds its
+    duration to its category's total (`take_totals()` returns and resets them: the
+    per-phase times of metrics.jsonl). With a `path`, each span is also kept as a
+    Chrome-trace complete event ("ph": "X", ts and dur in microseconds, pid = rank,
+    one tid per category) and `save()` writes {"traceEvents": [...]} to
+    trace_path(path, rank); open it in https://ui.perfetto.dev or chrome://tracing.
+    Timestamps are wall-clock microseconds, so the ranks of one host line up.
+    `Timeline(enabled=False)` (or `Timeline.off()`) makes every span a no-op.
+    Spans may nest and may come from other threads (a communication thread);
+    `activity()` names the innermost span the main thread is in (for the watchdog).
+    """
+
+    def __init__(self, path=None, rank=0, enabled=True):
+        self.path = trace_path(path, rank) if path else None
+        self.rank = rank
+        self.enabled = enabled
+        self.totals = {}
+        self.events = []
+        self.tids = {}
+        self.current = None
+        self._perf0 = time.perf_counter()
+        self._wall0 = time.time()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def off(cls):
+        return cls(enabled=False)
+
+    def span(self, name, cat="step"):
+        """Context manager timing a block as event `name` in category `cat`."""
+        return _Span(self, name, cat) if self.enabled else _NO_SPAN
+
+    def add(self, name, cat, start, end):
+        """Record a span measured elsewhere (perf_counter start and end, seconds)."""
+        with self._lock:
+            self.totals[cat] = self.totals.get(cat, 0.0) + (end - start)
+            if self.path is not None:
+                tid = self.tids.setdefault(cat, len(self.tids))
+                self.events.append({"name": name, "cat": cat, "ph": "X", "pid": self.rank,
+                                    "tid": tid, "ts": self._us(start),
+                                    "dur": round((end - start) * 1e6, 3)})
+
+    def _us(self, t):
+        return round((self._wall0 + (t - self._perf0)) * 1e6, 3)
+
+    def activity(self):
+        """'NAME for S s': the innermost span the main thread is in, or None."""
+        span = self.current
+        if span is None:
+            return None
+        return f"in '{span.name}' for {time.perf_counter() - span.start:.0f} s"
+
+    def take_totals(self):
+        """{category: seconds} since the last call, then zeroed."""
+        with self._lock:
+            totals, self.totals = self.totals, {}
+        return totals
+
+    def save(self):
+        """Write the trace file (if tracing); returns its path or None."""
+        if self.path is None:
+            return None
+        meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0,
+                 "args": {"name": f"rank {self.rank}"}}]
+        meta += [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid,
+                  "args": {"name": cat}} for cat, tid in self.tids.items()]
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with self._lock:
+            events = meta + self.events
+        with open(self.path, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+        return self.path
+
+
+class MetricsLog:
+    """metrics.jsonl: one JSON object per line, appended and flushed as it happens, so a
+    resumed run continues the same file and a crash loses nothing written before it.
+
+    Step records: {"kind": "step", "epoch", "step", "global_step", "loss", "lr",
+    "loss_scale" (if any), "images_per_s", "time": {phase: seconds per step}}.
+    Evaluation records: {"kind": "eval", "epoch", "global_step", "top1", "top5"}.
+    """
+
+    def __init__(self, path):
+        self.path = path
+        self.file = open(path, "a")
+
+    def write(self, record):
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self):
+        self.file.close()
+
+
+def read_metrics(path):
+    """The records of a metrics.jsonl file, in order (a torn last line is skipped)."""
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+class StepProgress:
+    """Rank 0's training progress: on a terminal a bar redrawn in place with loss,
+    images/s and ETA; elsewhere the same as a plain line each time `update` is called
+    with `log=True` (the trainer calls it every --log-every steps)."""
+
+    def __init__(self, total_steps, done_steps=0, stream=None, width=24):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.total, self.start_done = total_steps, done_steps
+        self.width = width
+        self.start = time.perf_counter()
+        self.drawn = False
+
+    def update(self, done, text, log=False):
+        """`done` steps of the whole run are complete; `text` holds loss, images/s..."""
+        elapsed = time.perf_counter() - self.start
+        rate = (done - self.start_done) / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - done) / rate if rate > 0 else 0.0
+        if self.tty:
+            filled = int(self.width * done / max(self.total, 1))
+            bar = "#" * filled + "." * (self.width - filled)
+            self.stream.write(f"\r[{bar}] {text}  ETA {_clock(eta)}\033[K")
+            self.drawn = True
+        elif log:
+            self.stream.write(f"{text}  ETA {_clock(eta)}\n")
+        self.stream.flush()
+
+    def line(self, text):
+        """A permanent line (epoch summary, evaluation), below the bar."""
+        if self.drawn:
+            self.stream.write("\r\033[K")
+            self.drawn = False
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+def _clock(seconds):
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class Watchdog:
+    """Ends the whole job (MPI Abort, status 3) when no progress is reported for `timeout`
+    seconds: a rank that stalls or dies keeps the others waiting in their next collective,
+    and their watchdogs fire.
+
+    The trainer calls `beat(where)` after every step and around evaluations and
+    checkpoint writes, so `timeout` must exceed the longest of those. The message names
+    this rank, the last thing it completed and, from `activity()` (Timeline.activity),
+    the phase it is stuck in; the first rank whose watchdog fires ends the job, which
+    is a rank waiting for the late one (typically in 'all-reduce'). Which rank is late
+    is not found out: a stalled rank cannot report, and asking every rank for its
+    position would cost a message per rank and step.
+    """
+
+    def __init__(self, timeout, comm, stream=None, activity=None):
+        self.timeout, self.comm = float(timeout), comm
+        self.stream = stream or sys.stderr
+        self.activity = activity or (lambda: None)
+        self.where = "start"
+        self.last = time.monotonic()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
+        self.thread.start()
+
+    def beat(self, where):
+        self.where, self.last = where, time.monotonic()
+
+    def _watch(self):
+        period = min(1.0, self.timeout / 4)
+        while not self._stop.wait(period):
+            idle = time.monotonic() - self.last
+            if idle > self.timeout:
+                now = self.activity()
+                self.stream.write(
+                    f"rank {self.comm.rank} of {self.comm.size}: no progress for {idle:.0f} s "
+                    f"(--collective-timeout {self.timeout:g}) after {self.where}"
+                    f"{', ' + now if now else ''}; a rank is stalled or has not arrived in "
+                    f"the collective. Ending the job.\n")
+                self.stream.flush()
+                time.sleep(1.0)         # let the launcher forward the message before the abort
+                self.comm.Abort(3)
+
+    def close(self):
+        self._stop.set()
+        self.thread.join()

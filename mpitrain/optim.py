@@ -1,80 +1,160 @@
 """Optimizers over the whole parameter arena, and learning-rate schedules.
 
-The optimizer never loops over parameters: it updates the flat master buffer
-in a few whole-array operations. Which elements get weight decay is data, a
-per-element vector built once from the arena's segment table, so biases and
-BatchNorm gamma/beta (decay=False) are skipped without a branch.
+An optimizer never loops over parameters in Python: each step is one call of
+a fused kernel (mpitrain.kernels) over the flat arena, which reads the
+segment table to know where each parameter lies and whether weight decay and
+the trust ratio apply to it (biases and BatchNorm gamma/beta: neither). The
+same call unscales the gradient (inv_scale = 1 / (loss scale * ranks)), and
+writes the updated master weights into the working copy (fp16 under mixed
+precision), so the layers see the new weights without a separate cast.
+
+    SGD    v = m v + lr (g + wd w);  w -= v          (Nesterov: w -= m v + lr (g + wd w))
+    LARS   the same with lr * local_lr per parameter, local_lr = eta ||w|| / (||g|| + wd ||w|| + eps)
+    LAMB   Adam's moments with a per-parameter trust ratio ||w|| / ||r||
+
+(formulas in full in kernels/update.py and kernels/lamb.py). The kernel's
+implementation follows the arrays: Numba CPU for NumPy arenas, Numba CUDA for
+CuPy arenas.
+
+SGD keeps the learning rate inside the velocity (Goyal et al., You et al.):
+with a constant rate this equals PyTorch's v' = m v' + d; w -= lr v' with
+v = lr v'; when the rate changes, the velocity keeps the rate it was built with.
 """
 import math
 
-import numpy as np
-
-from . import backend
+from mpitrain.kernels.lamb import lamb_state, lamb_update
+from mpitrain.kernels.update import sgd_update
 
 
 class SGD:
-    """SGD with momentum, PyTorch's formulas (dampening 0):
+    """SGD with momentum (and Nesterov) over the arena; weight decay where p.decay.
 
-        d = g + wd * w                  (wd is 0 where the segment's decay flag is off)
-        v = m * v + d
-        w = w - lr * v                  (plain)
-        w = w - lr * (d + m * v)        (Nesterov)
-
-    on arena.master, arena.grad and arena.momentum; the working copy is
-    refreshed afterwards (arena.sync_working()). The momentum buffer starts at
-    zero, so the first step gives v = d, as PyTorch's does.
+    step(lr, inv_scale) updates arena.master and arena.momentum (the velocity)
+    in place from arena.grad * inv_scale, refreshes arena.working, and returns
+    the per-parameter local learning rates (all ones for SGD).
     """
 
-    def __init__(self, arena, momentum=0.9, weight_decay=0.0, nesterov=False):
+    trust = False
+
+    def __init__(self, arena, momentum=0.9, weight_decay=0.0, nesterov=False, impl=None):
         if nesterov and momentum <= 0:
             raise ValueError("Nesterov momentum needs momentum > 0")
         self.arena = arena
         self.momentum = float(momentum)
         self.weight_decay = float(weight_decay)
-        self.nesterov = nesterov
-        xp = backend.array_module(arena.master)
-        seg = arena.segments
-        decay = np.repeat(np.where(seg["decay"], self.weight_decay, 0.0), seg["size"])
-        self.decay = xp.asarray(decay.astype(arena.dtype))     # (arena.size,)
-        self.scratch = xp.empty_like(arena.master)              # d, reused every step
+        self.nesterov = bool(nesterov)
+        self.impl = impl            # None: chosen by the arena's array type
+        self.eta, self.eps = 0.001, 1e-9     # the trust ratio's; unused while trust is off
 
-    def step(self, lr):
-        a, d = self.arena, self.scratch      # whole-arena passes, no temporaries
-        xp = backend.array_module(a.master)
-        xp.multiply(self.decay, a.master, out=d)
-        d += a.grad
-        a.momentum *= self.momentum
-        a.momentum += d
-        if self.nesterov:                    # w -= lr * d, then w -= lr * m * v
-            d *= lr
-            a.master -= d
-            xp.multiply(a.momentum, lr * self.momentum, out=d)
-        else:
-            xp.multiply(a.momentum, lr, out=d)
-        a.master -= d
-        a.sync_working()
+    def step(self, lr, inv_scale=1.0):
+        a = self.arena
+        return sgd_update(a.master, a.working, a.grad, a.momentum, a.segments, lr,
+                          momentum=self.momentum, weight_decay=self.weight_decay,
+                          inv_scale=inv_scale, nesterov=self.nesterov, trust=self.trust,
+                          eta=self.eta, eps=self.eps, impl=self.impl)
+
+    def state_dict(self):
+        """Optimizer state beyond the arena (the velocity lives in arena.momentum): none."""
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+class LARS(SGD):
+    """Layer-wise adaptive rate scaling (You et al., 2017) on top of SGD with momentum:
+    every parameter with p.lars gets local_lr = eta ||w|| / (||g|| + wd ||w|| + eps),
+    with ||g|| the norm of the unscaled fp32 gradient (1 where a norm is 0)."""
+
+    trust = True
+
+    def __init__(self, arena, momentum=0.9, weight_decay=0.0, nesterov=False, eta=0.001,
+                 eps=1e-9, impl=None):
+        super().__init__(arena, momentum, weight_decay, nesterov, impl)
+        if eta <= 0:
+            raise ValueError(f"the LARS coefficient eta must be positive, got {eta}")
+        self.eta, self.eps = float(eta), float(eps)
+
+
+class LAMB:
+    """LAMB (You et al., 2019): Adam's bias-corrected moments, weight decay where p.decay,
+    and a per-parameter trust ratio ||w|| / ||r|| where p.lars.
+
+    The first moment lives in arena.momentum, the second in a buffer of the same
+    size; `t` counts the steps taken (the bias corrections need it)."""
+
+    def __init__(self, arena, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.0, impl=None):
+        for name, b in (("beta1", beta1), ("beta2", beta2)):
+            if not 0 <= b < 1:
+                raise ValueError(f"LAMB {name} must lie in [0, 1), got {b}")
+        self.arena = arena
+        self.beta1, self.beta2, self.eps = float(beta1), float(beta2), float(eps)
+        self.weight_decay = float(weight_decay)
+        self.impl = impl
+        _, self.exp_avg_sq = lamb_state(arena.master)
+        self.t = 0
+
+    def step(self, lr, inv_scale=1.0):
+        a = self.arena
+        self.t += 1
+        return lamb_update(a.master, a.working, a.grad, a.momentum, self.exp_avg_sq, a.segments,
+                           lr, self.t, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                           weight_decay=self.weight_decay, inv_scale=inv_scale, impl=self.impl)
+
+    def state_dict(self):
+        """What a checkpoint needs beyond the arena (the first moment is arena.momentum)."""
+        return {"t": self.t, "exp_avg_sq": self.exp_avg_sq}
+
+    def load_state_dict(self, state):
+        self.t = int(state["t"])
+        self.exp_avg_sq[...] = state["exp_avg_sq"]
+
+
+OPTIMIZERS = {"sgd": SGD, "lars": LARS, "lamb": LAMB}
+
+
+def make_optimizer(name, arena, **hyper):
+    """The optimizer `name` (sgd, lars, lamb) over `arena`; hyper: its keyword arguments
+    (SGD: momentum, weight_decay, nesterov; LARS: also eta, eps; LAMB: beta1, beta2, eps,
+    weight_decay)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    return OPTIMIZERS[name](arena, **hyper)
+
+
+# ----- learning rate -----
+SCHEDULES = ("cosine", "poly", "step", "constant")
+
+
+def scaled_lr(base_lr, global_batch, ref_batch=None):
+    """The linear scaling rule (Goyal et al.): base_lr * global_batch / ref_batch;
+    base_lr itself when ref_batch is None."""
+    return base_lr if ref_batch is None else base_lr * global_batch / ref_batch
 
 
 def learning_rate(epoch, base_lr, total_epochs, warmup_epochs=0.0, kind="cosine",
-                  milestones=(), gamma=0.1):
+                  milestones=(), gamma=0.1, power=2.0):
     """The learning rate at a fractional epoch.
 
     Callers pass the epoch reached at the end of the step, (step + 1) /
     steps_per_epoch, so that the first warm-up step has a non-zero rate.
         warm-up  base_lr * epoch / warmup_epochs while epoch < warmup_epochs
                  (linear, Goyal et al.)
-    then
-        cosine   base_lr * (1 + cos(pi * t)) / 2, t = progress through the epochs after warm-up
-        step     base_lr * gamma ** (number of milestones passed)
+    then, with t = progress through the epochs after warm-up (0 to 1),
+        cosine   base_lr * (1 + cos(pi * t)) / 2
+        poly     base_lr * (1 - t) ** power          (power 2: the large-batch LARS recipe)
+        step     base_lr * gamma ** (number of milestones passed; milestones in epochs)
         constant base_lr
     """
+    if kind not in SCHEDULES:
+        raise ValueError(f"unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
     if epoch < warmup_epochs:
         return base_lr * epoch / warmup_epochs
+    t = min((epoch - warmup_epochs) / max(total_epochs - warmup_epochs, 1e-12), 1.0)
     if kind == "cosine":
-        t = (epoch - warmup_epochs) / max(total_epochs - warmup_epochs, 1e-12)
-        return base_lr * 0.5 * (1.0 + math.cos(math.pi * min(t, 1.0)))
+        return base_lr * 0.5 * (1.0 + math.cos(math.pi * t))
+    if kind == "poly":
+        return base_lr * (1.0 - t) ** power
     if kind == "step":
         return base_lr * gamma ** sum(epoch >= m for m in milestones)
-    if kind == "constant":
-        return base_lr
-    raise ValueError(f"unknown schedule {kind!r}; choose cosine, step or constant")
+    return base_lr

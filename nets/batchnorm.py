@@ -35,12 +35,23 @@ class BatchNorm2d(Module):
 
     Statistics, gamma, beta and the arithmetic are fp32 (float64 for float64
     input) whatever x's dtype: fp16 input is cast up, and y and dx are returned
-    in the dtype of x and dy. gamma and beta are read from the fp32 master copy,
-    which the fp16 working copy would round.
+    in the dtype of x and dy. For backward an fp16 layer keeps its fp16 input
+    (not the fp32 x - mean), so that the activations it holds stay fp16.
+    gamma and beta are read from the fp32 master copy, which the fp16 working
+    copy would round.
 
     zero_init: start gamma at 0 (Goyal et al.: the last BN of each residual
     block, so that every block starts as the identity).
+
+    Distributed BN (Ying et al.): with `group` set (mpitrain.comm.syncbn.attach),
+    the train-mode statistics are those of the group's ranks' batches together:
+    M, the per-channel sum of x and then of (x - mean)^2 are summed over the
+    group in forward, and dbeta and dgamma (for dx only) in backward. Each
+    rank's weight.grad and bias.grad stay its own share; the gradient all-reduce
+    sums them.
     """
+
+    group = None    # ranks whose batches share statistics: an object with .size and .sum(v)
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, zero_init=False):
         self.num_features = num_features
@@ -67,17 +78,25 @@ class BatchNorm2d(Module):
         if train:
             if M < 2:
                 raise ValueError(f"BatchNorm2d needs more than one value per channel in train mode, got shape {x.shape}")
-            mean = _fold(_colsum(xw), k, C) / M
+            group_sum = self.group.sum if self.group is not None else (lambda v: v)
+            Mg = M * (self.group.size if self.group is not None else 1)   # values per channel
+            mean = group_sum(_fold(_colsum(xw), k, C)) / Mg
             xc = xw - xp.tile(mean, k)
             # two passes (centre, then square) keep var accurate when |mean| >> std
-            var = _fold(xp.einsum("ij,ij->j", xc, xc), k, C) / M
+            var = group_sum(_fold(xp.einsum("ij,ij->j", xc, xc), k, C)) / Mg
             m = self.momentum
             self.running_mean.data[...] = (1 - m) * self.running_mean.data + m * mean
-            self.running_var.data[...] = (1 - m) * self.running_var.data + m * var * (M / (M - 1))
+            self.running_var.data[...] = (1 - m) * self.running_var.data + m * var * (Mg / (Mg - 1))
             invstd = 1.0 / xp.sqrt(var + self.eps)
             y = xc * xp.tile(gamma * invstd, k)
             y += xp.tile(beta, k)
-            self.xc, self.x = xc, None      # (M/k, k*C): x - mean in the wide layout
+            if x.dtype == stat:
+                self.xc, self.x = xc, None  # (M/k, k*C): x - mean in the wide layout
+            else:
+                # fp16 input: keep the fp16 x (half the bytes of an fp32 x - mean) and
+                # recompute x - mean in fp32 in backward
+                self.xc, self.mean = None, mean
+                self.x = x.reshape(M // k, k * C)   # (M/k, k*C) fp16 wide layout; mean: (C,)
         else:
             # a pure affine map y = x * s + (beta - mean * s): two passes, and x - mean
             # is formed only if backward is called
@@ -95,7 +114,7 @@ class BatchNorm2d(Module):
     def backward(self, dy):
         xp = array_module(dy)
         C, k, invstd = self.num_features, self.k, self.invstd
-        xc = self.xc if self.train else self.x - xp.tile(self.mean, k)
+        xc = self.xc if self.xc is not None else self.x - xp.tile(self.mean, k)   # in fp32
         M = dy.size // C
         dyw = dy.reshape(M // k, k * C).astype(xc.dtype, copy=False)
 
@@ -103,6 +122,9 @@ class BatchNorm2d(Module):
         dgamma = _fold(xp.einsum("ij,ij->j", dyw, xc), k, C) * invstd
         self.weight.grad[...] = dgamma
         self.bias.grad[...] = dbeta
+        if self.train and self.group is not None:     # dx sees the whole group's statistics
+            both = self.group.sum(xp.concatenate([dbeta, dgamma]))
+            dbeta, dgamma, M = both[:C], both[C:], M * self.group.size
 
         scale = self.weight.master.astype(xc.dtype, copy=False) * invstd
         dx = dyw * xp.tile(scale, k)

@@ -4,7 +4,7 @@ import numpy as np
 from mpitrain.backend import array_module
 
 
-def softmax_cross_entropy(logits, labels, label_smoothing=0.0):
+def softmax_cross_entropy(logits, labels, label_smoothing=0.0, scale=1.0):
     """Mean cross-entropy of softmax(logits) against (smoothed) one-hot labels.
 
     With K classes, batch N and eps = label_smoothing, the target of row n is
@@ -13,6 +13,9 @@ def softmax_cross_entropy(logits, labels, label_smoothing=0.0):
         loss     = -(1/N) sum_n sum_k t_nk log p_nk
         dlogits  = (softmax(logits) - t) / N.
     Computed in fp32 (float64 for float64 logits) whatever the logits' dtype.
+    scale: the loss scale of mixed precision; dlogits is scale * (softmax - t) / N, scaled
+    before the cast to the logits' dtype so that fp16 keeps its small values (the loss
+    itself is not scaled).
 
     Returns (loss as a Python float, dlogits with the dtype and shape of logits).
     """
@@ -35,6 +38,8 @@ def softmax_cross_entropy(logits, labels, label_smoothing=0.0):
     if eps:
         p -= eps / K
     p /= N
+    if scale != 1:
+        p *= scale
     return loss, p.astype(logits.dtype, copy=False)
 
 

@@ -1,0 +1,324 @@
+"""Atomic, resumable checkpoints: one HDF5 file per checkpoint, written by rank 0.
+
+File layout (no pickle anywhere; format_version 1):
+
+    /master            (P,)  fp32 master weights, the flat parameter arena
+    /momentum          (P,)  the arena's momentum buffer
+    /buffers           (R, B) BatchNorm running statistics of each of the R ranks that
+                             wrote it (the rows are equal after an evaluation, which
+                             averages them; mid-epoch they differ, and keeping every
+                             rank's row is what makes a mid-epoch resume exact)
+    /params/name, /params/offset, /params/shape   the arena's table, checked on load
+    /buffer_names, /buffer_shapes
+    /optimizer/<key>   arrays of optimizer.state_dict() (scalars are attributes of the group)
+    attributes of /:   format_version, epoch, step (the loader position of the next batch),
+                       global_step, world_size, config (JSON), scaler (JSON), rng (JSON:
+                       a list per rank of the bit-generator states of Dropout layers),
+                       complete = True (written last)
+
+Writing: a temporary file `.NAME.tmp` in the same directory is written, flushed
+and fsync'ed, then renamed over NAME with os.replace (atomic on POSIX), and the
+directory is fsync'ed. A crash at any point leaves the previous checkpoints as they
+were; a stray `.tmp` is ignored by `latest()` and removed by the next `prune()`.
+"""
+import glob
+import json
+import os
+import re
+
+import numpy as np
+
+from . import backend
+
+FORMAT_VERSION = 1
+PATTERN = "checkpoint-{global_step:09d}.h5"
+_NAME = re.compile(r"^checkpoint-(\d+)\.h5$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: unreadable, incomplete, or for another model."""
+
+
+def dropout_layers(model):
+    from mpitrain.nets.activation import Dropout
+    return [m for _, m in model.named_modules() if isinstance(m, Dropout)]
+
+
+def rng_states(model):
+    """JSON-able bit-generator states of the model's own generators (Dropout masks)."""
+    return [layer.rng.bit_generator.state for layer in dropout_layers(model)]
+
+
+def set_rng_states(model, states):
+    layers = dropout_layers(model)
+    if len(states) != len(layers):
+        raise CheckpointError(f"the checkpoint has {len(states)} dropout generator states, "
+                              f"the model {len(layers)} dropout layers")
+    for layer, state in zip(layers, states):
+        layer.rng.bit_generator.state = state
+
+
+def collect(model, comm, epoch, step, global_step, config, optimizer=None, scaler=None):
+    """Everything a checkpoint holds, as host arrays and JSON-able values, on rank 0
+    (None on the other ranks). Collective: every rank must call it."""
+    buffers = backend.to_numpy(model.buffer_arena.data)
+    rows = comm.gather(buffers, root=0)
+    rngs = comm.gather(rng_states(model), root=0)
+    if comm.rank != 0:
+        return None
+    a = model.arena
+    state = dict(master=backend.to_numpy(a.master), momentum=backend.to_numpy(a.momentum),
+                 buffers=np.stack(rows) if buffers.size else np.zeros((len(rows), 0), np.float32),
+                 names=[p.name for p in a.params], offsets=[p.offset for p in a.params],
+                 shapes=[list(p.shape) for p in a.params],
+                 buffer_names=[b.name for b in model.buffer_arena.buffers],
+                 buffer_shapes=[list(b.shape) for b in model.buffer_arena.buffers],
+                 epoch=int(epoch), step=int(step), global_step=int(global_step),
+                 world_size=comm.size, config=config, rng=rngs, optimizer={}, scaler=None)
+    if optimizer is not None and hasattr(optimizer, "state_dict"):
+        state["optimizer"] = {k: backend.to_numpy(v) if hasattr(v, "shape") else v
+                              for k, v in optimizer.state_dict().items()}
+    if scaler is not None and hasattr(scaler, "state_dict"):
+        state["scaler"] = scaler.state_dict()
+    return state
+
+
+def write(path, state, before_rename=None):
+    """Write `state` (from collect) to `path` atomically; returns path.
+
+    before_rename(tmp_path) is called after the temporary file is complete and
+    synced, just before the rename (tests use it to fail at that point).
+    """
+    import h5py
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp")
+    try:
+        with h5py.File(tmp, "w") as f:
+            f["master"] = state["master"]
+            f["momentum"] = state["momentum"]
+            f["buffers"] = state["buffers"]
+            text = h5py.string_dtype()
+            f["params/name"] = np.array(state["names"], dtype=object).astype(text)
+            f["params/offset"] = np.asarray(state["offsets"], np.int64)
+            f["params/shape"] = json.dumps(state["shapes"])
+            f["buffer_names"] = np.array(state["buffer_names"], dtype=object).astype(text) \
+                if state["buffer_names"] else np.zeros(0, text)
+            f["buffer_shapes"] = json.dumps(state["buffer_shapes"])
+            group = f.create_group("optimizer")
+            for key, value in state["optimizer"].items():
+                if isinstance(value, np.ndarray):
+                    group[key] = value
+                else:
+                    group.attrs[key] = value
+            for key in ("epoch", "step", "global_step", "world_size"):
+                f.attrs[key] = state[key]
+            f.attrs["format_version"] = FORMAT_VERSION
+            f.attrs["config"] = json.dumps(state["config"], sort_keys=True)
+            f.attrs["scaler"] = json.dumps(state["scaler"])
+            f.attrs["rng"] = json.dumps(state["rng"])
+            f.attrs["complete"] = True
+        _fsync(tmp)
+        if before_rename is not None:
+            before_rename(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    _fsync(directory)               # the rename itself survives a crash
+    return path
+
+
+def _fsync(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read(path):
+    """The state stored in `path` (as from collect), or CheckpointError saying why not."""
+    import h5py
+    try:
+        with h5py.File(path, "r") as f:
+            if not f.attrs.get("complete", False):
+                raise CheckpointError(f"{path} is incomplete (no 'complete' mark)")
+            version = int(f.attrs["format_version"])
+            if version != FORMAT_VERSION:
+                raise CheckpointError(f"{path} has format version {version}; this mpitrain "
+                                      f"reads version {FORMAT_VERSION}")
+            opt = f["optimizer"]
+            return dict(
+                master=f["master"][...], momentum=f["momentum"][...], buffers=f["buffers"][...],
+                names=[n.decode() if isinstance(n, bytes) else n for n in f["params/name"][...]],
+                offsets=f["params/offset"][...].tolist(),
+                shapes=json.loads(f["params/shape"][()]),
+                buffer_names=[n.decode() if isinstance(n, bytes) else n
+                              for n in f["buffer_names"][...]],
+                buffer_shapes=json.loads(f["buffer_shapes"][()]),
+                optimizer={**{k: opt[k][...] for k in opt}, **dict(opt.attrs)},
+                epoch=int(f.attrs["epoch"]), step=int(f.attrs["step"]),
+                global_step=int(f.attrs["global_step"]), world_size=int(f.attrs["world_size"]),
+                config=json.loads(f.attrs["config"]), scaler=json.loads(f.attrs["scaler"]),
+                rng=json.loads(f.attrs["rng"]), path=path)
+    except (OSError, KeyError) as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
+
+
+def read_config(path):
+    """The resolved training configuration stored in a checkpoint."""
+    import h5py
+    try:
+        with h5py.File(path, "r") as f:
+            return json.loads(f.attrs["config"])
+    except (OSError, KeyError) as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
+
+
+def check_matches(state, model):
+    """Refuse a checkpoint whose parameter table differs from the model's, naming the
+    first difference (a different number of classes shows up as fc.weight's shape)."""
+    a = model.arena
+    mine = [(p.name, list(p.shape)) for p in a.params]
+    theirs = list(zip(state["names"], state["shapes"]))
+    if mine == theirs and state["offsets"] == [p.offset for p in a.params]:
+        return
+    for (n1, s1), (n2, s2) in zip(mine, theirs):
+        if (n1, s1) != (n2, s2):
+            raise CheckpointError(f"checkpoint {state.get('path', '')} does not fit the model: "
+                                  f"parameter {n2} has shape {tuple(s2)} in the checkpoint, "
+                                  f"the model has {n1} {tuple(s1)} (a different model or "
+                                  f"number of classes?)")
+    raise CheckpointError(f"checkpoint {state.get('path', '')} has {len(theirs)} parameters, "
+                          f"the model {len(mine)}: a different model")
+
+
+def restore(path, model, comm, optimizer=None, scaler=None):
+    """Load `path` on rank 0 and broadcast it into every rank's model (master, working copy,
+    momentum, BatchNorm buffers, dropout generators), optimizer and scaler.
+
+    Returns the checkpoint's metadata (epoch, step, global_step, world_size, config).
+    Collective. With as many ranks as wrote it, every rank gets its own BatchNorm
+    statistics and generator state back; with a different number, every rank gets the
+    mean of the saved statistics and rank 0's generator states.
+    """
+    state, error = None, None
+    if comm.rank == 0:
+        try:
+            state = read(path)
+            check_matches(state, model)
+        except CheckpointError as e:
+            error = str(e)
+    error = comm.bcast(error, root=0)
+    if error:
+        raise CheckpointError(error)
+    meta = None
+    if comm.rank == 0:
+        meta = {k: state[k] for k in ("epoch", "step", "global_step", "world_size", "config",
+                                      "scaler", "rng", "path")}
+        meta["optimizer"] = {k: v for k, v in state["optimizer"].items()
+                             if not isinstance(v, np.ndarray)}
+        meta["optimizer_arrays"] = sorted(k for k, v in state["optimizer"].items()
+                                          if isinstance(v, np.ndarray))
+    meta = comm.bcast(meta, root=0)
+    a = model.arena
+    _bcast_into(comm, a.master, state["master"] if state else None)
+    a.sync_working()
+    _bcast_into(comm, a.momentum, state["momentum"] if state else None)
+    if model.buffer_arena.size:
+        rows = state["buffers"] if state else None
+        same = meta["world_size"] == comm.size
+        host = np.empty(model.buffer_arena.size, backend.to_numpy(model.buffer_arena.data[:1]).dtype)
+        if comm.rank == 0:
+            rows = np.ascontiguousarray(rows if same else rows.mean(axis=0, keepdims=True),
+                                        host.dtype)
+        if same:
+            comm.Scatter(rows if comm.rank == 0 else None, host, root=0)
+        else:
+            if comm.rank == 0:
+                host[...] = rows[0]
+            comm.Bcast(host, root=0)
+        model.buffer_arena.data[...] = backend.array_module(model.buffer_arena.data).asarray(host)
+    rngs = meta["rng"]
+    set_rng_states(model, rngs[comm.rank] if len(rngs) == comm.size else rngs[0])
+    if optimizer is not None and hasattr(optimizer, "load_state_dict"):
+        opt = dict(meta["optimizer"])
+        xp = backend.array_module(a.master)            # optimizer arrays live beside the arena
+        for key in meta["optimizer_arrays"]:
+            opt[key] = xp.asarray(comm.bcast(state["optimizer"][key] if state else None, root=0))
+        optimizer.load_state_dict(opt)
+    if scaler is not None and hasattr(scaler, "load_state_dict") and meta["scaler"] is not None:
+        scaler.load_state_dict(meta["scaler"])
+    return meta
+
+
+def _bcast_into(comm, target, source):
+    host = np.empty(target.shape, backend.to_numpy(target[:1]).dtype)
+    if comm.rank == 0:
+        host[...] = source
+    comm.Bcast(host, root=0)
+    target[...] = backend.array_module(target).asarray(host)
+
+
+def checkpoints(directory):
+    """Complete-looking checkpoint files in `directory`, oldest first (by global step)."""
+    found = []
+    for path in glob.glob(os.path.join(directory, "checkpoint-*.h5")):
+        m = _NAME.match(os.path.basename(path))
+        if m:
+            found.append((int(m.group(1)), path))
+    return [p for _, p in sorted(found)]
+
+
+def latest(directory):
+    """The newest checkpoint in `directory` that reads back complete, or None."""
+    for path in reversed(checkpoints(directory)):
+        try:
+            read_config(path)
+            import h5py
+            with h5py.File(path, "r") as f:
+                if f.attrs.get("complete", False):
+                    return path
+        except (CheckpointError, OSError):
+            continue
+    return None
+
+
+def prune(directory, keep):
+    """Delete all but the newest `keep` checkpoints, and any leftover temporary files."""
+    for path in checkpoints(directory)[:-keep] if keep > 0 else []:
+        os.remove(path)
+    for tmp in glob.glob(os.path.join(directory, ".checkpoint-*.h5.tmp")):
+        os.remove(tmp)
+
+
+# ----- stopping on a signal -----
+class StopSignals:
+    """SIGTERM and SIGUSR1 (what Slurm sends before a time limit, with --signal) only set
+    a flag here; the training loop looks at it between steps, the ranks agree on it with
+    an all-reduce (MAX), write a checkpoint and stop. Installed only in the main thread;
+    `restore()` puts the previous handlers back."""
+
+    EXIT_STATUS = {"SIGUSR1": 0, "SIGTERM": 143}     # 143 = 128 + 15, as a shell reports
+
+    def __init__(self, signals=("SIGTERM", "SIGUSR1")):
+        import signal
+        import threading
+        self.received = 0
+        self.previous = {}
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in signals:
+            num = getattr(signal, name)
+            self.previous[num] = signal.signal(num, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = signum
+
+    def restore(self):
+        import signal
+        for num, handler in self.previous.items():
+            signal.signal(num, handler)
+        self.previous = {}

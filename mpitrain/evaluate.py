@@ -1,0 +1,68 @@
+"""`python -m mpitrain eval`: top-1/top-5 of a checkpoint on a data file, distributed.
+
+The model, its number of classes, the image size and the crop come from the
+checkpoint's saved configuration. Rank 0 reads the checkpoint and broadcasts it;
+the BatchNorm statistics are the mean of the saved ranks' (as in training before
+an evaluation); every rank scores a shard of the file (mpitrain.train.evaluate).
+The model runs in fp32 from the master weights, whatever the training precision.
+"""
+import numpy as np
+
+from . import backend
+
+
+class EvalError(ValueError):
+    """A checkpoint and a data file that cannot be evaluated together."""
+
+
+def evaluate_checkpoint(path, data, batch_size=None, workers=2, device="auto", comm=None):
+    """{"top1", "top5" (5 classes or more), "images"} of checkpoint `path` on file `data`."""
+    from mpi4py import MPI
+    from mpitrain.datasets.loader import Loader
+    from mpitrain.nets import build_model
+
+    from . import checkpoint
+    from .train import (PRESETS, TRANSFORM, ConfigError, average_buffers, check_batch,
+                        describe_file, evaluate)
+    comm = comm or MPI.COMM_WORLD
+    info = None
+    if comm.rank == 0:
+        try:
+            cfg = checkpoint.read_config(path)
+            info = (cfg, describe_file(data))
+        except checkpoint.CheckpointError as e:
+            info = str(e)
+        except OSError as e:
+            info = f"cannot read data file {data}: {e}"
+    info = comm.bcast(info, root=0)
+    if isinstance(info, str):
+        raise EvalError(info)
+    cfg, (num_images, file_classes, stored_size) = info
+    classes = cfg.get("num_classes")
+    if classes != file_classes:
+        raise EvalError(f"{data} has {file_classes} classes, but the checkpoint's model "
+                        f"{cfg['model']} was trained on {classes}: not the same label set")
+    batch = batch_size or cfg["batch_size"]
+    try:
+        check_batch(batch, comm.size)
+    except ConfigError as e:
+        raise EvalError(str(e)) from None
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    backend.use_device(device, local.rank, local.size)
+    local.Free()
+    model = build_model(cfg["model"], num_classes=classes, seed=0)
+    try:
+        checkpoint.restore(path, model, comm)
+    except checkpoint.CheckpointError as e:
+        raise EvalError(str(e)) from None
+    average_buffers(model, comm)
+    preset = PRESETS.get(cfg.get("data"))
+    crop = (preset["transform"] if preset else TRANSFORM)["crop_fraction"]
+    size_px = cfg.get("image_size") or stored_size or 224
+    with Loader(data, batch, rank=comm.rank, size=comm.size, train=False, image_size=size_px,
+                workers=workers, dtype=np.float32, num_classes=classes, crop_fraction=crop,
+                pinned=backend.xp is not np) as loader:
+        result = evaluate(model, comm, loader, (1, 5) if classes >= 5 else (1,))
+    result["images"] = num_images
+    return result

@@ -1,0 +1,97 @@
+"""`python -m mpitrain plot RUN_DIR`: PNG curves of a run from its metrics.jsonl.
+
+    loss.png        training loss per logged step (x: epochs)
+    accuracy.png    validation top-1 / top-5 per evaluation
+    lr.png          learning rate (and the loss scale, when there is one)
+    throughput.png  images/s, and the time per step of each phase stacked
+"""
+import os
+
+from .metrics import read_metrics
+
+
+class PlotError(RuntimeError):
+    """No metrics to plot, or no matplotlib."""
+
+
+def plot_run(run_dir, out=None):
+    """Write the PNG files into `out` (default run_dir); returns their paths."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise PlotError(f"{path} does not exist: RUN_DIR must be a training run's --run-dir")
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotError("plot needs matplotlib: pip install matplotlib "
+                        "(or pip install -e '.[plot]' in the checkout)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(path)
+    steps = [r for r in records if r.get("kind") == "step"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    if not steps:
+        raise PlotError(f"{path} holds no step records yet")
+    out = out or run_dir
+    os.makedirs(out, exist_ok=True)
+    per_epoch = _steps_per_epoch(steps)
+    x = [r["global_step"] / per_epoch for r in steps]
+    written = []
+
+    def figure(name, title, ylabel, draw):
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+        draw(ax)
+        ax.set_title(title)
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+        fig.tight_layout()
+        target = os.path.join(out, name)
+        fig.savefig(target)
+        plt.close(fig)
+        written.append(target)
+
+    figure("loss.png", "training loss", "loss",
+           lambda ax: ax.plot(x, [r["loss"] for r in steps], marker=".", label="train loss"))
+
+    def accuracy(ax):
+        ex = [r["epoch"] for r in evals]
+        for key in ("top1", "top5"):
+            if evals and key in evals[0]:
+                ax.plot(ex, [100 * r[key] for r in evals], marker="o", label=f"val {key}")
+        ax.set_ylim(0, 100)
+    figure("accuracy.png", "validation accuracy", "accuracy (%)", accuracy)
+
+    def lr(ax):
+        ax.plot(x, [r["lr"] for r in steps], label="learning rate")
+        scales = [r.get("loss_scale") for r in steps]
+        if any(s is not None for s in scales):
+            twin = ax.twinx()
+            twin.semilogy(x, scales, color="tab:red", label="loss scale")
+            twin.set_ylabel("loss scale")
+    figure("lr.png", "learning rate", "learning rate", lr)
+
+    def throughput(ax):
+        ax.plot(x, [r["images_per_s"] for r in steps], marker=".", label="images/s")
+        phases = sorted({k for r in steps for k in r.get("time", {})})
+        if phases:
+            twin = ax.twinx()
+            bottom = [0.0] * len(steps)
+            for phase in phases:
+                top = [b + 1e3 * r.get("time", {}).get(phase, 0.0) for b, r in zip(bottom, steps)]
+                twin.fill_between(x, bottom, top, alpha=0.25, step="mid", label=phase)
+                bottom = top
+            twin.set_ylabel("ms per step (rank 0), by phase")
+            twin.legend(loc="lower right", fontsize="small")
+    figure("throughput.png", "throughput", "images/s", throughput)
+    return written
+
+
+def _steps_per_epoch(steps):
+    """From the records themselves: global_step = (epoch - 1) * steps_per_epoch + step."""
+    for r in steps:
+        if r["epoch"] > 1:
+            return (r["global_step"] - r["step"]) / (r["epoch"] - 1)
+    return max(r["step"] for r in steps)

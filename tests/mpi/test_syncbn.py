@@ -1,0 +1,116 @@
+"""Distributed BatchNorm under `mpirun -np N` (any N): with the group of all N ranks,
+each rank's slice of the output and of dx, the summed gamma/beta gradients and the
+running statistics equal single-process BN on the concatenated batch (float64)."""
+import numpy as np
+from mpi4py import MPI
+
+from mpitrain.comm import syncbn
+from mpitrain.nets.batchnorm import BatchNorm2d
+from mpitrain.nets.module import Sequential
+from test_data_parallel import agree
+
+WORLD = MPI.COMM_WORLD
+
+
+def bn(group_size=None):
+    layer = BatchNorm2d(5)
+    net = Sequential(layer).bind(dtype=np.float64, seed=0)
+    net.arena.master[:] = np.random.default_rng(7).uniform(0.5, 1.5, net.arena.size)
+    net.arena.sync_working()
+    if group_size is not None:
+        syncbn.attach(net, WORLD, group_size)
+    return net, layer
+
+
+def test_group_of_all_ranks_equals_one_process_on_the_whole_batch():
+    n, N = 3, WORLD.size
+
+    def check():
+        rng = np.random.default_rng(0)       # the same global batch on every rank
+        x = rng.standard_normal((n * N, 4, 3, 5)) * 3 + 2
+        dy = rng.standard_normal(x.shape)
+        mine = slice(WORLD.rank * n, (WORLD.rank + 1) * n)
+
+        net, layer = bn(group_size=N)
+        y = net.forward(x[mine], train=True)
+        dx = net.backward(dy[mine])
+        grads = net.arena.grad.copy()
+        WORLD.Allreduce(MPI.IN_PLACE, grads, op=MPI.SUM)    # what the gradient all-reduce does
+
+        ref, ref_layer = bn()
+        y_ref = ref.forward(x, train=True)
+        dx_ref = ref.backward(dy)
+        failures = []
+        for name, a, b in (("y", y, y_ref[mine]), ("dx", dx, dx_ref[mine]),
+                           ("gamma/beta grads", grads, ref.arena.grad),
+                           ("running stats", net.buffer_arena.data, ref.buffer_arena.data)):
+            err = np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
+            if err > 1e-12:
+                failures.append(f"{name} differ by {err:.1e}")
+        # without the group the same rank's output differs (unless one rank holds it all)
+        alone, _ = bn()
+        if N > 1 and np.allclose(alone.forward(x[mine], train=True), y):
+            failures.append("per-rank BN gave the same output: the test would prove nothing")
+        return "; ".join(failures) or None
+    agree(check)
+
+
+def test_group_of_one_is_per_rank_batchnorm():
+    def check():
+        x = np.random.default_rng(WORLD.rank).standard_normal((2, 3, 3, 5))
+        net, layer = bn(group_size=1)
+        ref, _ = bn()
+        if layer.group is not None:
+            return "a group of one must leave BN per rank"
+        return None if np.array_equal(net.forward(x), ref.forward(x)) else "outputs differ"
+    agree(check)
+
+
+def test_ranks_with_a_bn_group_of_all_match_one_process_with_the_whole_batch():
+    """Training with BatchNorm: N ranks x 2 images with --bn-group N and the bucketed,
+    overlapped gradient sum reach the weights and running statistics of one process
+    training on the concatenated batches."""
+    from mpitrain.comm import Communicator
+    from mpitrain.comm.buckets import Reducer
+    from mpitrain.nets.activation import ReLU
+    from mpitrain.nets.conv import Conv2d
+    from mpitrain.nets.linear import Linear
+    from mpitrain.nets.pool import GlobalAvgPool2d
+    from mpitrain.optim import SGD
+    from mpitrain.train import train_step
+
+    def net():
+        return Sequential(Conv2d(3, 6, 3, padding=1), BatchNorm2d(6), ReLU(), GlobalAvgPool2d(),
+                          Linear(6, 4)).bind(dtype=np.float64, seed=3)
+
+    local, steps, N = 2, 3, WORLD.size
+    comm = Communicator(WORLD)
+
+    def check():
+        rng = np.random.default_rng(5)
+        x = rng.standard_normal((steps * local * N, 6, 6, 3))
+        y = rng.integers(0, 4, steps * local * N)
+        parallel = net()
+        syncbn.attach(parallel, WORLD, N)
+        reducer = Reducer(parallel, comm, threshold=64)
+        opt = SGD(parallel.arena, momentum=0.9)
+        for s in range(steps):
+            part = slice((s * N + WORLD.rank) * local, (s * N + WORLD.rank + 1) * local)
+            train_step(parallel, opt, WORLD, x[part], y[part], lr=0.1, reducer=reducer)
+        reducer.close()
+        serial = net()
+        opt = SGD(serial.arena, momentum=0.9)
+        for s in range(steps):
+            part = slice(s * N * local, (s + 1) * N * local)
+            train_step(serial, opt, MPI.COMM_SELF, x[part], y[part], lr=0.1)
+        failures = []
+        for name, a, b in (("weights", parallel.arena.master, serial.arena.master),
+                           ("running stats", parallel.buffer_arena.data, serial.buffer_arena.data)):
+            err = np.abs(a - b).max() / np.abs(b).max()
+            if err > 1e-10:
+                failures.append(f"{name} differ from the serial run by {err:.1e}")
+        return "; ".join(failures) or None
+    try:
+        agree(check)
+    finally:
+        comm.free()

@@ -1,0 +1,266 @@
+"""Checkpoints: the file format, atomic writes, resume, and end to end under mpirun:
+an interrupted (SIGTERM) and resumed run equals an uninterrupted one bit for bit,
+its trace and metrics, and the `eval` command on its checkpoint."""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpitrain import checkpoint
+
+# the small fast job every end-to-end test here runs: 2 epochs of 22 steps on the digits
+JOB = ("--epochs", "2", "--batch-size", "64", "--seed", "3")
+
+
+# ----- helpers -----
+def mpiexec():
+    here = Path(sys.executable).parent / "mpiexec"
+    found = str(here) if here.exists() else shutil.which("mpiexec")
+    if found is None:
+        pytest.fail("no mpiexec: run ./launch.sh setup")
+    return found
+
+
+def command(ranks, *args):
+    return [mpiexec(), "-np", str(ranks), sys.executable, "-m", "mpitrain", *args]
+
+
+def environment(ranks):
+    env = dict(os.environ)
+    threads = str(max(1, len(os.sched_getaffinity(0)) // ranks))
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        env[var] = threads
+    return env
+
+
+def run(ranks, *args, timeout=180):
+    return subprocess.run(command(ranks, *args), capture_output=True, text=True,
+                          timeout=timeout, env=environment(ranks))
+
+
+def start(ranks, *args, log):
+    return subprocess.Popen(command(ranks, *args), stdout=log, stderr=subprocess.STDOUT,
+                            env=environment(ranks))
+
+
+def wait_for(path, proc, timeout=120):
+    end = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert proc.poll() is None, f"the job ended ({proc.returncode}) before {path} appeared"
+        assert time.monotonic() < end, f"{path} did not appear in {timeout} s"
+        time.sleep(0.05)
+
+
+def tiny_model(classes=3, seed=0, dropout=True):
+    """Linear -> Dropout -> Linear -> BatchNorm-free, bound in fp32."""
+    from mpitrain.nets.activation import Dropout
+    from mpitrain.nets.linear import Linear
+    from mpitrain.nets.module import Sequential
+    layers = [Linear(4, 5), Dropout(0.5, seed=7), Linear(5, classes)] if dropout \
+        else [Linear(4, 5), Linear(5, classes)]
+    return Sequential(*layers).bind(np.float32, seed=seed)
+
+
+def state_of(model, **extra):
+    from mpi4py import MPI
+    meta = dict(epoch=1, step=2, global_step=9, config={"model": "tiny", "batch_size": 4})
+    meta.update(extra)
+    return checkpoint.collect(model, MPI.COMM_SELF, meta["epoch"], meta["step"],
+                              meta["global_step"], meta["config"])
+
+
+# ----- the file -----
+def test_write_read_restore_round_trip(tmp_path):
+    from mpi4py import MPI
+    model = tiny_model()
+    model.arena.momentum[...] = np.arange(model.arena.size, dtype=np.float32)
+    dropout = model.layers[1]
+    dropout.rng.random(5)                           # a generator that has moved on
+    path = checkpoint.write(str(tmp_path / "checkpoint-000000009.h5"), state_of(model))
+    expected_next = dropout.rng.random(3)
+
+    other = tiny_model(seed=1)
+    assert not np.array_equal(other.arena.master, model.arena.master)
+    meta = checkpoint.restore(path, other, MPI.COMM_SELF)
+    np.testing.assert_array_equal(other.arena.master, model.arena.master)
+    np.testing.assert_array_equal(other.arena.momentum, model.arena.momentum)
+    np.testing.assert_array_equal(other.layers[1].rng.random(3), expected_next)
+    assert (meta["epoch"], meta["step"], meta["global_step"]) == (1, 2, 9)
+    assert meta["config"] == {"model": "tiny", "batch_size": 4}
+    with open(path, "rb") as f:
+        assert b"pickle" not in f.read()            # plain HDF5 datasets and JSON attributes
+
+
+def test_mismatched_classes_are_named(tmp_path):
+    from mpi4py import MPI
+    path = checkpoint.write(str(tmp_path / "checkpoint-000000009.h5"), state_of(tiny_model(3)))
+    with pytest.raises(checkpoint.CheckpointError, match=r"parameter 2\.bias has shape \(3,\) in "
+                                                         r"the checkpoint, the model has 2\.bias "
+                                                         r"\(4,\) \(a different model or number "
+                                                         r"of classes\?\)"):
+        checkpoint.restore(path, tiny_model(4), MPI.COMM_SELF)
+
+
+def test_failed_write_leaves_the_previous_checkpoint(tmp_path):
+    model = tiny_model()
+    old = checkpoint.write(str(tmp_path / "checkpoint-000000009.h5"), state_of(model))
+    before = checkpoint.read(old)["master"].copy()
+    model.arena.master[...] += 1.0
+
+    def crash(tmp):                                  # the process dies after the data is written
+        assert os.path.getsize(tmp) > 0
+        raise KeyboardInterrupt("killed before the rename")
+
+    for name in ("checkpoint-000000009.h5", "checkpoint-000000012.h5"):
+        with pytest.raises(KeyboardInterrupt):
+            checkpoint.write(str(tmp_path / name), state_of(model, global_step=12), crash)
+    assert checkpoint.latest(str(tmp_path)) == old
+    np.testing.assert_array_equal(checkpoint.read(old)["master"], before)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-000000009.h5"]
+
+
+KILLED_WRITER = """
+import os, signal, sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+from test_checkpoint import state_of, tiny_model
+from mpitrain import checkpoint
+model = tiny_model()
+model.arena.master[...] = 7.0
+checkpoint.write({path!r}, state_of(model, global_step=12),
+                 lambda tmp: os.kill(os.getpid(), signal.SIGKILL))
+"""
+
+
+def test_kill_9_between_write_and_rename(tmp_path):
+    old = checkpoint.write(str(tmp_path / "checkpoint-000000009.h5"), state_of(tiny_model()))
+    before = checkpoint.read(old)["master"].copy()
+    new = str(tmp_path / "checkpoint-000000012.h5")
+    script = KILLED_WRITER.format(tests=os.path.dirname(__file__), path=new)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    assert os.path.exists(tmp_path / ".checkpoint-000000012.h5.tmp")    # the write was complete
+    assert not os.path.exists(new)
+    assert checkpoint.latest(str(tmp_path)) == old
+    np.testing.assert_array_equal(checkpoint.read(old)["master"], before)
+    checkpoint.prune(str(tmp_path), keep=3)                     # the next write cleans up
+    assert os.listdir(tmp_path) == ["checkpoint-000000009.h5"]
+
+
+def test_latest_skips_a_torn_file_and_prune_keeps_k(tmp_path):
+    model = tiny_model()
+    paths = [checkpoint.write(str(tmp_path / checkpoint.PATTERN.format(global_step=g)),
+                              state_of(model, global_step=g)) for g in (3, 6, 9)]
+    torn = tmp_path / "checkpoint-000000012.h5"      # e.g. copied by hand, cut short
+    torn.write_bytes(Path(paths[-1]).read_bytes()[:1000])
+    (tmp_path / ".checkpoint-000000015.h5.tmp").write_bytes(b"partial")
+    assert checkpoint.latest(str(tmp_path)) == paths[-1]
+    with pytest.raises(checkpoint.CheckpointError, match="cannot read"):
+        checkpoint.read(str(torn))
+    checkpoint.prune(str(tmp_path), keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-000000009.h5", "checkpoint-000000012.h5"]
+
+
+# ----- end to end -----
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """The job uninterrupted, with a trace: (run dir, data dir, completed process)."""
+    base = tmp_path_factory.mktemp("straight")
+    data, run_dir = base / "data", base / "run"
+    r = run(2, "train", *JOB, "--data-dir", str(data), "--run-dir", str(run_dir),
+            "--trace", str(run_dir / "trace.json"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    return run_dir, data, r
+
+
+def test_sigterm_then_resume_is_bitwise_exact(straight_run, tmp_path):
+    run_dir0, data, _ = straight_run
+    run_dir = tmp_path / "run"
+    with open(tmp_path / "log", "w") as log:
+        job = start(2, "train", *JOB, "--data-dir", str(data), "--run-dir", str(run_dir),
+                    log=log)
+        wait_for(run_dir / "checkpoint-000000022.h5", job)      # epoch 1 is complete
+        job.send_signal(signal.SIGTERM)                          # mpiexec passes it to the ranks
+        rc = job.wait(timeout=60)
+    out = (tmp_path / "log").read_text()
+    assert rc == 143, out
+    stopped = re.findall(r"SIGTERM: stopped at epoch (\d), step (\d+); checkpoint ([^;\s]+);", out)
+    assert len(stopped) == 1, out                               # said once, by rank 0
+    assert os.path.exists(stopped[0][2])
+
+    r = run(2, "train", *JOB, "--data-dir", str(data), "--run-dir", str(run_dir),
+            "--resume", "auto")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"resumed from {stopped[0][2]}" in r.stdout
+    final = "checkpoint-000000044.h5"
+    a, b = checkpoint.read(str(run_dir0 / final)), checkpoint.read(str(run_dir / final))
+    for key in ("master", "momentum", "buffers"):
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_resume_on_one_rank_keeps_the_global_batch(straight_run, tmp_path):
+    run_dir0, data, _ = straight_run
+    mid = tmp_path / "checkpoint-000000022.h5"
+    shutil.copy(run_dir0 / "checkpoint-000000022.h5", mid)
+    r = run(1, "train", *JOB, "--data-dir", str(data), "--resume", str(mid))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "written by 2 rank(s)" in r.stdout and "epoch 2, step 0" in r.stdout
+    # the same global batches in the same order; BatchNorm now normalises over 64 images per
+    # replica instead of 32, so the weights differ from the 2-rank run's (not compared)
+    end = checkpoint.read(str(tmp_path / "checkpoint-000000044.h5"))
+    assert (end["epoch"], end["step"], end["world_size"]) == (2, 0, 1)
+    r = run(1, "train", "--epochs", "2", "--batch-size", "32", "--data-dir", str(data),
+            "--resume", str(mid))
+    assert r.returncode == 2 and "keeps the global batch (pass --batch-size 64" in r.stderr
+
+
+def test_trace_has_every_rank_and_each_phase(straight_run):
+    run_dir, _, _ = straight_run
+    pids = set()
+    for rank in (0, 1):
+        with open(run_dir / f"trace.rank{rank}.json") as f:
+            events = json.load(f)["traceEvents"]
+        spans = [e for e in events if e["ph"] == "X"]
+        assert {e["name"] for e in spans} >= {"forward", "backward", "update", "data wait",
+                                             "all-reduce", "evaluate"}
+        assert all(e["dur"] >= 0 and isinstance(e["ts"], (int, float)) for e in spans)
+        assert sum(e["name"] == "forward" for e in spans) == 44          # one per step
+        pids |= {e["pid"] for e in events}
+    assert pids == {0, 1}
+
+
+def test_metrics_config_and_environment(straight_run):
+    run_dir, _, r = straight_run
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    steps = [x for x in records if x["kind"] == "step"]
+    evals = [x for x in records if x["kind"] == "eval"]
+    assert [x["global_step"] for x in steps] == [22, 44]
+    assert {"loss", "lr", "images_per_s", "time"} <= set(steps[0])
+    assert {"data", "forward", "backward", "comm", "update"} <= set(steps[0]["time"])
+    assert [x["epoch"] for x in evals] == [1, 2] and 0 <= evals[-1]["top5"] <= 1
+    final = float(re.search(r"final validation accuracy: ([\d.]+)%", r.stdout).group(1))
+    assert abs(100 * evals[-1]["top1"] - final) < 0.01
+    config = json.load(open(run_dir / "config.json"))
+    assert config["batch_size"] == 64 and config["seed"] == 3
+    env = json.load(open(run_dir / "environment.json"))
+    assert env["world_size"] == 2 and env["device"] == "cpu" and "MPICH" in env["mpi_library"]
+
+
+def test_eval_command_reproduces_the_final_accuracy(straight_run):
+    run_dir, data, _ = straight_run
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    final = [x for x in records if x["kind"] == "eval"][-1]
+    r = run(2, "eval", "--checkpoint", str(run_dir / "checkpoint-000000044.h5"),
+            "--data", str(data / "digits_val.h5"), "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads(r.stdout)                   # one line: rank 0 alone prints
+    assert result["top1"] == final["top1"] and result["top5"] == final["top5"]
+    assert result["images"] == 359

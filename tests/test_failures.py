@@ -1,0 +1,189 @@
+"""Failure handling: a killed rank ends the whole job, the stall watchdog, a diverged
+run, and each invalid input refused before any work with a message that names it."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from mpitrain import checkpoint
+from test_checkpoint import command, environment, wait_for
+
+# 3 epochs of 22 steps: long enough to interrupt in the middle of epoch 2
+JOB = ("train", "--epochs", "3", "--batch-size", "64")
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    from mpitrain.datasets.convert import convert_digits
+    path = tmp_path_factory.mktemp("digits")
+    convert_digits(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def five_classes(tmp_path_factory):
+    """A 32x32 file with 5 classes, and a checkpoint of resnet_small for the digits' 10."""
+    from mpi4py import MPI
+
+    from mpitrain.datasets.convert import convert_synthetic
+    from mpitrain.nets import build_model
+    path = tmp_path_factory.mktemp("five")
+    data = str(path / "five.h5")
+    convert_synthetic(data, 40, (32, 32), classes=5)
+    model = build_model("resnet_small", num_classes=10)
+    config = dict(model="resnet_small", batch_size=8, data="digits", num_classes=10,
+                  image_size=32)
+    ckpt = checkpoint.write(str(path / "checkpoint-000000001.h5"),
+                            checkpoint.collect(model, MPI.COMM_SELF, 0, 1, 1, config))
+    return data, ckpt
+
+
+def launch(ranks, *args, log):
+    return subprocess.Popen(command(ranks, *args), stdout=log, stderr=subprocess.STDOUT,
+                            env=environment(ranks))
+
+
+def rank_pid(job, rank, timeout=30):
+    """The pid of MPI rank `rank` among the descendants of `job` (from PMI_RANK)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        parents = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                except OSError:
+                    continue
+        for pid in parents:
+            p = pid
+            while p in parents and p != job.pid:
+                p = parents[p]
+            if p != job.pid or pid == job.pid:
+                continue
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = f.read().split(b"\0")
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    is_python = b"mpitrain" in f.read()
+            except OSError:
+                continue
+            if is_python and f"PMI_RANK={rank}".encode() in env:
+                return pid
+        time.sleep(0.1)
+    pytest.fail(f"rank {rank} of the job not found")
+
+
+def run_quick(*args, timeout=120):
+    """One process, no mpiexec (MPI starts as a singleton)."""
+    return subprocess.run([sys.executable, "-m", "mpitrain", *args], capture_output=True,
+                          text=True, timeout=timeout, env=environment(1))
+
+
+# ----- a rank dies or stalls -----
+def test_kill_9_of_rank_1_ends_the_job_and_the_checkpoint_loads(digits, tmp_path):
+    run_dir = tmp_path / "run"
+    with open(tmp_path / "log", "w") as log:
+        job = launch(2, *JOB, "--data-dir", str(digits), "--run-dir", str(run_dir), log=log)
+        try:
+            wait_for(run_dir / "checkpoint-000000022.h5", job)
+            time.sleep(1.0)                                 # into epoch 2
+            os.kill(rank_pid(job, 1), signal.SIGKILL)
+            killed = time.monotonic()
+            rc = job.wait(timeout=30)
+            took = time.monotonic() - killed
+        finally:
+            if job.poll() is None:
+                job.kill()
+    assert rc != 0 and took < 30, (tmp_path / "log").read_text()
+    last = checkpoint.latest(str(run_dir))
+    state = checkpoint.read(last)
+    assert state["global_step"] >= 22 and np.isfinite(state["master"]).all()
+
+
+def test_stall_watchdog_ends_the_job(digits, tmp_path):
+    run_dir = tmp_path / "run"
+    with open(tmp_path / "log", "w") as log:
+        job = launch(2, *JOB, "--data-dir", str(digits), "--run-dir", str(run_dir),
+                     "--collective-timeout", "6", log=log)
+        stalled = None
+        try:
+            wait_for(run_dir / "checkpoint-000000022.h5", job)
+            stalled = rank_pid(job, 1)
+            os.kill(stalled, signal.SIGSTOP)                # rank 1 stops arriving
+            rc = job.wait(timeout=40)
+        finally:
+            if job.poll() is None:
+                job.kill()
+            if stalled is not None:
+                try:
+                    os.kill(stalled, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    out = f"exit status {rc}\n" + (tmp_path / "log").read_text()
+    assert rc != 0, out
+    assert "no progress for" in out and "(--collective-timeout 6)" in out, out
+    assert "rank 0 of 2" in out, out                        # the rank left waiting says so
+
+
+def test_non_finite_loss_stops_and_saves_nothing(digits, tmp_path):
+    run_dir = tmp_path / "run"
+    r = run_quick("train", "--epochs", "1", "--batch-size", "64", "--lr", "1e30",
+                  "--warmup-epochs", "0", "--data-dir", str(digits), "--run-dir", str(run_dir))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "the training loss is not finite" in r.stderr and "rank(s) [0]" in r.stderr
+    assert "the last checkpoint is none" in r.stderr
+    assert not [p for p in os.listdir(run_dir) if "checkpoint" in p]
+    assert "Traceback" not in r.stderr
+
+
+# ----- invalid inputs, refused before any work -----
+def test_global_batch_not_divisible_by_the_ranks(digits, tmp_path):
+    # rank count 2 is the point, so under mpiexec
+    r = subprocess.run(command(2, "train", "--batch-size", "63", "--data-dir", str(digits),
+                               "--run-dir", str(tmp_path)),
+                       capture_output=True, text=True, timeout=120, env=environment(2))
+    assert r.returncode == 2
+    assert "global batch size 63 does not divide by the 2 MPI ranks" in r.stderr
+    assert "epoch" not in r.stdout
+
+
+def test_data_smaller_than_one_global_batch(digits, tmp_path):
+    r = run_quick("train", "--batch-size", "2000", "--data-dir", str(digits),
+                  "--run-dir", str(tmp_path))
+    assert r.returncode == 2
+    assert "global batch size 2000 exceeds the 1438 training images" in r.stderr
+    assert "epoch" not in r.stdout
+
+
+def test_resume_with_other_classes_is_refused(five_classes, tmp_path):
+    data, ckpt = five_classes
+    r = run_quick("train", "--data", data, "--val-data", data, "--batch-size", "8",
+                  "--resume", ckpt, "--run-dir", str(tmp_path))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert ("does not fit the model: parameter fc.bias has shape (10,) in the checkpoint, "
+            "the model has fc.bias (5,)") in r.stderr
+    assert "epoch 1" not in r.stdout
+
+
+def test_eval_with_other_classes_is_refused(five_classes):
+    data, ckpt = five_classes
+    r = run_quick("eval", "--checkpoint", ckpt, "--data", data)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert (f"{data} has 5 classes, but the checkpoint's model resnet_small was trained on 10"
+            in r.stderr)
+
+
+def test_resume_from_a_missing_file(digits, tmp_path):
+    r = run_quick("train", "--data-dir", str(digits), "--resume", str(tmp_path / "nope.h5"))
+    assert r.returncode == 2
+    assert f"--resume {tmp_path / 'nope.h5'}: no such checkpoint file" in r.stderr
+
+
+def test_plot_without_metrics(tmp_path):
+    r = run_quick("plot", str(tmp_path))
+    assert r.returncode == 2 and "metrics.jsonl does not exist" in r.stderr

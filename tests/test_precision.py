@@ -1,0 +1,193 @@
+"""Mixed precision: the loss scaler's state machine, the overflow flag, fp16 activations
+in the layers, and fp16 training of the digits against fp32."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpitrain.nets import build_model
+from mpitrain.nets.activation import ReLU
+from mpitrain.nets.batchnorm import BatchNorm2d
+from mpitrain.nets.conv import Conv2d
+from mpitrain.nets.resnet import _Block
+from mpitrain.optim import SGD
+from mpitrain.precision import LossScaleError, LossScaler, found_overflow, make_scaler
+
+
+# ----- the scaler -----
+def steps(scaler, outcomes):
+    """Feed outcomes ('o' overflow, '.' clean); return (applied?, scale after) per step."""
+    return [(scaler.update(c == "o"), scaler.scale) for c in outcomes]
+
+
+def test_dynamic_scaler_grows_after_n_clean_steps():
+    s = LossScaler("dynamic", init_scale=8.0, growth_interval=3, max_scale=32.0)
+    assert s.scale == 8.0 and s.check
+    assert steps(s, "...") == [(True, 8.0), (True, 8.0), (True, 16.0)]
+    assert steps(s, "......") == [(True, 16.0)] * 2 + [(True, 32.0)] + [(True, 32.0)] * 3  # cap
+    assert s.skipped == 0
+
+
+def test_dynamic_scaler_backs_off_and_skips_and_restarts_the_count():
+    s = LossScaler("dynamic", init_scale=64.0, growth_interval=3)
+    # two clean steps, an overflow: halved, skipped, and the clean count starts again
+    assert steps(s, "..o") == [(True, 64.0), (True, 64.0), (False, 32.0)]
+    assert steps(s, "..o...") == [(True, 32.0), (True, 32.0), (False, 16.0),
+                                  (True, 16.0), (True, 16.0), (True, 32.0)]
+    assert s.skipped == 2
+
+
+def test_dynamic_scaler_stops_at_the_floor_and_aborts_when_stuck():
+    s = LossScaler("dynamic", init_scale=8.0, min_scale=2.0, growth_interval=100, patience=3)
+    assert steps(s, "oo") == [(False, 4.0), (False, 2.0)]      # down to the floor
+    assert steps(s, "oo.") == [(False, 2.0), (False, 2.0), (True, 2.0)]  # never below; 2 stuck
+    assert s.stuck == 0                                         # a clean step clears it
+    assert steps(s, "oo") == [(False, 2.0), (False, 2.0)]
+    with pytest.raises(LossScaleError, match="3 steps in a row at the smallest loss scale 2"):
+        s.update(True)
+
+
+def test_static_scaler_keeps_its_scale_and_skips_overflows():
+    s = LossScaler(1024, patience=2)
+    assert s.check and not s.dynamic
+    assert steps(s, "o" + "." * 5) == [(False, 1024.0)] + [(True, 1024.0)] * 5
+    s.update(True)
+    with pytest.raises(LossScaleError):
+        s.update(True)
+    assert not LossScaler(1.0).check                # fp32 default: no checks unless asked
+    with pytest.raises(ValueError, match="positive number or 'dynamic'"):
+        LossScaler(-1.0)
+
+
+def test_scaler_defaults_per_precision():
+    fp16, fp32 = make_scaler(None, "fp16"), make_scaler(None, "fp32")
+    assert (fp16.dynamic, fp16.scale, fp16.growth_interval, fp16.min_scale, fp16.check) == \
+        (True, 2.0 ** 16, 2000, 1.0, True)
+    assert (fp32.dynamic, fp32.scale, fp32.check) == (False, 1.0, False)
+    assert make_scaler(1.0, "fp16").check           # fp16 always checks, even at scale 1
+    assert make_scaler("dynamic", "fp32").check
+    with pytest.raises(ValueError, match="unknown precision"):
+        make_scaler(None, "bf16")
+
+
+def test_scaler_state_round_trip():
+    a = LossScaler("dynamic", init_scale=16.0, growth_interval=4)
+    steps(a, "..o..")
+    b = LossScaler("dynamic", init_scale=16.0, growth_interval=4)
+    b.load_state_dict(a.state_dict())
+    assert steps(a, "...o...") == steps(b, "...o...")
+    assert a.state_dict() == b.state_dict()
+    with pytest.raises(ValueError, match="static"):
+        LossScaler(8.0).load_state_dict(a.state_dict())
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_found_overflow_on_one_process(bad):
+    from mpi4py import MPI
+    grad = np.ones(300_000, np.float32)          # several kernel chunks
+    assert not found_overflow(grad) and not found_overflow(grad, MPI.COMM_SELF)
+    grad[234_567] = bad
+    assert found_overflow(grad) and found_overflow(grad, MPI.COMM_SELF)
+
+
+@pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")   # the overflows
+def test_overflowing_steps_are_skipped_until_the_scale_fits():
+    # at 2^24 the scaled dlogits already overflow fp16 (max 65504): the scaler halves
+    # the scale and the weights, their fp16 copy and the momentum stay put, until a
+    # scale fits and a step is applied
+    from mpi4py import MPI
+
+    from mpitrain.train import train_step
+    model = build_model("resnet_small", num_classes=10, working_dtype=np.float16)
+    arena = model.arena
+    opt = SGD(arena, momentum=0.9)
+    scaler = LossScaler("dynamic", init_scale=2.0 ** 24)
+    x = np.random.default_rng(0).standard_normal((4, 32, 32, 3)).astype(np.float16)
+    before = arena.master.copy(), arena.working.copy()
+    scales = []
+    while scaler.skipped == len(scales) and len(scales) < 24:
+        scales.append(scaler.scale)
+        train_step(model, opt, MPI.COMM_SELF, x, np.arange(4), lr=0.1, scaler=scaler)
+        if scaler.skipped == len(scales):
+            np.testing.assert_array_equal(arena.master, before[0])
+            np.testing.assert_array_equal(arena.working, before[1])
+            assert not arena.momentum.any()
+    assert scales[:2] == [2.0 ** 24, 2.0 ** 23]          # halved after each overflow
+    assert scales == [2.0 ** (24 - i) for i in range(len(scales))]
+    assert scaler.skipped == len(scales) - 1 >= 1          # the last step was applied
+    assert np.abs(arena.master - before[0]).max() > 0
+    np.testing.assert_array_equal(arena.working, arena.master.astype(np.float16))
+    assert np.isfinite(model.buffer_arena.data).all()      # forward never overflowed
+
+
+# ----- fp16 activations -----
+def test_fp16_model_holds_fp16_activations_and_half_size_working_weights():
+    model = build_model("resnet_small", num_classes=10, working_dtype=np.float16)
+    arena = model.arena
+    assert arena.master.dtype == np.float32 and arena.working.dtype == np.float16
+    assert arena.working.nbytes * 2 == arena.master.nbytes
+    assert model.buffer_arena.data.dtype == np.float32          # BN statistics stay fp32
+    x = np.random.default_rng(0).standard_normal((4, 32, 32, 3)).astype(np.float16)
+    logits = model.forward(x, train=True)
+    assert logits.dtype == np.float16
+    kinds = set()
+    for name, m in model.named_modules():
+        if isinstance(m, Conv2d):
+            assert m.col.dtype == np.float16, name
+        elif isinstance(m, ReLU):
+            assert m.mask.dtype == np.bool_, name
+        elif isinstance(m, _Block):
+            assert m.y.dtype == np.float16, name
+        elif isinstance(m, BatchNorm2d):
+            assert m.x.dtype == np.float16 and m.xc is None, name
+        else:
+            continue
+        kinds.add(type(m).__name__)
+        # nothing activation-sized is held in fp32: only per-channel vectors may be
+        for attr, v in vars(m).items():
+            if isinstance(v, np.ndarray) and v.dtype.kind == "f" and v.dtype != np.float16:
+                assert v.ndim == 1 and v.size <= 64, (name, attr, v.dtype, v.shape)
+    assert kinds == {"Conv2d", "ReLU", "BasicBlock", "BatchNorm2d"}
+    # and the gradients land in the fp32 arena
+    from mpitrain.nets.losses import softmax_cross_entropy
+    _, dlogits = softmax_cross_entropy(logits, np.arange(4), scale=1024.0)
+    assert dlogits.dtype == np.float16
+    assert model.backward(dlogits).dtype == np.float16
+    assert arena.grad.dtype == np.float32 and np.isfinite(arena.grad).all()
+    assert np.abs(arena.grad).max() > 0
+
+
+# ----- fp16 training -----
+def run_default_job(tmp_path, *args):
+    """The default job (resnet_small on the digits, 8 epochs, 2 ranks) with `args`, under
+    mpirun with each rank's share of the cores (as launch.sh runs it). Returns stdout."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    env = dict(os.environ)
+    threads = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        env[var] = threads
+    r = subprocess.run([str(mpiexec) if mpiexec.exists() else "mpiexec", "-np", "2",
+                        sys.executable, "-m", "mpitrain", "train", "--data-dir", str(tmp_path),
+                        "--checkpoint-every", "0", *args],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def test_fp16_digits_training_reaches_fp32_accuracy(tmp_path):
+    accuracy = {}
+    for precision in ("fp32", "fp16"):
+        out = run_default_job(tmp_path, "--precision", precision,
+                              "--run-dir", str(tmp_path / precision))
+        final = re.findall(r"final validation accuracy: ([\d.]+)% top-1", out)
+        assert len(final) == 1, out
+        accuracy[precision] = float(final[0])
+    assert accuracy["fp32"] >= 95.0, accuracy
+    assert accuracy["fp16"] >= accuracy["fp32"] - 1.0, accuracy
+    # the fp16 run was loss-scaled and almost never skipped a step (352 steps)
+    scale, skipped = re.search(r"loss scale ([\d.]+) at the end; (\d+) step", out).groups()
+    assert float(scale) >= 1.0 and int(skipped) < 35, out
