@@ -30,7 +30,7 @@ setup(
     extras_require={
         "gpu": ["cupy-cuda12x>=13", "numba-cuda>=0.4", "nvidia-nccl-cu12",
                 "nvidia-cudnn-frontend", "nvidia-cudnn-cu12"],
-        "test": ["pytest>=7"],
+        "test": ["pytest>=7", "matplotlib"],
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["mpitrain=mpitrain.cli:main"]},
