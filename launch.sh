@@ -7,6 +7,7 @@
 #                               under mpirun -np 1, 2, 3 and 4
 #   ./launch.sh train ARGS...   set up, then `python -m mpitrain train ARGS...` launched with
 #                               srun inside a Slurm allocation, else mpirun -np ${NP:-2}
+#                               (with --hostfile $HOSTFILE when HOSTFILE is set)
 #   ./launch.sh setup           set up only: .venv, editable install, Cython kernels
 #
 # On a Slurm cluster: `sbatch launch.sh train --epochs 10`; the #SBATCH lines below
@@ -74,7 +75,9 @@ run_train() {
         env $(thread_env "${SLURM_NTASKS_PER_NODE:-1}") srun ${SRUN_FLAGS:-} "$PY" -m mpitrain train "$@"
     else
         # shellcheck disable=SC2046
-        env $(thread_env "$NP") "$(mpirun_cmd)" -np "$NP" "$PY" -m mpitrain train "$@"
+        # HOSTFILE: one host per line, optionally host:slots (MPICH and Open MPI read it alike)
+        env $(thread_env "$NP") "$(mpirun_cmd)" ${HOSTFILE:+--hostfile "$HOSTFILE"} \
+            -np "$NP" "$PY" -m mpitrain train "$@"
     fi
 }
 
@@ -128,6 +131,6 @@ case $command in
     default) setup; run_train ;;
     train) shift; setup; run_train "$@" ;;
     test) setup; run_tests ;;
-    -h|--help|help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' ;;
+    -h|--help|help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' ;;
     *) echo "launch.sh: unknown command '$command' (use: setup, train ARGS..., test, or nothing)" >&2; exit 2 ;;
 esac

@@ -62,6 +62,8 @@ class _Span:
         self.start = time.perf_counter()
         if threading.current_thread() is threading.main_thread():
             self.outer, self.timeline.current = self.timeline.current, self
+            if self.timeline.listener is not None:
+                self.timeline.listener(self.name)
         return self
 
     def __exit__(self, *exc):
@@ -108,9 +110,27 @@ class Timeline:
         self.events = []
         self.tids = {}
         self.current = None
+        self.listener = None        # called with the name of each span the main thread enters
         self._perf0 = time.perf_counter()
         self._wall0 = time.time()
         self._lock = threading.Lock()
+
+    # categories drawn in the trace but not summed into phase times: they nest inside one
+    NESTED = {"layers"}
+
+    def trace_layer_groups(self, model):
+        """Show forward and backward of each top-level layer group of `model` (conv1, layer1,
+        ..., fc) in the trace, category "layers", by wrapping their methods on the instance."""
+        for name, group in model.named_modules():
+            if name.count(".") == 1:            # "layer1.", not "layer1.0." nor the model ""
+                for phase in ("forward", "backward"):
+                    setattr(group, phase, self._timed(getattr(group, phase), f"{phase} {name[:-1]}"))
+
+    def _timed(self, method, name):
+        def run(*args):
+            with self.span(name, "layers"):
+                return method(*args)
+        return run
 
     @classmethod
     def off(cls):
@@ -123,7 +143,8 @@ class Timeline:
     def add(self, name, cat, start, end):
         """Record a span measured elsewhere (perf_counter start and end, seconds)."""
         with self._lock:
-            self.totals[cat] = self.totals.get(cat, 0.0) + (end - start)
+            if cat not in self.NESTED:
+                self.totals[cat] = self.totals.get(cat, 0.0) + (end - start)
             if self.path is not None:
                 tid = self.tids.setdefault(cat, len(self.tids))
                 self.events.append({"name": name, "cat": cat, "ph": "X", "pid": self.rank,
@@ -246,23 +267,57 @@ class Watchdog:
     checkpoint writes, so `timeout` must exceed the longest of those. The message names
     this rank, the last thing it completed and, from `activity()` (Timeline.activity),
     the phase it is stuck in; the first rank whose watchdog fires ends the job, which
-    is a rank waiting for the late one (typically in 'all-reduce'). Which rank is late
-    is not found out: a stalled rank cannot report, and asking every rank for its
-    position would cost a message per rank and step.
+    is a rank waiting for the late one (typically in 'all-reduce').
+
+    The late ranks are named from a heartbeat board: a directory (in the run directory)
+    with one small file per rank, overwritten in place with the rank's position, a
+    count of beats and phases entered (`entered`, the Timeline's listener) that
+    advances identically on every rank. A stalled rank cannot report, but its file
+    still says where it stopped; the ranks behind the furthest one did not arrive.
+    Posting costs one pwrite of 128 bytes per phase, no message.
     """
 
-    def __init__(self, timeout, comm, stream=None, activity=None):
+    def __init__(self, timeout, comm, stream=None, activity=None, board=None):
         self.timeout, self.comm = float(timeout), comm
         self.stream = stream or sys.stderr
         self.activity = activity or (lambda: None)
         self.where = "start"
         self.last = time.monotonic()
+        self.count = 0
+        self.board, self._fd = board, None
+        if board:
+            os.makedirs(board, exist_ok=True)
+            self._fd = os.open(os.path.join(board, f"rank{comm.rank}"),
+                               os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
         self.thread.start()
 
     def beat(self, where):
         self.where, self.last = where, time.monotonic()
+        self._post(f"after {where}")
+
+    def entered(self, phase):
+        """The main thread entered a phase (a Timeline span): post the position."""
+        self._post(f"in '{phase}' after {self.where}")
+
+    def _post(self, where):
+        self.count += 1
+        if self._fd is not None:
+            os.pwrite(self._fd, f"{self.count:>14d} {where[:112]:<112}\n".encode(), 0)
+
+    def late_ranks(self):
+        """[(rank, position)] of the ranks behind the furthest one on the board."""
+        positions = {}
+        for r in range(self.comm.size):
+            try:
+                with open(os.path.join(self.board, f"rank{r}")) as f:
+                    text = f.read()
+                positions[r] = int(text[:14]), text[15:].strip()
+            except (OSError, ValueError):
+                positions[r] = -1, "no heartbeat (is the run directory on a shared file system?)"
+        furthest = max(count for count, _ in positions.values())
+        return [(r, where) for r, (count, where) in positions.items() if count < furthest]
 
     def _watch(self):
         period = min(1.0, self.timeout / 4)
@@ -270,11 +325,14 @@ class Watchdog:
             idle = time.monotonic() - self.last
             if idle > self.timeout:
                 now = self.activity()
+                late = self.late_ranks() if self.board else []
+                who = ("; ranks that did not arrive: " + ", ".join(
+                    f"rank {r} ({where})" for r, where in late)) if late else \
+                    "; a rank is stalled or has not arrived in the collective"
                 self.stream.write(
                     f"rank {self.comm.rank} of {self.comm.size}: no progress for {idle:.0f} s "
                     f"(--collective-timeout {self.timeout:g}) after {self.where}"
-                    f"{', ' + now if now else ''}; a rank is stalled or has not arrived in "
-                    f"the collective. Ending the job.\n")
+                    f"{', ' + now if now else ''}{who}. Ending the job.\n")
                 self.stream.flush()
                 time.sleep(1.0)         # let the launcher forward the message before the abort
                 self.comm.Abort(3)
@@ -282,3 +340,5 @@ class Watchdog:
     def close(self):
         self._stop.set()
         self.thread.join()
+        if self._fd is not None:
+            os.close(self._fd)

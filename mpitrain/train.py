@@ -419,6 +419,8 @@ def train(comm=None, log=print, **options):
         say(f"no checkpoint in {run_dir}: starting from the beginning", flush=True)
 
     timeline = Timeline(cfg["trace"], rank)
+    if cfg["trace"]:
+        timeline.trace_layer_groups(model)
     reducer = Reducer(model, communicator, cfg["fusion_threshold"], cfg["allreduce"],
                       np.float16 if cfg["comm_dtype"] == "fp16" else None, cfg["overlap"], timeline)
     say(f"gradients: {len(reducer.bounds)} bucket(s) of about {cfg['fusion_threshold']:,} bytes, "
@@ -432,8 +434,11 @@ def train(comm=None, log=print, **options):
                             stream=sys.stdout) if rank == 0 else None
     log_every = cfg["log_every"] or (max(1, steps // 4) if steps >= 100 else steps)
     signals = checkpoint.StopSignals()
-    watchdog = Watchdog(cfg["collective_timeout"], comm, activity=timeline.activity) \
+    watchdog = Watchdog(cfg["collective_timeout"], comm, activity=timeline.activity,
+                        board=os.path.join(run_dir, "heartbeat")) \
         if cfg["collective_timeout"] else None
+    if watchdog:
+        timeline.listener = watchdog.entered
     beat = watchdog.beat if watchdog else (lambda where: None)
     flags = np.zeros(2, np.int64)               # signal received, non-finite loss: agreed by MAX
     stop_on_nan = not scaler.check              # under loss scaling an overflow skips the step

@@ -233,6 +233,9 @@ def test_trace_has_every_rank_and_each_phase(straight_run):
                                              "all-reduce", "evaluate"}
         assert all(e["dur"] >= 0 and isinstance(e["ts"], (int, float)) for e in spans)
         assert sum(e["name"] == "forward" for e in spans) == 44          # one per step
+        groups = {e["name"] for e in spans if e["cat"] == "layers"}       # resnet_small's groups
+        assert groups >= {"backward conv1", "backward layer1", "backward layer3", "backward fc",
+                          "forward layer2"}, groups
         pids |= {e["pid"] for e in events}
     assert pids == {0, 1}
 

@@ -128,6 +128,7 @@ def test_stall_watchdog_ends_the_job(digits, tmp_path):
     assert rc != 0, out
     assert "no progress for" in out and "(--collective-timeout 6)" in out, out
     assert "rank 0 of 2" in out, out                        # the rank left waiting says so
+    assert "ranks that did not arrive: rank 1 (" in out, out  # and names the stalled one
 
 
 def test_non_finite_loss_stops_and_saves_nothing(digits, tmp_path):
