@@ -106,7 +106,8 @@ class Loader:
     The file's schema is checked on opening (labels against `num_classes`).
     A record that fails to read or decode raises DataError naming its index; with
     skip_bad_records it is replaced by the next record in file order that
-    decodes, and counted in `skipped` (`bad_indices` lists them).
+    decodes, and counted in `skipped` when its batch is handed out (`bad_indices`
+    lists them).
 
     Without drop_last, `last_valid` says how many leading entries of the last
     batch are real samples (the rest pad the last step), so an evaluation can
@@ -147,10 +148,13 @@ class Loader:
         self.wait_time = self.last_wait = 0.0
         self.last_valid = 0
         self.skipped, self.bad_indices = 0, set()
+        # bad records met while filling each ring slot; added to `skipped` when the batch is
+        # handed out, so batches prefetched but never consumed do not count
+        self._slot_bad = [0] * self.ring
         self._next = 0            # absolute number (epoch * steps + step) of the next batch
         self._threads = []
         self._epochs = {}         # epoch -> this rank's indices, for the epochs in flight
-        self._lock = threading.Lock()   # guards _epochs, skipped, bad_indices
+        self._lock = threading.Lock()   # guards _epochs, _slot_bad, bad_indices
 
     # -- position -------------------------------------------------------------
     def __len__(self):
@@ -179,11 +183,13 @@ class Loader:
                 while self._next < end:
                     a = self._next
                     start = time.perf_counter()
+                    self._slot_bad[a % self.ring] = 0
                     self._fill(reader, a, 0, self.local_batch)
                     self.last_wait = time.perf_counter() - start
                     self.wait_time += self.last_wait
                     self._next = a + 1
                     self.last_valid = self._valid(a)
+                    self.skipped += self._slot_bad[a % self.ring]
                     yield self.x[a % self.ring], self.y[a % self.ring]
             return
         while self._next < end:
@@ -204,6 +210,7 @@ class Loader:
             self.wait_time += self.last_wait
             self._next = a + 1
             self.last_valid = self._valid(a)
+            self.skipped += self._slot_bad[k]
             yield self.x[k], self.y[k]
 
     def _valid(self, a):
@@ -273,6 +280,7 @@ class Loader:
                     if c == 0:
                         self._slot_batch[a % self.ring] = a
                         self._slot_done[a % self.ring] = 0
+                        self._slot_bad[a % self.ring] = 0
                 lo = c * self.chunk
                 self._fill(reader, a, lo, min(lo + self.chunk, self.local_batch))
                 with self._cond:
@@ -302,10 +310,10 @@ class Loader:
         indices = self._indices(epoch)[step]
         for j in range(lo, hi):
             i = int(indices[j])
-            self.y[k, j] = self._load(reader, i, epoch, self.x[k, j])
+            self.y[k, j] = self._load(reader, i, epoch, self.x[k, j], k)
 
-    def _load(self, reader, i, epoch, out):
-        """Decode and augment record i into out; returns its label."""
+    def _load(self, reader, i, epoch, out, slot):
+        """Decode and augment record i into out (in ring slot `slot`); returns its label."""
         n = len(self.labels)
         for tries in range(min(n, 100)):
             r = (i + tries) % n
@@ -317,7 +325,7 @@ class Loader:
                     raise DataError(f"{self.path}: record {r} cannot be decoded "
                                     f"({type(e).__name__}: {e})") from e
                 with self._lock:
-                    self.skipped += 1
+                    self._slot_bad[slot] += 1
                     self.bad_indices.add(r)
         raise DataError(f"{self.path}: records {i}..{r} are all bad; giving up")
 
