@@ -18,21 +18,7 @@ from libc.string cimport memcpy, memset
 
 import numpy as np
 
-# below this many bytes of columns, starting the OpenMP team costs more than it saves
-cdef enum:
-    PARALLEL_MIN_BYTES = 1 << 18
-
-ctypedef fused floating:
-    float
-    double
-
-
-cdef inline Py_ssize_t _max(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
-    return a if a > b else b
-
-
-cdef inline Py_ssize_t _min(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
-    return a if a < b else b
+include "_common.pxi"   # PARALLEL_MIN_BYTES, floating, _max, _min
 
 
 cdef void _im2col_row(const unsigned char* x, unsigned char* col, Py_ssize_t r,

@@ -13,21 +13,7 @@ The wrappers (kernels/pool.py) check shapes, allocate outputs and zero dx.
 from cython.parallel import prange
 from libc.math cimport INFINITY
 
-# below this many bytes touched per window tap, starting the OpenMP team costs more than it saves
-cdef enum:
-    PARALLEL_MIN_BYTES = 1 << 18
-
-ctypedef fused floating:
-    float
-    double
-
-
-cdef inline Py_ssize_t _max(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
-    return a if a > b else b
-
-
-cdef inline Py_ssize_t _min(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
-    return a if a < b else b
+include "_common.pxi"   # PARALLEL_MIN_BYTES, floating, _max, _min
 
 
 cdef void _max_row(const floating* x, floating* y, int* arg, Py_ssize_t r,
