@@ -25,7 +25,8 @@ setup(
     package_dir=mapped,
     ext_modules=cythonize(extensions, language_level=3,
                           compiler_directives={"boundscheck": False, "wraparound": False}),
-    install_requires=["numpy>=1.26", "numba>=0.60", "h5py>=3.8", "pillow>=10", "mpi4py>=4.0",
+    install_requires=["numpy>=1.26", "numba>=0.60", "h5py>=3.8", "pillow>=10", "simplejpeg>=1.7",
+                      "mpi4py>=4.0",
                       "scikit-learn>=1.3", "pyyaml>=6", "threadpoolctl>=3"],
     extras_require={
         "gpu": ["cupy-cuda12x>=13", "numba-cuda>=0.4", "nvidia-nccl-cu12",

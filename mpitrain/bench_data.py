@@ -18,7 +18,7 @@ import time
 import numpy as np
 from PIL import Image
 
-from mpitrain.datasets.augment import random_resized_crop_box
+from mpitrain.datasets.augment import random_resized_crop_box, simplejpeg
 from mpitrain.datasets.h5format import Reader
 from mpitrain.datasets.loader import Loader
 
@@ -134,7 +134,8 @@ def run(path, workers=2, batch=32, image_size=224, reference=None, json_out=Fals
     count = batches or max(8, 2 * (n // batch))
     result = {"file": path, "records": n, "mean_record_bytes": mean_bytes,
               "workers": workers, "batch": batch, "image_size": image_size,
-              "timed_batches": count}
+              "timed_batches": count,
+              "jpeg_decoder": "libjpeg-turbo (simplejpeg)" if simplejpeg else "Pillow"}
     ours = bench_mpitrain(path, workers, batch, image_size, count)
     ours["per_worker"] = ours["images_per_s"] / max(workers, 1)
     result["mpitrain"] = ours
@@ -150,7 +151,8 @@ def run(path, workers=2, batch=32, image_size=224, reference=None, json_out=Fals
         print(json.dumps(result))
     else:
         print(f"{path}: {n} records, {workers} workers, batch {batch}, "
-              f"{image_size}x{image_size} training crops, {count} batches timed")
+              f"{image_size}x{image_size} training crops, {count} batches timed, "
+              f"JPEG decoder: {result['jpeg_decoder']}")
         rows = [("mpitrain", ours)] + ([("torch", result["torch"])] if "torch" in result else [])
         for name, r in rows:
             print(f"  {name:9s} {r['images_per_s']:8.1f} images/s  "

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mpitrain.datasets.augment import Augment, draft_factor, random_resized_crop_box
+from mpitrain.datasets.augment import (Augment, decode, draft_factor, filter_taps,
+                                       random_resized_crop_box, resize_normalise, simplejpeg)
 from mpitrain.datasets.convert import (convert_digits, convert_imagefolder, stratified_val,
                                        val_path)
 from mpitrain.datasets.h5format import FormatError, Reader, Writer
@@ -362,12 +363,93 @@ def test_draft_decoding_matches_full_decoding():
     rgb = smooth_image(400, 300)
     data = encode(rgb, "JPEG", quality=95)
     assert draft_factor(300, 300, 32) == 8 and draft_factor(300, 300, 100) == 2
-    aug = Augment(32, [0] * 3, [1] * 3, train=False, crop_fraction=1.0)
-    out = np.empty((32, 32, 3), np.float32)
-    aug(data, out)
     full = Image.open(io.BytesIO(data)).convert("RGB")
     ref = np.asarray(full.resize((32, 32), Image.BILINEAR, box=(50, 0, 350, 300)), np.float32)
-    assert np.abs(out - ref).mean() < 2.0
+    for turbo in (False, True):
+        aug = Augment(32, [0] * 3, [1] * 3, train=False, crop_fraction=1.0, turbo=turbo)
+        out = np.empty((32, 32, 3), np.float32)
+        aug(data, out)
+        assert np.abs(out - ref).mean() < 2.0
+
+
+def resize_reference(pixels, box, size):
+    """Float64 antialiased bilinear resize of box (x0, y0, x1, y1), straight from
+    the formula: out[i, j] = sum_y sum_x wy(i, y) wx(j, x) pixels[y, x]."""
+    def weights(lo, hi, n_in, n_out):
+        scale = (hi - lo) / n_out
+        support = max(scale, 1.0)
+        centres = lo + (np.arange(n_out) + 0.5) * scale
+        first = np.maximum((centres - support + 0.5).astype(int), 0)
+        last = np.minimum((centres + support + 0.5).astype(int), n_in)
+        taps = np.maximum(0, 1 - np.abs(np.arange(n_in)[None] + 0.5 - centres[:, None]) / support)
+        inside = (np.arange(n_in)[None] >= first[:, None]) & (np.arange(n_in)[None] < last[:, None])
+        taps *= inside
+        return taps / taps.sum(1, keepdims=True)
+    wy = weights(box[1], box[3], pixels.shape[0], size)
+    wx = weights(box[0], box[2], pixels.shape[1], size)
+    return np.einsum("iy,jx,yxc->ijc", wy, wx, pixels.astype(np.float64))
+
+
+@pytest.mark.parametrize("box,size", [((37, 20, 437, 320), 56),         # reduction
+                                      ((10.5, 3.25, 41.75, 30.0), 64),  # enlargement, fractions
+                                      ((0, 0, 90, 60), 60),             # mixed
+                                      ((0, 0, 90, 60), 45)])
+def test_resize_matches_the_float64_formula_and_pillow(box, size):
+    rng = np.random.default_rng(1)
+    pixels = rng.integers(0, 256, (330, 450, 3), dtype=np.uint8)
+    mean, inv_std = np.array([100.0, 120, 140]), 1 / np.array([50.0, 60, 70])
+    ref = resize_reference(pixels, box, size)
+    for flip in (False, True):
+        out = np.empty((size, size, 3))
+        resize_normalise(pixels, box, flip, mean, inv_std, out)
+        expected = (ref[:, ::-1] if flip else ref) - mean
+        np.testing.assert_allclose(out, expected * inv_std, rtol=0, atol=1e-9)
+    out32 = np.empty((size, size, 3), np.float32)
+    resize_normalise(pixels, box, False, np.zeros(3, np.float32), np.ones(3, np.float32), out32)
+    pil = np.asarray(Image.fromarray(pixels).resize((size, size), Image.BILINEAR, box=box))
+    assert np.abs(out32 - pil).max() <= 1.0      # Pillow rounds to uint8 between the passes
+
+
+@pytest.mark.torch
+def test_resize_matches_torch_antialiased_interpolate():
+    torch = pytest.importorskip("torch")
+    # torch resizes a cropped tensor; a box inside a larger image also weighs the
+    # pixels just outside it (as Pillow does), so the kernel is given the crop
+    pixels = np.random.default_rng(2).integers(0, 256, (100, 130, 3), dtype=np.uint8)
+    for size in (48, 200):
+        out = np.empty((size, size, 3))
+        resize_normalise(pixels, (0, 0, 130, 100), False, np.zeros(3), np.ones(3), out)
+        crop = torch.from_numpy(pixels.astype(np.float64)).permute(2, 0, 1)
+        ref = torch.nn.functional.interpolate(crop[None], size=(size, size), mode="bilinear",
+                                              antialias=True, align_corners=False)
+        np.testing.assert_allclose(out, ref[0].permute(1, 2, 0).numpy(), rtol=0, atol=1e-9)
+
+
+def test_filter_taps_sum_to_one_and_stay_inside():
+    for lo, hi, n_in, n_out in ((0, 500, 500, 224), (3.5, 40.2, 64, 224), (0, 7, 7, 7)):
+        first, count, weights = filter_taps(lo, hi, n_in, n_out)
+        np.testing.assert_allclose(weights.sum(1), 1.0, rtol=1e-12)
+        assert (first >= 0).all() and (first + count <= n_in).all()
+    first, count, weights = filter_taps(0, 7, 7, 7)            # same size: the identity
+    assert (first == np.arange(7)).all() and (weights[:, 0] == 1).all()
+
+
+@pytest.mark.skipif(simplejpeg is None, reason="simplejpeg is not installed")
+def test_libjpeg_turbo_decoding_agrees_with_pillow():
+    rgb = smooth_image(203, 150)
+    for mode in ("RGB", "L", "CMYK"):            # CMYK: simplejpeg refuses, Pillow converts
+        buf = io.BytesIO()
+        Image.fromarray(rgb).convert(mode).save(buf, "JPEG", quality=90)
+        data = buf.getvalue()
+        for reduce in (1, 2, 4, 8):
+            pil = decode(data, reduce, turbo=False).astype(np.int64)
+            exact = decode(data, reduce, turbo=True).astype(np.int64)
+            fast = decode(data, reduce, fast=True, turbo=True).astype(np.int64)
+            assert pil.shape == exact.shape == fast.shape == (-(-150 // reduce), -(-203 // reduce), 3)
+            assert np.abs(exact - pil).max() <= 1
+            assert np.abs(fast - pil).mean() < 2.0 and np.abs(fast - pil).max() <= 24
+    with pytest.raises(Exception):
+        decode(data[:len(data) // 2], turbo=True)              # truncated: an error, not garbage
 
 
 # -- bad files and bad records -----------------------------------------------------------------
