@@ -87,6 +87,17 @@ class Arena:
             self.segments[i] = (offset, p.size, p.decay, p.lars)
             offset += p.size
 
+    def rebind_grad(self, buf):
+        """Move the gradients into `buf` (same size and dtype, e.g. the node's shared
+        memory), pointing every parameter's `grad` view at it."""
+        if buf.shape != self.grad.shape or buf.dtype != self.grad.dtype:
+            raise ValueError(f"gradient buffer must be {self.grad.shape} {self.grad.dtype}, "
+                             f"got {buf.shape} {buf.dtype}")
+        buf[...] = self.grad
+        self.grad = buf
+        for p in self.params:
+            p.grad = buf[p.offset:p.offset + p.size].reshape(p.shape)
+
     def sync_working(self):
         """Refresh the working copy from the master weights (a no-op when they are one buffer)."""
         if self.working is not self.master:

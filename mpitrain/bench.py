@@ -280,8 +280,9 @@ def format_parallel(r):
                      f"scaling efficiency {t['efficiency']:.2f} (vs 1 rank x "
                      f"{r['one_rank']['threads']} threads)")
     lines.append(f"overlap: {r['hidden_fraction']:.0%} of the all-reduce time ran behind "
-                 f"backward; the overlapped step is {r['saved_ms']:.1f} ms shorter than the "
-                 f"--no-overlap step, whose all-reduce took {r['no_overlap']['comm_total_ms']:.1f} ms")
+                 f"backward; the overlapped step is {abs(r['saved_ms']):.1f} ms "
+                 f"{'shorter' if r['saved_ms'] >= 0 else 'longer'} than the --no-overlap step, "
+                 f"whose all-reduce took {r['no_overlap']['comm_total_ms']:.1f} ms")
     return "\n".join(lines)
 
 

@@ -8,7 +8,9 @@ step's worth of summing, for each algorithm:
                  views of the one buffer, nothing copied)
     per-tensor   one all-reduce per parameter tensor (161 calls)
 
-with the values on the wire in fp32 and in fp16 (an fp16 arena; "fp16+cast"
+The arena is allocated as training allocates it, in the node's shared memory
+(Communicator.shared_zeros), which the `shm` algorithm needs and the others
+ignore. With the values on the wire in fp32 and in fp16 (an fp16 arena; "fp16+cast"
 adds the casts from and back to an fp32 arena that training pays), and a sweep
 of single buffers from 4 KiB to 64 MiB per algorithm, the data behind the
 `hybrid` rule. Each time is the slowest rank's, the median of `repeats` runs
@@ -85,7 +87,7 @@ def _slices(n, itemsize, fusion_bytes):
     return [slice(a, min(a + step, n)) for a in range(0, n, step)]
 
 
-def run(model="resnet50", algorithms=("flat", "hierarchical", "2d", "hybrid"),
+def run(model="resnet50", algorithms=("flat", "hierarchical", "2d", "shm", "hybrid"),
         fusion=(1 * MiB, 4 * MiB, 16 * MiB), repeats=5, ranks_per_node=None,
         sweep=True, json_out=False, mpi_comm=None):
     """Time the all-reduce of `model`'s gradients; rank 0 prints a table (or one JSON
@@ -100,7 +102,7 @@ def run(model="resnet50", algorithms=("flat", "hierarchical", "2d", "hybrid"),
     p = comm.size
     # zeros: the cost of a sum does not depend on the values, and repeated in-place sums
     # of anything else would overflow (p**k grows past float16 within a few repeats)
-    grads = {"fp32": np.zeros(n, np.float32), "fp16": np.zeros(n, np.float16)}
+    grads = {"fp32": comm.shared_zeros(n, np.float32), "fp16": comm.shared_zeros(n, np.float16)}
     bounds = np.concatenate(([0], np.cumsum(sizes)))
     tensors = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
     rows = []
@@ -143,9 +145,10 @@ def run(model="resnet50", algorithms=("flat", "hierarchical", "2d", "hybrid"),
                 count = min(nbytes // x.itemsize, n)
                 reps = max(repeats, int(min(200, 2e7 / nbytes)))
                 t = _time(comm, {a: (lambda a=a: comm.allreduce(x[:count], a))
-                                 for a in ("flat", "hierarchical", "2d")}, reps)
+                                 for a in ("flat", "hierarchical", "2d", "shm")}, reps)
                 sweep_rows.append(dict(wire=wire, bytes=count * x.itemsize,
-                                       hybrid=choose(comm, count * x.itemsize, x.dtype),
+                                       hybrid=choose(comm, count * x.itemsize, x.dtype,
+                                                     shared=comm.peers(x) is not None),
                                        **{a: round(v[1] * 1e3, 4) for a, v in t.items()}))
 
     result = dict(model=model, tensors=len(sizes), values=n, source=source, ranks=p,
@@ -169,17 +172,18 @@ def format_table(r):
                      f"{row['ms']:>9.2f} {row['min_ms']:>9.2f} {row['busbw_GBps']:>10.2f}  {','.join(row['ran'])}")
     if r["sweep"]:
         lines += ["", "single buffer, minimum ms:",
-                  f"{'wire':<5} {'bytes':>10} {'flat':>9} {'hierarchical':>13} {'2d':>9}  hybrid picks"]
+                  f"{'wire':<5} {'bytes':>10} {'flat':>9} {'hierarchical':>13} {'2d':>9} {'shm':>9}"
+                  f"  hybrid picks"]
         for e in r["sweep"]:
             lines.append(f"{e['wire']:<5} {e['bytes']:>10} {e['flat']:>9.3f} {e['hierarchical']:>13.3f} "
-                         f"{e['2d']:>9.3f}  {e['hybrid']}")
+                         f"{e['2d']:>9.3f} {e['shm']:>9.3f}  {e['hybrid']}")
     return "\n".join(lines)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="resnet50")
-    ap.add_argument("--algorithms", default="flat,hierarchical,2d,hybrid")
+    ap.add_argument("--algorithms", default="flat,hierarchical,2d,shm,hybrid")
     ap.add_argument("--fusion-mib", default="1,4,16", help="fusion slice sizes in MiB")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--ranks-per-node", type=int, default=None)

@@ -136,7 +136,7 @@ def build_parser():
                        help="treat ranks r with equal r // K as one node (exercises the "
                             "multi-node algorithms on one host); default: the ranks sharing "
                             "memory form a node")
-    train.add_argument("--allreduce", choices=["flat", "hierarchical", "2d", "hybrid"],
+    train.add_argument("--allreduce", choices=["flat", "hierarchical", "2d", "shm", "hybrid"],
                        default=D["allreduce"],
                        help="gradient all-reduce algorithm (hybrid: chosen per bucket from "
                             "size and topology, see mpitrain/comm/algorithms.py)")
@@ -221,7 +221,7 @@ def build_parser():
     step.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     step.add_argument("--fusion-threshold", type=positive_int, default=D["fusion_threshold"],
                       metavar="BYTES", help="under mpirun: gradient bucket size")
-    step.add_argument("--allreduce", choices=["flat", "hierarchical", "2d", "hybrid"],
+    step.add_argument("--allreduce", choices=["flat", "hierarchical", "2d", "shm", "hybrid"],
                       default=D["allreduce"], help="under mpirun: all-reduce algorithm")
     step.add_argument("--comm-dtype", choices=["fp32", "fp16"], default=D["comm_dtype"],
                       help="under mpirun: gradient dtype on the wire")
@@ -259,7 +259,7 @@ def build_parser():
                     "milliseconds and algorithmic bus bandwidth.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     comm.add_argument("--model", choices=models, default="resnet50")
-    comm.add_argument("--algorithms", default="flat,hierarchical,2d,hybrid",
+    comm.add_argument("--algorithms", default="flat,hierarchical,2d,shm,hybrid",
                       help="comma-separated algorithms")
     comm.add_argument("--fusion-mib", default="1,4,16", help="fusion bucket sizes in MiB")
     comm.add_argument("--repeats", type=positive_int, default=5, help="timed runs (median)")

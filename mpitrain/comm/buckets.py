@@ -43,8 +43,10 @@ shared with other jobs): a thread running blocking all-reduces made the step
 while a flat all-reduce started with Iallreduce and tested every POLL seconds
 with sleeps in between made it 53 ms shorter, of 95 ms of all-reduce in the
 --no-overlap step (55% hidden; the wait after backward fell to 0.2 ms). So a
-flat bucket (what `hybrid` picks for fp32) goes that way; hierarchical and 2d
-are sequences of blocking collectives and still block in the thread.
+flat bucket goes that way, and shm (what `hybrid` picks for an arena in shared
+memory, which is where the Reducer puts a host arena) waits for its node
+barriers the same way, as tested Ibarriers; hierarchical and 2d are sequences
+of blocking collectives and still block in the thread.
 On the same host with little other load the all-reduce takes only 20-29 ms of
 a 1.1 s step, and overlap did not pay: the wait after backward fell to 0.5-3 ms
 but backward grew by 24-28 ms, the step by 13-36 ms (1-3%). With one core per
@@ -52,6 +54,10 @@ rank there is no idle core: the shared-memory all-reduce is itself copying and
 adding on the rank's core, and the thread's Test calls take the GIL from
 backward. Overlap pays where the transport works without the CPU (a network
 card, NCCL on GPUs) or the host is oversubscribed; --no-overlap is the switch.
+With shm (same benchmark, busy host): the --no-overlap step spent 41 ms in
+the all-reduce; overlapped, 97% of the all-reduce ran behind backward and the
+step was as long (1882 against 1873 ms, within the noise): the shared-memory
+sum is short enough that the thread no longer costs backward much.
 MPITRAIN_COMM_POLL=0 restores the blocking thread (to measure the difference).
 
 On a GPU the hook first waits for the device stream, so the thread never
@@ -115,7 +121,11 @@ class Reducer:
         self.comm, self.algorithm, self.overlap = comm, algorithm, overlap
         self.wire_dtype = None if wire_dtype is None else np.dtype(wire_dtype)
         self.timeline = timeline or Timeline.off()
-        self.grad = model.arena.grad
+        arena = model.arena
+        if algorithm in ("shm", "hybrid") and comm.shares_memory \
+                and backend.array_module(arena.grad) is np and comm.peers(arena.grad) is None:
+            arena.rebind_grad(comm.shared_zeros(arena.size, arena.grad.dtype))
+        self.arena = arena
         self.bounds = bucket_bounds(model.arena, threshold)
         starts = [a for a, _ in self.bounds]
         bucket_of = {id(p): int(np.searchsorted(starts, p.offset, side="right")) - 1
@@ -184,12 +194,12 @@ class Reducer:
     def _reduce(self, b):
         start, stop = self.bounds[b]
         t0 = time.perf_counter()
-        buf = self.grad[start:stop]
+        buf = self.arena.grad[start:stop]
         if self.overlap and POLL and backend.array_module(buf) is np:
             self._reduce_politely(buf)
         else:
             self.comm.allreduce(buf, self.algorithm, wire_dtype=self.wire_dtype)
-        nbytes = (stop - start) * (self.wire_dtype or self.grad.dtype).itemsize
+        nbytes = (stop - start) * (self.wire_dtype or self.arena.grad.dtype).itemsize
         self.timeline.add(f"bucket {b} ({nbytes} bytes)", "bucket", t0, time.perf_counter())
 
     def _reduce_politely(self, buf):
@@ -197,10 +207,11 @@ class Reducer:
 
         A blocking MPICH collective polls the shared memory in a loop until the other
         ranks arrive: in the communication thread that loop takes the core from
-        backward. A flat all-reduce is therefore started as Iallreduce and tested
-        every POLL seconds, sleeping in between (each Test moves the collective on),
-        until backward is over (finish() disarms the reducer), when it simply waits;
-        the other algorithms are compositions of blocking collectives and run as such.
+        backward. A flat all-reduce is therefore started as Iallreduce, and shm's
+        barriers as Ibarrier, and tested every POLL seconds, sleeping in between
+        (each Test moves the collective on), until backward is over (finish()
+        disarms the reducer), when they simply wait; hierarchical and 2d are
+        compositions of blocking collectives and run as such.
         """
         from mpi4py import MPI
         wire = buf
@@ -209,23 +220,29 @@ class Reducer:
                 self.comm.scratch(self.wire_dtype, buf.size, like=buf, purpose="wire"), buf)
         algorithm = self.algorithm
         if algorithm == "hybrid":
-            algorithm = algorithms.choose(self.comm, wire.nbytes, wire.dtype)
+            algorithm = algorithms.choose(self.comm, wire.nbytes, wire.dtype,
+                                          shared=self.comm.peers(wire) is not None)
         if algorithm == "flat":
             dt, op = algorithms.wire(wire)
-            request = self.comm.world.Iallreduce(MPI.IN_PLACE, [wire, dt], op=op)
-            while not request.Test():
-                if not self.armed:          # backward is over: nothing left to make room for
-                    request.Wait()
-                    break
-                time.sleep(POLL)
+            self._wait(self.comm.world.Iallreduce(MPI.IN_PLACE, [wire, dt], op=op))
+        elif algorithm == "shm":
+            algorithms.shm(self.comm, wire, wait=self._wait)
         else:
             self.comm.allreduce(wire, algorithm)
         if wire is not buf:
             algorithms.cast_into(buf, wire)
 
+    def _wait(self, request):
+        """Complete `request`, testing it every POLL seconds while backward runs."""
+        while not request.Test():
+            if not self.armed:          # backward is over: nothing left to make room for
+                request.Wait()
+                return
+            time.sleep(POLL)
+
     def _serve(self):
-        if backend.array_module(self.grad) is not np:
-            self.grad.device.use()          # CuPy's current device is per thread
+        if backend.array_module(self.arena.grad) is not np:
+            self.arena.grad.device.use()    # CuPy's current device is per thread
         while True:
             b = self._queue.get()
             if b is None:

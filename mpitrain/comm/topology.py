@@ -9,6 +9,10 @@
                    has that many ranks, ordered by node: the middle phase of
                    `2d` (for local index 0 it is the leaders' group)
 
+Arrays from `shared_zeros` live in an MPI-3 shared-memory window of the
+node: each rank of the node can read and write every other's, which the `shm`
+all-reduce uses (the gradient arena goes there, see buckets.Reducer).
+
 Nodes are numbered by their lowest world rank. A node is what
 `Split_type(COMM_TYPE_SHARED)` finds (ranks sharing memory), or, with
 `ranks_per_node=K`, the ranks with equal `rank // K`, so that one host can
@@ -46,6 +50,11 @@ class Communicator:
 
         self.cross_comm = self.world.Split(color=self.local_rank, key=self.node)
         self.leaders_comm = self.cross_comm if self.local_rank == 0 else MPI.COMM_NULL
+        # --ranks-per-node may group ranks of different hosts: then no shared memory
+        shared = self.node_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.shares_memory = self.local_size > 1 and shared.size == self.local_size
+        shared.Free()
+        self._windows = []      # [(MPI.Win, (every local rank's array in it))]
         self._scratch = {}
         self._nccl = None
 
@@ -61,7 +70,10 @@ class Communicator:
         return "\n".join(lines)
 
     def free(self):
-        """Release the MPI communicators (collective)."""
+        """Release the shared windows and the MPI communicators (collective); arrays
+        from shared_zeros (a Reducer's gradient arena) must not be used afterwards."""
+        for win, views in list(self._windows):
+            self._free_window(win, views)
         for c in (self.cross_comm, self.node_comm, self.world):
             if c != MPI.COMM_NULL:
                 c.Free()
@@ -71,7 +83,7 @@ class Communicator:
     def allreduce(self, buf, algorithm="hybrid", wire_dtype=None):
         """Sum the contiguous 1-D array `buf` over all ranks, in place; the same bits everywhere.
 
-        algorithm: "flat", "hierarchical", "2d" or "hybrid" (see algorithms.py).
+        algorithm: "flat", "hierarchical", "2d", "shm" or "hybrid" (see algorithms.py).
         wire_dtype: send the values in this dtype (np.float16 halves the bytes
         of a float32 buffer): `buf` is cast into a reused wire buffer, summed
         there (in the wire dtype, so partial sums round to it) and cast back.
@@ -94,7 +106,8 @@ class Communicator:
         algorithms.wire(buf)      # reject an unsupported dtype before any collective starts
         on_device = array_module(buf) is not np
         if algorithm == "hybrid":
-            algorithm = algorithms.choose(self, buf.nbytes, buf.dtype, on_device)
+            algorithm = algorithms.choose(self, buf.nbytes, buf.dtype, on_device,
+                                          shared=self.peers(buf) is not None)
         if not on_device:
             algorithms.HOST[algorithm](self, buf)
         else:
@@ -124,6 +137,59 @@ class Communicator:
             from . import nccl
             self._nccl = nccl.NcclEngine(self) if nccl.available() else False
         return self._nccl or None
+
+    def shared_zeros(self, n, dtype):
+        """n zeros of `dtype` in an MPI-3 shared-memory window of the node (collective
+        over the node), which every rank of the node can read and write. Where the
+        node's ranks do not share memory (or the node has one rank) a private array,
+        still registered, so that every rank agrees the buffer is "shared" (the
+        hybrid rule) and runs `shm`, which is 2d on such a node."""
+        dtype = np.dtype(dtype)
+        if not self.shares_memory:
+            mine = np.zeros(n, dtype)
+            self._windows.append((None, (mine,) * self.local_size))
+            return mine
+        win = MPI.Win.Allocate_shared(max(n, 1) * dtype.itemsize, dtype.itemsize,
+                                      comm=self.node_comm)
+        win.Lock_all(MPI.MODE_NOCHECK)      # one passive epoch for the window's life: Win.Sync works
+        views = tuple(np.frombuffer(win.Shared_query(q)[0], dtype, n)
+                      for q in range(self.local_size))
+        views[self.local_rank][:] = 0
+        self._windows.append((win, views))
+        return views[self.local_rank]
+
+    def peers(self, buf):
+        """(window, arrays): buf's place in the shared_zeros array holding it, in every
+        local rank's copy (indexed by local rank; window None where the node does not
+        share memory); None when buf is not in such an array."""
+        if not isinstance(buf, np.ndarray) or not buf.size:
+            return None
+        for win, views in self._windows:
+            mine = views[self.local_rank]
+            if (buf.base is mine or buf is mine) and buf.dtype == mine.dtype:   # NumPy keeps base flat
+                i = (buf.__array_interface__["data"][0]
+                     - mine.__array_interface__["data"][0]) // buf.itemsize
+                return win, tuple(v[i:i + buf.size] for v in views)
+        return None
+
+    def _free_window(self, win, views):
+        self._windows = [(w, v) for w, v in self._windows if v is not views]
+        if win is not None:
+            win.Unlock_all()
+            win.Free()
+
+    def shared_scratch(self, dtype, n):
+        """A reused shared_zeros array of n elements (grown collectively: every rank
+        must ask for the same sizes in the same order, as the all-reduce calls do)."""
+        key = ("shared", np.dtype(dtype).str)
+        buf = self._scratch.get(key)
+        if buf is None or buf.size < n:
+            for win, views in self._windows:
+                if views[self.local_rank] is buf:
+                    self._free_window(win, views)
+                    break
+            buf = self._scratch[key] = self.shared_zeros(max(n, 1), dtype)
+        return buf[:n]
 
     def scratch(self, dtype, n, like=None, purpose="shard"):
         """A reused buffer of n elements (grown, never shrunk) on the device of `like`."""

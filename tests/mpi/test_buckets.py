@@ -53,6 +53,30 @@ def _backward(model, x, y):
     model.backward(dlogits)
 
 
+def test_reducer_puts_a_host_arena_in_shared_memory(comm):
+    """Where the node's ranks share memory, the Reducer moves the gradient arena into
+    a shared window (for shm), keeping its values, and backward writes there."""
+    def check():
+        model = small_net(seed=0)
+        before = model.arena.grad.copy()
+        Reducer(model, comm, threshold=100).close()
+        grad = model.arena.grad
+        if (comm.peers(grad) is not None) != comm.shares_memory:
+            return f"arena shared: {comm.peers(grad) is not None}, node shares memory: " \
+                   f"{comm.shares_memory}"
+        if not np.array_equal(grad, before):
+            return "the gradients changed when the arena moved"
+        if not all(np.shares_memory(p.grad, grad) for p in model.arena.params):
+            return "a parameter's grad view still points at the old buffer"
+        rng = np.random.default_rng(WORLD.rank)
+        _backward(model, rng.standard_normal((2, 8, 8, 3)).astype(np.float32),
+                  rng.integers(0, 5, 2))
+        if not np.any(grad):
+            return "backward did not write into the shared arena"
+        return None
+    agree(check)
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("wire", [None, np.float16])
 def test_reducer_sums_exactly_what_a_plain_allreduce_sums(comm, overlap, wire):
@@ -70,8 +94,10 @@ def test_reducer_sums_exactly_what_a_plain_allreduce_sums(comm, overlap, wire):
         handed_over = reducer.next              # buckets started during backward
         reducer.finish()
         reducer.close()
-        # the same buckets summed one by one after the fact (same calls: same bits)
-        expected = local.copy()
+        # the same buckets summed one by one after the fact (same calls: same bits),
+        # from shared memory as the reducer's arena (hybrid's choice depends on it)
+        expected = comm.shared_zeros(local.size, local.dtype)
+        expected[...] = local
         for a, b in reducer.bounds:
             comm.allreduce(expected[a:b], "hybrid", wire_dtype=wire)
         if not np.array_equal(model.arena.grad, expected):

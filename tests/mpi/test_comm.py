@@ -88,13 +88,29 @@ def check_sum(buf, n, dtype, seed=1234):
                                f"tolerance {tol[worst]:.3g}); bitwise identical on all ranks {same}")
 
 
-def run_case(k, algorithm, dtype, n):
+_arenas = {}
+
+
+def shared_arena(k, dtype):
+    """One array in the node's shared memory per grouping and dtype (shared_zeros is
+    collective: created in the same test order on every rank)."""
+    key = (k, np.dtype(dtype).str)
+    if key not in _arenas:
+        _arenas[key] = communicator(k).shared_zeros(1_000_010, dtype)
+    return _arenas[key]
+
+
+def run_case(k, algorithm, dtype, n, shared=False, expect=None):
+    """Sum every rank's inputs with `algorithm`; `shared`: the buffer is a slice, at an
+    odd offset, of an array in shared memory. `expect`: the algorithm hybrid must pick."""
     comm = communicator(k)
-    buf = inputs(n, dtype, comm.rank)
+    buf = shared_arena(k, dtype)[3:3 + n] if shared else np.empty(n, dtype)
+    buf[...] = inputs(n, dtype, comm.rank)
     try:
         ran = comm.allreduce(buf, algorithm)
         ok, detail = check_sum(buf, n, dtype)
         detail = f"{algorithm} ran as {ran}: {detail}"
+        ok = ok and expect in (None, ran)
     except Exception as e:      # noqa: BLE001 -- reported through agree()
         ok, detail = False, repr(e)
     agree(ok, detail)
@@ -127,15 +143,29 @@ def test_large_sums(algorithm, dtype, k):
     run_case(k, algorithm, dtype, 1_000_003)
 
 
+@pytest.mark.parametrize("n", [1, 7, 100_003, 1_000_003])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("algorithm", ["shm", "hybrid", "flat"])
+@pytest.mark.parametrize("k", GROUPINGS, ids=lambda k: f"rpn{k}")
+def test_sums_in_shared_memory(k, algorithm, dtype, n):
+    """Buffers inside a shared window (the gradient arena's place in training): shm
+    sums there directly, hybrid picks shm for those of 64 KiB and more, the others
+    are unaffected."""
+    large = n * np.dtype(dtype).itemsize >= algorithms.SHM_MIN_BYTES
+    run_case(k, algorithm, dtype, n, shared=True,
+             expect="shm" if algorithm == "hybrid" and large else None)
+
+
 def test_repeated_calls_reuse_scratch():
-    """A smaller buffer after a larger one (2d's shard scratch is reused) and the same
-    buffer twice give the correct sums."""
+    """A smaller buffer after a larger one (2d's shard scratch and shm's shared
+    staging array are reused, then grown) and the same buffer twice give the correct sums."""
     comm = communicator(2)
     outcomes = []
-    for n in (5000, 3, 5000):
-        buf = inputs(n, np.float32, comm.rank)
-        comm.allreduce(buf, "2d")
-        outcomes.append(check_sum(buf, n, np.float32))
+    for algorithm in ("2d", "shm"):
+        for n in (5000, 3, 5000, 20000):
+            buf = inputs(n, np.float32, comm.rank)
+            comm.allreduce(buf, algorithm)
+            outcomes.append(check_sum(buf, n, np.float32))
     agree(all(o for o, _ in outcomes), [d for _, d in outcomes])
 
 
