@@ -143,9 +143,10 @@ def build_parser():
     train.add_argument("--fusion-threshold", type=positive_int, default=D["fusion_threshold"],
                        metavar="BYTES", help="gradients are summed in buckets of about this "
                                              "many bytes of the gradient arena")
-    train.add_argument("--no-overlap", dest="overlap", action="store_false",
-                       help="sum the gradient buckets after backward instead of during it "
-                            "(overlap on: %(default)s)")
+    train.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=D["overlap"],
+                       help="sum the gradient buckets during backward (--overlap) or after it "
+                            "(--no-overlap); auto: during on a GPU, after on a CPU, where "
+                            "the ranks' cores have no idle time to hide the sum in")
     train.add_argument("--comm-dtype", choices=["fp32", "fp16"], default=D["comm_dtype"],
                        help="dtype of the gradients on the wire (fp16 halves the bytes)")
     train.add_argument("--check-replicas", type=nonnegative_int, default=D["check_replicas"],

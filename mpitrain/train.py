@@ -50,8 +50,9 @@ DEFAULTS.update(run_dir=None, checkpoint_every=1, keep_checkpoints=3, resume=Non
                 collective_timeout=None, log_every=None)
 
 # Communication: topology, all-reduce algorithm, fusion buckets and their overlap
-# with backward, the gradient dtype on the wire, replica checks, distributed BatchNorm.
-DEFAULTS.update(ranks_per_node=None, allreduce="hybrid", fusion_threshold=4 << 20, overlap=True,
+# with backward ("auto": on for a GPU arena, off for a host one, see comm/buckets.py), the
+# gradient dtype on the wire, replica checks, distributed BatchNorm.
+DEFAULTS.update(ranks_per_node=None, allreduce="hybrid", fusion_threshold=4 << 20, overlap="auto",
                 comm_dtype="fp32", check_replicas=0, bn_group=1)
 
 # Data sets known by name: files under data_dir, made by `convert` on first use.
@@ -421,11 +422,12 @@ def train(comm=None, log=print, **options):
     timeline = Timeline(cfg["trace"], rank)
     if cfg["trace"]:
         timeline.trace_layer_groups(model)
+    overlap = backend.xp is not np if cfg["overlap"] == "auto" else bool(cfg["overlap"])
     reducer = Reducer(model, communicator, cfg["fusion_threshold"], cfg["allreduce"],
-                      np.float16 if cfg["comm_dtype"] == "fp16" else None, cfg["overlap"], timeline)
+                      np.float16 if cfg["comm_dtype"] == "fp16" else None, overlap, timeline)
     say(f"gradients: {len(reducer.bounds)} bucket(s) of about {cfg['fusion_threshold']:,} bytes, "
         f"all-reduce {cfg['allreduce']}, {cfg['comm_dtype']} on the wire, "
-        f"{'overlapped with' if cfg['overlap'] else 'after'} backward"
+        f"{'overlapped with' if overlap else 'after'} backward"
         + (f"; BatchNorm statistics over groups of {cfg['bn_group']} rank(s)"
            if bn_group else ""), flush=True)
     metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl")) if rank == 0 else None

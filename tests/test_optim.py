@@ -281,3 +281,11 @@ def test_train_flags_reach_the_trainer_options():
                 "precision", "loss_scale"):
         assert key in DEFAULTS
     assert build_parser().parse_args(["train", "--loss-scale", "dynamic"]).loss_scale == "dynamic"
+
+
+def test_overlap_flag_defaults_to_auto():
+    from mpitrain.cli import build_parser
+    parse = build_parser().parse_args
+    assert parse(["train"]).overlap == "auto"
+    assert parse(["train", "--overlap"]).overlap is True
+    assert parse(["train", "--no-overlap"]).overlap is False

@@ -173,23 +173,23 @@ def _copy_into(y, x):
 
 
 def _shm_sum_kernel(peers, lo, hi, me, spread):
-    """peers[me][lo:hi] = peers[0][lo:hi] + peers[1][lo:hi] + ... (in local-rank
-    order; float32 or float64), and the same into every peers[q] when `spread`.
+    """peers[me][lo:hi] += peers[q][lo:hi] for every other q in order (float32 or
+    float64), then, when `spread`, the sum copied into every peers[q].
 
-    Block by block, so each block of every array is read once and written once
-    while the partial sum stays in L1. (The loops are over slices passed to
-    helpers: indexing the tuple inside a loop would keep LLVM from vectorising.)
+    Block by block, so the block of the sum is still in L1 when it is copied:
+    each element of every copy is read once and written once. (The loops are
+    over slices passed to helpers: indexing the tuple inside a loop would keep
+    LLVM from vectorising.)
     """
-    acc = np.empty(_BLOCK, peers[0].dtype)
+    mine = peers[me]
     for start in range(lo, hi, _BLOCK):
         stop = min(start + _BLOCK, hi)
-        part = acc[:stop - start]
-        _copy_into(part, peers[0][start:stop])
-        for q in range(1, len(peers)):
-            _add_into(part, peers[q][start:stop])
         for q in range(len(peers)):
-            if spread or q == me:
-                _copy_into(peers[q][start:stop], part)
+            if q != me:
+                _add_into(mine[start:stop], peers[q][start:stop])
+        for q in range(len(peers)):
+            if spread and q != me:
+                _copy_into(peers[q][start:stop], mine[start:stop])
 
 
 def _shm_half_sum_kernel(peers, lo, hi, me, spread):
@@ -343,9 +343,10 @@ def shm(comm, buf, wait=None):
 
         1. the node's ranks wait for each other (Win.Sync, a node barrier, Win.Sync:
            every array is written and visible);
-        2. local rank j sums shard j (shard_layout) of all the node's arrays, in
-           local-rank order, and on a single node writes the sum straight into
-           all of them (reduce-scatter and all-gather in one pass);
+        2. local rank j adds shard j (shard_layout) of the other arrays of the
+           node into its own, in local-rank order, and on a single node copies
+           the sum straight into all of them, block by block (reduce-scatter and
+           all-gather in one pass);
         3. on several nodes, shard j is summed across nodes by one Allreduce among
            the ranks with local index j (as 2d), then copied into the node's arrays;
         4. a second wait, after which every array holds the whole sum.
@@ -354,7 +355,8 @@ def shm(comm, buf, wait=None):
     On 2 ranks a rank reads and writes each element of its half of both arrays
     once; MPICH's shared-memory all-reduce copies through its own buffers. A buffer
     outside a shared window is staged through a shared scratch array (a copy in
-    and out); a node whose ranks do not share memory (or of one rank) runs 2d.
+    and out); a node whose ranks do not share memory (or of one rank), or a
+    shared_zeros array that did not fit in /dev/shm, runs 2d.
     With `wait`, the node barriers are Ibarriers completed by `wait(request)`, so
     the communication thread can wait for the other ranks of its node without
     spinning; by default they are blocking Barriers (faster: MPICH's own
@@ -370,6 +372,8 @@ def shm(comm, buf, wait=None):
         buf[...] = stage
         return
     win, peers = found
+    if win is None:                 # no room was left in shared memory for this array
+        return two_d(comm, buf)
     dt, op = wire(buf)
     half = buf.dtype == np.float16
     if half:
@@ -419,16 +423,18 @@ def choose(comm, nbytes, dtype=np.float32, device=False, shared=False):
 
     * a buffer in the node's shared memory (the gradient arena in training,
       Communicator.shared_zeros), of at least 64 KiB: shm, any dtype and
-      topology. Single buffers, flat / 2d / shm, 2 ranks, fp32: 4 KiB 0.022 /
-      0.042 / 0.051; 64 KiB 0.068 / 0.109 / 0.067; 256 KiB 0.144 / 0.228 /
-      0.089; 4 MiB 2.03 / 3.39 / 0.89; 64 MiB 65 / 83 / 9.2. fp16: 64 KiB
-      0.237 / 0.207 / 0.178; 4 MiB 14.0 / 9.2 / 6.7. ResNet-50's arena in 4 MiB
-      buckets: 15.7 / 66.0 / 36.1 ms (shm / 2d / flat) in one run on a busy
-      host, 12.2 ms for shm in a quieter one. shm reads and writes each element
-      of the rank's shard of every copy once, in place; MPICH's shared-memory
-      all-reduce copies the data through its own cells. Below 64 KiB the two
-      barriers cost more than the copies saved. On a node without shared
-      memory shm runs 2d, which is why the rule keys on the buffer, not the node.
+      topology. Single buffers, flat / 2d / shm, 2 ranks, fp32: 4 KiB 0.015 /
+      0.027 / 0.035; 16 KiB 0.033 / 0.052 / 0.040; 64 KiB 0.048 / 0.077 /
+      0.042; 1 MiB 0.31 / 0.57 / 0.22; 4 MiB 1.36 / 2.28 / 0.49; 64 MiB 45 /
+      60 / 4.3. fp16: 16 KiB 0.090 / 0.114 / 0.098; 64 KiB 0.230 / 0.205 /
+      0.175; 4 MiB 9.1 / 5.9 / 3.7. ResNet-50's arena in 4 MiB buckets: 7.8 /
+      54.6 / 33.8 ms (shm / 2d / flat), per tensor 11.6 / 57.9 / 36.2 ms; on
+      4 ranks (oversubscribed) 25.6 ms for shm, 140 for flat. shm reads and
+      writes each element of the rank's shard of every copy once, in place;
+      MPICH's shared-memory all-reduce copies the data through its own cells.
+      Below 64 KiB the two barriers cost more than the copies saved. On a
+      node without shared memory shm runs 2d, which is why the rule keys on
+      the buffer, not the node.
     * float32/float64 (MPI's built-in SUM) elsewhere: flat, at every size and topology.
       Single buffers, flat / hierarchical / 2d, 2 ranks on one node:
       4 KiB 0.012 / 0.015 / 0.043; 1 MiB 0.29 / 0.42 / 0.50;

@@ -54,10 +54,13 @@ rank there is no idle core: the shared-memory all-reduce is itself copying and
 adding on the rank's core, and the thread's Test calls take the GIL from
 backward. Overlap pays where the transport works without the CPU (a network
 card, NCCL on GPUs) or the host is oversubscribed; --no-overlap is the switch.
-With shm (same benchmark, busy host): the --no-overlap step spent 41 ms in
-the all-reduce; overlapped, 97% of the all-reduce ran behind backward and the
-step was as long (1882 against 1873 ms, within the noise): the shared-memory
-sum is short enough that the thread no longer costs backward much.
+With shm (same benchmark, two runs on a busy host): the --no-overlap step
+spent 10.6 and 41 ms in the all-reduce (1-2% of a 1.5-1.9 s step);
+overlapped, 96-97% of it ran behind backward, yet the step was 74 and 9 ms
+longer: on a rank's only core the polling thread costs backward more than
+the little communication left to hide. Hence `train`'s default, --overlap
+auto: overlapped for a GPU arena (NCCL runs on its own stream and links),
+after backward for a host arena.
 MPITRAIN_COMM_POLL=0 restores the blocking thread (to measure the difference).
 
 On a GPU the hook first waits for the device stream, so the thread never

@@ -18,6 +18,9 @@ Nodes are numbered by their lowest world rank. A node is what
 `ranks_per_node=K`, the ranks with equal `rank // K`, so that one host can
 play several nodes; the last node may be smaller than K.
 """
+import os
+import sys
+
 import numpy as np
 from mpi4py import MPI
 
@@ -145,7 +148,7 @@ class Communicator:
         still registered, so that every rank agrees the buffer is "shared" (the
         hybrid rule) and runs `shm`, which is 2d on such a node."""
         dtype = np.dtype(dtype)
-        if not self.shares_memory:
+        if not (self.shares_memory and self._room_in_shared_memory(n * dtype.itemsize)):
             mine = np.zeros(n, dtype)
             self._windows.append((None, (mine,) * self.local_size))
             return mine
@@ -157,6 +160,22 @@ class Communicator:
         views[self.local_rank][:] = 0
         self._windows.append((win, views))
         return views[self.local_rank]
+
+    def _room_in_shared_memory(self, nbytes):
+        """Whether /dev/shm, where MPICH keeps shared windows, holds the node's copies
+        (decided by the node's first rank for all); a container's default 64 MiB does
+        not, and running out later would kill the job with SIGBUS."""
+        room = True
+        if self.local_rank == 0 and os.path.isdir("/dev/shm"):
+            fs = os.statvfs("/dev/shm")
+            free, need = fs.f_bavail * fs.f_frsize, nbytes * self.local_size
+            room = free >= need + (64 << 20)
+            if not room:
+                print(f"mpitrain: node {self.node}: /dev/shm has {free >> 20} MiB free, a shared "
+                      f"array of {self.local_size} x {nbytes >> 20} MiB does not fit: summing it "
+                      f"through MPI's collectives instead (give the job a larger /dev/shm, "
+                      f"e.g. docker run --shm-size)", file=sys.stderr, flush=True)
+        return self.node_comm.bcast(room, root=0)
 
     def peers(self, buf):
         """(window, arrays): buf's place in the shared_zeros array holding it, in every
