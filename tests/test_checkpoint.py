@@ -15,20 +15,13 @@ import numpy as np
 import pytest
 
 from mpitrain import checkpoint
+from launcher import mpiexec
 
 # the small fast job every end-to-end test here runs: 2 epochs of 22 steps on the digits
 JOB = ("--epochs", "2", "--batch-size", "64", "--seed", "3")
 
 
 # ----- helpers -----
-def mpiexec():
-    here = Path(sys.executable).parent / "mpiexec"
-    found = str(here) if here.exists() else shutil.which("mpiexec")
-    if found is None:
-        pytest.fail("no mpiexec: run ./launch.sh setup")
-    return found
-
-
 def command(ranks, *args):
     return [mpiexec(), "-np", str(ranks), sys.executable, "-m", "mpitrain", *args]
 

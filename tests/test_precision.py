@@ -4,7 +4,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from mpitrain.nets.conv import Conv2d
 from mpitrain.nets.resnet import _Block
 from mpitrain.optim import SGD
 from mpitrain.precision import LossScaleError, LossScaler, found_overflow, make_scaler
+from launcher import mpiexec
 
 
 # ----- the scaler -----
@@ -165,12 +165,11 @@ def test_fp16_model_holds_fp16_activations_and_half_size_working_weights():
 def run_default_job(tmp_path, *args):
     """The default job (resnet_small on the digits, 8 epochs, 2 ranks) with `args`, under
     mpirun with each rank's share of the cores (as launch.sh runs it). Returns stdout."""
-    mpiexec = Path(sys.executable).parent / "mpiexec"
     env = dict(os.environ)
     threads = str(max(1, len(os.sched_getaffinity(0)) // 2))
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
         env[var] = threads
-    r = subprocess.run([str(mpiexec) if mpiexec.exists() else "mpiexec", "-np", "2",
+    r = subprocess.run([mpiexec(), "-np", "2",
                         sys.executable, "-m", "mpitrain", "train", "--data-dir", str(tmp_path),
                         "--checkpoint-every", "0", *args],
                        capture_output=True, text=True, timeout=600, env=env)

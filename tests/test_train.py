@@ -2,14 +2,13 @@
 (the optimizers and schedules are tested in test_optim.py)."""
 import os
 import re
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from mpitrain.train import ConfigError, check_batch
+from launcher import mpiexec
 
 
 def test_check_batch():
@@ -21,14 +20,6 @@ def test_check_batch():
 
 
 # ----- the command, under mpirun -----
-def mpirun():
-    here = Path(sys.executable).parent / "mpiexec"
-    found = str(here) if here.exists() else shutil.which("mpiexec")
-    if found is None:
-        pytest.fail("no mpiexec: run ./launch.sh setup")
-    return found
-
-
 def run_train(ranks, *args, timeout):
     """`mpirun -np ranks python -m mpitrain train args`, with each rank's share of the cores
     (as launch.sh gives it)."""
@@ -36,7 +27,7 @@ def run_train(ranks, *args, timeout):
     threads = str(max(1, len(os.sched_getaffinity(0)) // ranks))
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
         env[var] = threads
-    return subprocess.run([mpirun(), "-np", str(ranks), sys.executable, "-m", "mpitrain", "train",
+    return subprocess.run([mpiexec(), "-np", str(ranks), sys.executable, "-m", "mpitrain", "train",
                            *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 

@@ -364,6 +364,8 @@ def shm(comm, buf, wait=None):
     """
     if not comm.shares_memory:
         return two_d(comm, buf)
+    if not buf.size:                # every rank has the same size: nothing to sum anywhere
+        return
     found = comm.peers(buf)
     if found is None:
         stage = comm.shared_scratch(buf.dtype, buf.size)
@@ -422,8 +424,8 @@ def choose(comm, nbytes, dtype=np.float32, device=False, shared=False):
     so those numbers are noisier):
 
     * a buffer in the node's shared memory (the gradient arena in training,
-      Communicator.shared_zeros), of at least 64 KiB: shm, any dtype and
-      topology. Single buffers, flat / 2d / shm, 2 ranks, fp32: 4 KiB 0.015 /
+      Communicator.shared_zeros), of at least 64 KiB, on more than one rank:
+      shm, any dtype and topology. Single buffers, flat / 2d / shm, 2 ranks, fp32: 4 KiB 0.015 /
       0.027 / 0.035; 16 KiB 0.033 / 0.052 / 0.040; 64 KiB 0.048 / 0.077 /
       0.042; 1 MiB 0.31 / 0.57 / 0.22; 4 MiB 1.36 / 2.28 / 0.49; 64 MiB 45 /
       60 / 4.3. fp16: 16 KiB 0.090 / 0.114 / 0.098; 64 KiB 0.230 / 0.205 /
@@ -461,7 +463,7 @@ def choose(comm, nbytes, dtype=np.float32, device=False, shared=False):
     """
     if device:
         return "flat"
-    if shared and nbytes >= SHM_MIN_BYTES:
+    if shared and comm.size > 1 and nbytes >= SHM_MIN_BYTES:
         return "shm"
     if np.dtype(dtype) == np.float16 and min(comm.node_sizes) > 1 and nbytes >= FP16_2D_MIN_BYTES:
         return "2d"

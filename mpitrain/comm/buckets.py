@@ -125,8 +125,9 @@ class Reducer:
         self.wire_dtype = None if wire_dtype is None else np.dtype(wire_dtype)
         self.timeline = timeline or Timeline.off()
         arena = model.arena
-        if algorithm in ("shm", "hybrid") and comm.shares_memory \
-                and backend.array_module(arena.grad) is np and comm.peers(arena.grad) is None:
+        # on every node, sharing memory or not, so that hybrid chooses alike everywhere
+        if algorithm in ("shm", "hybrid") and backend.array_module(arena.grad) is np \
+                and comm.peers(arena.grad) is None:
             arena.rebind_grad(comm.shared_zeros(arena.size, arena.grad.dtype))
         self.arena = arena
         self.bounds = bucket_bounds(model.arena, threshold)

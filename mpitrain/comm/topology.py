@@ -119,7 +119,10 @@ class Communicator:
 
     def _device_allreduce(self, buf, algorithm):
         """A CuPy buffer: NCCL when there is NCCL, else MPI on the device buffer
-        (CUDA-aware MPI) or on a host copy; MPI only after the stream is idle."""
+        (CUDA-aware MPI) or on a host copy; MPI only after the stream is idle. Device
+        memory is in no shared window: shm runs as the 2d it is shaped like."""
+        if algorithm == "shm":
+            algorithm = "2d"
         engine = self.nccl()
         if engine is not None:
             engine.allreduce(buf, algorithm)

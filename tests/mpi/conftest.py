@@ -2,12 +2,33 @@
 
 The other ranks' pytest report goes to a temporary file, shown on stderr only
 when that rank's session failed, so a failure seen by one rank is never lost.
+A test that blocks (a rank left a collective) aborts the whole job, naming it.
 """
 import sys
 import tempfile
+import threading
 
 import pytest
 from _pytest.config import create_terminal_writer
+
+
+WATCHDOG_S = 120
+
+
+@pytest.fixture(autouse=True)
+def watchdog(request):
+    """Abort the whole job, naming the test, if a test blocks (a rank left a collective)."""
+    from mpi4py import MPI
+
+    def fire():
+        print(f"\nrank {MPI.COMM_WORLD.rank}: {request.node.nodeid} still running after "
+              f"{WATCHDOG_S} s; aborting the job", flush=True)
+        MPI.COMM_WORLD.Abort(1)
+    timer = threading.Timer(WATCHDOG_S, fire)
+    timer.daemon = True
+    timer.start()
+    yield
+    timer.cancel()
 
 
 @pytest.hookimpl(trylast=True)

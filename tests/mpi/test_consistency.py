@@ -12,6 +12,7 @@ import pytest
 from mpi4py import MPI
 
 from mpitrain.comm.replicas import ReplicaMismatch, check_replicas
+from launcher import mpiexec
 from test_data_parallel import agree, small_net
 
 WORLD = MPI.COMM_WORLD
@@ -74,9 +75,8 @@ def test_a_rank_that_raises_during_the_gradient_sum_ends_the_job(tmp_path):
     # the job must not see this test's own MPI launch
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDI_", "HYDRA_", "MPI_LOCAL"))}
     env["OMP_NUM_THREADS"] = env["OPENBLAS_NUM_THREADS"] = "1"
-    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
     t = time.perf_counter()
-    done = subprocess.run([mpirun, "-np", "2", sys.executable, "-m", "mpi4py", str(script)],
+    done = subprocess.run([mpiexec(), "-np", "2", sys.executable, "-m", "mpi4py", str(script)],
                           capture_output=True, text=True, timeout=60, env=env)
     took = time.perf_counter() - t
     assert done.returncode != 0, done.stdout + done.stderr
