@@ -27,7 +27,7 @@ setup(
                           compiler_directives={"boundscheck": False, "wraparound": False}),
     install_requires=["numpy>=1.26", "numba>=0.60", "h5py>=3.8", "pillow>=10", "simplejpeg>=1.7",
                       "mpi4py>=4.0",
-                      "scikit-learn>=1.3", "pyyaml>=6", "threadpoolctl>=3"],
+                      "scikit-learn>=1.3", "pyyaml>=6", "threadpoolctl>=3", "tqdm>=4.60"],
     extras_require={
         "gpu": ["cupy-cuda12x>=13", "numba-cuda>=0.4", "nvidia-nccl-cu12",
                 "nvidia-cudnn-frontend", "nvidia-cudnn-cu12"],

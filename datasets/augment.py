@@ -22,7 +22,8 @@ Either way a JPEG is decoded at 1/2, 1/4 or 1/8 scale (libjpeg's DCT scaling,
 Pillow's draft mode) when the box still covers at least size x size pixels at
 that scale, so the decoder never produces pixels the resize would throw away.
 Training decodes with libjpeg-turbo's fast integer IDCT and plain chroma
-upsampling: within a few grey levels of the exact decode, ~15% faster.
+upsampling: within a few grey levels of the exact decode, and faster (the
+measurements: docs/benchmarks.md, "Data pipeline").
 """
 import io
 import math

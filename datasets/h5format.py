@@ -18,9 +18,10 @@ behind it):
   storage "pixels":
     pixels       uint8 or uint16 (N, H, W, 3)   decoded images of one fixed size
 
-A record is read with one contiguous slice: measured, that is about five
-times faster at random access than a variable-length dataset (HDF5 looks
-each vlen element up in a heap) or a chunked one.
+A record is read with one contiguous slice: the fastest layout at random
+access, as a variable-length dataset has HDF5 look each vlen element up in a
+heap and a chunked one goes through the chunk index (the measurements:
+docs/benchmarks.md, "Data pipeline").
 
 Files are written to a temporary name in the destination's directory and
 renamed when complete, so an interrupted conversion never leaves a file that

@@ -1,2 +1,3 @@
-"""Compute kernels: Cython CPU kernels (im2col/col2im, pooling) and, in later
-modules, Numba kernels for the optimizer, each with a NumPy reference."""
+"""Compute kernels: Cython CPU kernels (im2col/col2im, pooling) and Numba kernels for
+the optimizer (update: norms, the non-finite check, SGD/LARS; lamb: LAMB; cast:
+fp32 <-> fp16; segments: how they walk the arena), each with a NumPy reference."""

@@ -22,6 +22,15 @@ its weights may move, so the kernel makes two passes:
 Recomputing r costs a few flops but no memory traffic: storing it would cost a
 write and a read of one more arena-sized buffer.
 
+Each formula (r, pass 1 and pass 2 on one element, the trust ratio of one
+segment) is one plain Python function marked `register_jitable`, compiled by
+the Numba CPU loops and by the CUDA kernels that call it, as in
+kernels/update.py, whose square, segment_norm and store_half it shares
+(Numba's on-disk cache checks only the file of the function it caches: after
+changing those in update.py, delete kernels/__pycache__/lamb.*.nb?). Only the
+parameters' elements are read and written: the padding between segments keeps
+whatever it holds, in master, m, v and working.
+
 m and v are two extra flat buffers of the master's size and dtype, zero at
 the start (`lamb_state`); arena.momentum can serve as m. Arithmetic is in the
 master's dtype; the norms accumulate in float64. Returns trust_s per segment.
@@ -30,13 +39,14 @@ import math
 
 import numpy as np
 from numba import cuda, njit, prange
+from numba.extending import register_jitable
 
 from mpitrain.backend import array_module, to_numpy
 
-from .cast import float_to_half_bits, refresh_working
-from .norms import block_sum2, pieces_to_segments, pieces_to_segments_cuda
+from .cast import refresh_working
 from .segments import LANES, as_dtype, cuda_shape, device_layout, layout, pick
-from .update import store_working
+from .update import (segment_norm, square, store_block_sums, store_half, store_working,
+                     working_args)
 
 
 def lamb_state(master):
@@ -45,13 +55,39 @@ def lamb_state(master):
     return xp.zeros_like(master), xp.zeros_like(master)
 
 
+@register_jitable
 def direction(m, v, w, bc1, bc2, eps, wd):
     """LAMB's r = (m / bc1) / (sqrt(v / bc2) + eps) + wd * w, bc = bias corrections."""
     return (m / bc1) / (math.sqrt(v / bc2) + eps) + wd * w
 
 
-_direction_cpu = njit(cache=True)(direction)
-_direction_cuda = cuda.jit(device=True)(direction)
+@register_jitable
+def lamb_moments(w, g, m, v, inv_scale, b1, c1, b2, c2, bc1, bc2, eps, wd):
+    """Pass 1 on one element, in the dtype of its inputs (c1 = 1 - b1, c2 = 1 - b2):
+    returns (m', v', r) for g' = g * inv_scale, m' = b1 m + c1 g', v' = b2 v + c2 g'^2,
+    r = direction(m', v', w) as float64."""
+    g = g * inv_scale
+    m = b1 * m + c1 * g
+    v = b2 * v + c2 * g * g
+    return m, v, np.float64(direction(m, v, w, bc1, bc2, eps, wd))
+
+
+@register_jitable
+def lamb_apply(w, m, v, step, bc1, bc2, eps, wd):
+    """Pass 2 on one element: w' = w - step * direction(m, v, w), step = lr * trust_s."""
+    return w - step * direction(m, v, w, bc1, bc2, eps, wd)
+
+
+@register_jitable
+def lamb_coefficients(s, part_w, part_r, seg_first, lars, lr, trust, step, ratio):
+    """Segment s: ||w||, ||r|| from its pieces' sums; ratio[s] = ||w|| / ||r|| where trust
+    and lars[s] and both norms are > 0, else 1; step[s] = lr * ratio[s]."""
+    w_norm, r_norm = segment_norm(part_w, part_r, seg_first, s)
+    t = 1.0
+    if trust and lars[s] and w_norm > 0.0 and r_norm > 0.0:
+        t = w_norm / r_norm
+    ratio[s] = t
+    step[s] = lr * t
 
 
 def lamb_update(master, working, grad, exp_avg, exp_avg_sq, segments, lr, step, beta1=0.9,
@@ -89,7 +125,7 @@ def lamb_update_numpy(master, working, grad, exp_avg, exp_avg_sq, segments, lr, 
             if w_norm > 0 and r_norm > 0:
                 ratios[s] = w_norm / r_norm
         w -= float(lr * ratios[s]) * r
-    refresh_working(master, working)
+    refresh_working(master, working, segments)
     return xp.asarray(ratios)
 
 
@@ -98,7 +134,7 @@ def lamb_update_numpy(master, working, grad, exp_avg, exp_avg_sq, segments, lr, 
 @njit(cache=True)
 def _moments_piece(w, g, m, v, inv_scale, b1, c1, b2, c2, bc1, bc2, eps, wd):
     """Pass 1 on one piece: update m, v; return (sum w^2, sum r^2) in float64, with
-    LANES partial sums as in norms.sum_squares."""
+    LANES partial sums as in update.sum_squares."""
     lane_w = np.zeros(LANES)
     lane_r = np.zeros(LANES)
     blocks = w.size // LANES
@@ -107,14 +143,11 @@ def _moments_piece(w, g, m, v, inv_scale, b1, c1, b2, c2, bc1, bc2, eps, wd):
         n = min(LANES, w.size - lo)      # the last block is the tail
         for k in range(n):
             i = lo + k
-            gi = g[i] * inv_scale
-            mi = b1 * m[i] + c1 * gi
-            vi = b2 * v[i] + c2 * gi * gi
+            mi, vi, r = lamb_moments(w[i], g[i], m[i], v[i], inv_scale, b1, c1, b2, c2, bc1,
+                                     bc2, eps, wd)
             m[i] = mi
             v[i] = vi
-            r = np.float64(_direction_cpu(mi, vi, w[i], bc1, bc2, eps, wd))
-            wi = np.float64(w[i])
-            lane_w[k] += wi * wi
+            lane_w[k] += square(w[i])
             lane_r[k] += r * r
     return lane_w.sum(), lane_r.sum()
 
@@ -122,6 +155,8 @@ def _moments_piece(w, g, m, v, inv_scale, b1, c1, b2, c2, bc1, bc2, eps, wd):
 @njit(parallel=True, cache=True)
 def _moments_cpu(master, grad, m, v, piece_seg, piece_start, piece_stop, chunk_first, wd,
                  inv_scale, b1, c1, b2, c2, bc1, bc2, eps, part_w, part_r):
+    """Pass 1: (m_i, v_i, r_i) = lamb_moments(...); part_w[p], part_r[p] = sum w_i^2, r_i^2
+    over piece p; threads take whole chunks."""
     for c in prange(chunk_first.size - 1):
         for p in range(chunk_first[c], chunk_first[c + 1]):
             a = piece_start[p]
@@ -132,27 +167,27 @@ def _moments_cpu(master, grad, m, v, piece_seg, piece_start, piece_stop, chunk_f
 
 
 @njit(cache=True)
-def _lamb_coefficients(w_norm, r_norm, lars, lr, trust, step, ratio):
+def _lamb_coefficients(part_w, part_r, seg_first, lars, lr, trust, step, ratio):
+    """lamb_coefficients for every segment, one after another."""
     for s in range(step.size):
-        t = 1.0
-        if trust and lars[s] and w_norm[s] > 0.0 and r_norm[s] > 0.0:
-            t = w_norm[s] / r_norm[s]
-        ratio[s] = t
-        step[s] = lr * t
+        lamb_coefficients(s, part_w, part_r, seg_first, lars, lr, trust, step, ratio)
 
 
 @njit(cache=True)
 def _apply_piece(w, half, m, v, step, bc1, bc2, eps, wd):
+    """Pass 2 on one piece (slices): w_i = lamb_apply(...), half_i = fp16(w_i) if half is not
+    empty."""
     for i in range(w.size):
-        wi = w[i] - step * _direction_cpu(m[i], v[i], w[i], bc1, bc2, eps, wd)
+        wi = lamb_apply(w[i], m[i], v[i], step, bc1, bc2, eps, wd)
         w[i] = wi
-        if half.size:
-            half[i] = float_to_half_bits(np.float32(wi))
+        store_half(half, i, wi)
 
 
 @njit(parallel=True, cache=True)
 def _apply_cpu(master, half, m, v, piece_seg, piece_start, piece_stop, chunk_first, step, wd,
                bc1, bc2, eps):
+    """Pass 2: _apply_piece on every piece with its segment's step and wd; threads take whole
+    chunks."""
     for c in prange(chunk_first.size - 1):
         for p in range(chunk_first[c], chunk_first[c + 1]):
             s = piece_seg[p]
@@ -178,18 +213,15 @@ def lamb_update_numba(master, working, grad, exp_avg, exp_avg_sq, segments, lr, 
     _moments_cpu(master, grad, exp_avg, exp_avg_sq, lay.piece_seg, lay.piece_start,
                  lay.piece_stop, lay.chunk_first, wd, inv, b1, c1, b2, c2, bc1, bc2, eps_,
                  part_w, part_r)
-    w_norm = np.empty(lay.num_segments)
-    r_norm = np.empty(lay.num_segments)
-    pieces_to_segments(part_w, part_r, lay.seg_first, w_norm, r_norm)
     steps = np.empty(lay.num_segments, master.dtype)
     ratio = np.empty(lay.num_segments)
-    _lamb_coefficients(w_norm, r_norm, lay.lars, lr, trust, steps, ratio)
+    _lamb_coefficients(part_w, part_r, lay.seg_first, lay.lars, lr, trust, steps, ratio)
     fused_half = working is not master and working.dtype == np.float16
     half = working.view(np.uint16) if fused_half else np.empty(0, np.uint16)
     _apply_cpu(master, half, exp_avg, exp_avg_sq, lay.piece_seg, lay.piece_start, lay.piece_stop,
                lay.chunk_first, steps, wd, bc1, bc2, eps_)
     if not fused_half:
-        refresh_working(master, working)
+        refresh_working(master, working, segments)
     return ratio
 
 
@@ -198,49 +230,39 @@ def lamb_update_numba(master, working, grad, exp_avg, exp_avg_sq, segments, lr, 
 @cuda.jit
 def _moments_cuda(master, grad, m, v, piece_seg, piece_start, piece_stop, wd, inv_scale, b1, c1,
                   b2, c2, bc1, bc2, eps, part_w, part_r):
+    """Pass 1: (m_i, v_i, r_i) = lamb_moments(...); part_w[p], part_r[p] = sum w_i^2, r_i^2
+    over piece p; one block per piece."""
     p = cuda.blockIdx.x        # one block per piece
     d = wd[piece_seg[p]]
     sw = 0.0
     sr = 0.0
     for i in range(piece_start[p] + cuda.threadIdx.x, piece_stop[p], cuda.blockDim.x):
-        gi = grad[i] * inv_scale
-        mi = b1 * m[i] + c1 * gi
-        vi = b2 * v[i] + c2 * gi * gi
-        m[i] = mi
-        v[i] = vi
-        r = np.float64(_direction_cuda(mi, vi, master[i], bc1, bc2, eps, d))
-        wi = np.float64(master[i])
-        sw += wi * wi
+        m[i], v[i], r = lamb_moments(master[i], grad[i], m[i], v[i], inv_scale, b1, c1, b2, c2,
+                                     bc1, bc2, eps, d)
+        sw += square(master[i])
         sr += r * r
-    sw, sr = block_sum2(sw, sr)
-    if cuda.threadIdx.x == 0:
-        part_w[p] = sw
-        part_r[p] = sr
+    store_block_sums(part_w, part_r, p, sw, sr)
 
 
 @cuda.jit
-def _lamb_coefficients_cuda(w_norm, r_norm, lars, lr, trust, step, ratio):
+def _lamb_coefficients_cuda(part_w, part_r, seg_first, lars, lr, trust, step, ratio):
+    """One thread per segment: lamb_coefficients."""
     s = cuda.grid(1)
     if s < step.size:
-        t = 1.0
-        if trust and lars[s] and w_norm[s] > 0.0 and r_norm[s] > 0.0:
-            t = w_norm[s] / r_norm[s]
-        ratio[s] = t
-        step[s] = lr * t
+        lamb_coefficients(s, part_w, part_r, seg_first, lars, lr, trust, step, ratio)
 
 
 @cuda.jit
-def _apply_cuda(master, working, m, v, piece_seg, piece_start, piece_stop, step, wd, bc1, bc2,
-                eps, write_working, via_fp32):
-    p = cuda.blockIdx.x
-    s = piece_seg[p]
-    st = step[s]
-    d = wd[s]
+def _apply_cuda(master, m, v, piece_seg, piece_start, piece_stop, step, wd, bc1, bc2, eps,
+                working, write_working, via_fp32):
+    """Pass 2: master_i = lamb_apply(...), working_i = cast(master_i); one block per piece."""
+    p = cuda.blockIdx.x        # one block per piece
+    st = step[piece_seg[p]]
+    d = wd[piece_seg[p]]
     for i in range(piece_start[p] + cuda.threadIdx.x, piece_stop[p], cuda.blockDim.x):
-        w = master[i] - st * _direction_cuda(m[i], v[i], master[i], bc1, bc2, eps, d)
+        w = lamb_apply(master[i], m[i], v[i], st, bc1, bc2, eps, d)
         master[i] = w
-        if write_working:
-            store_working(working, i, w, via_fp32)
+        store_working(working, i, w, write_working, via_fp32)
 
 
 def lamb_update_cuda(master, working, grad, exp_avg, exp_avg_sq, segments, lr, step, beta1,
@@ -255,21 +277,17 @@ def lamb_update_cuda(master, working, grad, exp_avg, exp_avg_sq, segments, lr, s
     wd = xp.where(lay.decay, weight_decay, 0.0).astype(master.dtype)
     part_w = xp.zeros(pieces)
     part_r = xp.zeros(pieces)
-    w_norm = xp.zeros(nseg)
-    r_norm = xp.zeros(nseg)
     steps = xp.empty(nseg, master.dtype)
     ratio = xp.ones(nseg)
     if pieces:
-        seg_blocks = (nseg + threads - 1) // threads
         _moments_cuda[pieces, threads](master, grad, exp_avg, exp_avg_sq, lay.piece_seg,
                                        lay.piece_start, lay.piece_stop, wd, inv, b1, c1, b2, c2,
                                        bc1, bc2, eps_, part_w, part_r)
-        pieces_to_segments_cuda[seg_blocks, threads](part_w, part_r, lay.seg_first, w_norm, r_norm)
-        _lamb_coefficients_cuda[seg_blocks, threads](w_norm, r_norm, lay.lars, lr, trust, steps,
-                                                     ratio)
-        _apply_cuda[pieces, threads](master, working, exp_avg, exp_avg_sq, lay.piece_seg,
+        _lamb_coefficients_cuda[(nseg + threads - 1) // threads, threads](
+            part_w, part_r, lay.seg_first, lay.lars, lr, trust, steps, ratio)
+        _apply_cuda[pieces, threads](master, exp_avg, exp_avg_sq, lay.piece_seg,
                                      lay.piece_start, lay.piece_stop, steps, wd, bc1, bc2, eps_,
-                                     working is not master, working.dtype == np.float16)
+                                     *working_args(master, working))
     return ratio
 
 

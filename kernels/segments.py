@@ -1,18 +1,22 @@
 """How the optimizer kernels walk the arena: pieces, chunks, and which implementation runs.
 
 The arena's segment table (offset, size, decay, lars per parameter) says where
-each parameter lies in the flat buffers. The kernels cut the arena at every
-segment boundary and at every multiple of `chunk` elements:
+each parameter lies in the flat buffers. Parameters start on aligned offsets
+(mpitrain.arena.ALIGN), so there may be a gap of padding (..) after each one:
+elements of no parameter, which no kernel reads into a norm or writes. The
+kernels cut the arena at every segment boundary and at every multiple of
+`chunk` elements, and keep only the pieces inside a segment:
 
-    arena   |--- seg 0 ---|-------------- seg 1 --------------|- seg 2 -|
-    chunks  |----- chunk 0 -----|----- chunk 1 -----|--- chunk 2 -------|
-    pieces  |  p0         |p1   |  p2               | p3      | p4      |
+    arena   |--- seg 0 ---|..|------------ seg 1 ------------|..|- seg 2 -|
+    chunks  |----- chunk 0 -----|----- chunk 1 -----|--- chunk 2 ---------|
+    pieces  |  p0         |  |p1|  p2               | p3     |  |  p4     |
 
 A piece lies inside one parameter (one set of per-parameter constants: step
 size, decay) and inside one chunk. The CPU kernels give whole chunks to the
-threads: every chunk has the same number of elements (the last one fewer), so
-both cores get the same work even when one parameter is huge and the rest are
-tiny. The CUDA kernels run one thread block per piece (chunk = a few thousand
+threads: every chunk is the same range of the arena (the last one shorter), so
+both cores get about the same work even when one parameter is huge and the rest
+are tiny (a chunk with padding in it holds a few parameter elements fewer).
+The CUDA kernels run one thread block per piece (chunk = a few thousand
 elements). Per-parameter sums (norms) are first taken per piece and then added
 per segment in piece order, so the result does not depend on how many threads
 ran: every rank computes bit-identical norms.
@@ -34,7 +38,7 @@ from mpitrain.backend import array_module
 IMPLEMENTATIONS = ("numpy", "numba", "cuda")
 
 CPU_CHUNK = 1 << 16        # elements per CPU work unit: 256 KiB of fp32, hundreds per ResNet-50
-LANES = 64                 # independent float64 partial sums in the CPU reductions (see norms.py)
+LANES = 64                 # independent partial sums in the CPU reductions (see update.py)
 CUDA_MAX_THREADS = 256     # size of the shared-memory reduction buffers
 
 
@@ -79,7 +83,10 @@ class Layout(NamedTuple):
 
 def layout(segments, chunk=None):
     """The Layout of a segment table (a structured array with offset, size, decay, lars),
-    cut into chunks of `chunk` elements (default CPU_CHUNK); cached per table."""
+    cut into chunks of `chunk` elements (default CPU_CHUNK); cached per table.
+
+    Segments must be in arena order and must not overlap (each offset >= the previous
+    segment's end); the gaps between them are padding and get no piece."""
     return _layout(_key(segments), int(chunk or CPU_CHUNK))
 
 
@@ -98,16 +105,19 @@ def _layout(table_bytes, chunk):
     seg = np.frombuffer(table_bytes, dtype=SEGMENT_DTYPE)
     n = seg.size
     offset = seg["offset"].astype(np.int64)
-    end = offset + seg["size"].astype(np.int64)
+    size = seg["size"].astype(np.int64)
+    end = offset + size
+    _check_order(offset, size, end)
     total = int(end[-1]) if n else 0
-    if np.any(offset != np.concatenate([[0], end[:-1]])):
-        raise ValueError("the segment table must tile the arena: each offset is the previous end")
     chunk_starts = np.arange(0, total, chunk, dtype=np.int64)
     cuts = np.unique(np.concatenate([offset, end, chunk_starts, [total]]))
     piece_start, piece_stop = cuts[:-1], cuts[1:]
     # the segment holding a piece is the first whose end lies beyond the piece's start
-    # (empty segments end where they start, so they hold no piece)
+    # (ends are sorted; empty segments end where they start, so they hold no piece); a
+    # piece that starts before that segment's offset is padding, and is dropped
     piece_seg = np.searchsorted(end, piece_start, side="right").astype(np.int64)
+    inside = offset[piece_seg] <= piece_start
+    piece_seg, piece_start, piece_stop = piece_seg[inside], piece_start[inside], piece_stop[inside]
     seg_first = np.append(np.searchsorted(piece_start, offset), piece_start.size).astype(np.int64)
     chunk_first = np.append(np.searchsorted(piece_start, chunk_starts),
                             piece_start.size).astype(np.int64)
@@ -116,6 +126,21 @@ def _layout(table_bytes, chunk):
     for a in out:
         a.flags.writeable = False      # shared by every caller through the cache
     return out
+
+
+def _check_order(offset, size, end):
+    """ValueError unless the segments lie in order, without overlap, inside the arena."""
+    bad = np.flatnonzero((offset < 0) | (size < 0))
+    if bad.size:
+        s = bad[0]
+        raise ValueError(f"segment {s} has a negative offset or size "
+                         f"(offset {offset[s]}, size {size[s]})")
+    bad = np.flatnonzero(offset[1:] < end[:-1])
+    if bad.size:
+        s = bad[0] + 1
+        raise ValueError(f"segment {s} (offset {offset[s]}) starts before the end of segment "
+                         f"{s - 1} ({end[s - 1]}): segments must be in arena order and must "
+                         f"not overlap")
 
 
 @lru_cache(maxsize=16)

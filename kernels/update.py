@@ -1,44 +1,331 @@
-"""The fused SGD / LARS update: one pass over the arena.
+"""The gradient's way through an SGD / LARS step, in the order a step takes it.
 
-For every element i of segment s (decay_s, lars_s from the segment table):
+1. Norms. Per-parameter L2 norms of the master weights and of the gradient
+   (LARS's inputs), one value per row s of the segment table:
 
-    g      = grad_i * inv_scale                  unscale (inv_scale = 1 / (loss scale * world size))
-    g     += wd_s * w_i                          wd_s = weight_decay where decay_s, else 0
-    v_i    = m * v_i + lr * local_lr_s * g
-    w_i   -= v_i                                 (Nesterov: w_i -= m * v_i + lr * local_lr_s * g)
-    working_i = cast(w_i)                        fp16 (or nothing when working is master)
+       w_norm[s] = sqrt( sum_{i in segment s} master_i^2 )
+       g_norm[s] = sqrt( sum_{i in segment s} grad_i^2 )
 
-with the LARS trust ratio (You et al., 2017) where trust is on and lars_s:
+   accumulated in float64 from one pass that reads each element of master and
+   grad once. The gradient norm is of the buffer as given: under loss scaling
+   the caller multiplies it by inv_scale (norms are positively homogeneous).
+   Sums are taken per piece and then added per segment in piece order
+   (kernels/segments.py), so the CPU and CUDA results do not depend on the
+   number of threads. A non-finite gradient gives a non-finite g_norm for its
+   segment.
 
-    local_lr_s = eta * ||w||_s / (||g||_s + wd_s * ||w||_s + eps)
-    ||g||_s    = ||grad||_s * inv_scale          the norm of the unscaled gradient
-    local_lr_s = 1 when ||w||_s or ||g||_s is 0, and wherever trust is off or not lars_s.
+2. The non-finite check of loss scaling: does the gradient arena hold an inf
+   or a NaN?
 
-Norms are per parameter (kernels/norms.py), on the master weights before the
-update. With trust off this is SGD with momentum in the "lr inside the
-momentum" form, v = m v + lr g; w -= v. PyTorch's form is v' = m v' + g;
-w -= lr v'. The two agree exactly while lr is constant (v = lr v'); when lr
-changes, the lr-inside form keeps the velocity of the old rate, which is the
-form of Goyal et al. and of the LARS paper.
+       overflow = any_i( not isfinite(grad_i) )
 
-Each implementation first computes two small per-segment vectors, step_s =
-lr * local_lr_s and wd_s, in the master's dtype; then the element pass reads
-master, grad and momentum once and writes master, momentum and working once.
-All arithmetic is in the master's dtype (fp32; float64 in verification runs).
-The fp16 working copy is cast from the fp32-rounded master.
+   One pass over the whole flat array (padding included: it is zero). On the
+   CPU every chunk is reduced to one flag in parallel; on the GPU any thread
+   that meets a non-finite value writes 1 to a one-element flag (all writers
+   write the same value, so the race is harmless). With LARS the norm pass
+   already tells the same thing for free: a segment's g_norm is non-finite
+   exactly when it holds a non-finite value (squares of fp32 values cannot
+   overflow a float64 sum of fewer than 10^200 terms).
 
-Returns the per-segment local_lr (float64), for logging.
+3. The fused SGD / LARS update, one pass over the arena. For every element i
+   of segment s (decay_s, lars_s from the segment table):
+
+       g      = grad_i * inv_scale                  unscale and average (inv_scale = 1 / (loss scale * ranks))
+       g     += wd_s * w_i                          wd_s = weight_decay where decay_s, else 0
+       v_i    = m * v_i + lr * local_lr_s * g
+       w_i   -= v_i                                 (Nesterov: w_i -= m * v_i + lr * local_lr_s * g)
+       working_i = cast(w_i)                        fp16 (or nothing when working is master)
+
+   with the LARS trust ratio (You et al., 2017) where trust is on and lars_s:
+
+       local_lr_s = eta * ||w||_s / (||g||_s + wd_s * ||w||_s + eps)
+       ||g||_s    = ||grad||_s * inv_scale          the norm of the unscaled gradient
+       local_lr_s = 1 when ||w||_s or ||g||_s is 0, and wherever trust is off or not lars_s.
+
+   Norms (1.) are per parameter, on the master weights before the update.
+   With trust off this is SGD with momentum in the "lr inside the momentum"
+   form, v = m v + lr g; w -= v. PyTorch's form is v' = m v' + g; w -= lr v'.
+   The two agree exactly while lr is constant (v = lr v'); when lr changes,
+   the lr-inside form keeps the velocity of the old rate, which is the form of
+   Goyal et al. and of the LARS paper.
+
+   Each implementation first computes two small per-segment vectors, step_s =
+   lr * local_lr_s and wd_s, in the master's dtype; then the element pass reads
+   master, grad and momentum once and writes master, momentum and working
+   once. All arithmetic is in the master's dtype (fp32; float64 in
+   verification runs). The fp16 working copy is cast from the fp32-rounded
+   master. sgd_update returns the per-segment local_lr (float64), for logging.
+
+Padding. Parameters start on aligned offsets, so the arena has gaps between
+segments. Norms and updates walk only the pieces inside segments: no padding
+element is read into a norm, and none of master, momentum or working is
+written there. Only the non-finite check reads the whole array.
+
+One body, two targets. Each formula is written once, as a plain Python
+function on scalars (per segment: on the small per-segment arrays and an
+index), marked `register_jitable`. A Numba CPU loop (`njit`) or CUDA kernel
+(`cuda.jit`) that calls it compiles it for its own target, as
+`njit(cache=True)(f)` and `cuda.jit(device=True)(f)` would, and the bodies can
+call one another (the coefficients call trust_ratio; LAMB's call direction),
+where a body compiled by hand for each target would have to name a callee
+compiled for that target; the NumPy references and the CUDA simulator run
+them as Python. The CPU loops (whole chunks per thread,
+LANES partial sums in the reductions) still vectorise: LLVM inlines the
+bodies. The CUDA kernels run one block per piece, or one thread per segment.
 """
+import math
+
 import numpy as np
-from numba import cuda, njit, prange
+from numba import cuda, float64, njit, prange
+from numba.extending import register_jitable
 
 from mpitrain.backend import array_module, to_numpy
 
+from . import segments as _segments
 from .cast import float_to_half_bits, refresh_working
-from .norms import segment_norms_cuda, segment_norms_numba, segment_norms_numpy
-from .segments import as_dtype, cuda_shape, device_layout, layout, pick
+from .segments import CUDA_MAX_THREADS, LANES, as_dtype, cuda_shape, device_layout, layout, pick
 
 
+# ===== 1. Norms =====
+
+def segment_norms(master, grad, segments, impl=None):
+    """(w_norm, g_norm): float64 arrays of one value per segment, in the arrays' module.
+
+    w_norm[s] = sqrt(sum_{i in s} master_i^2), g_norm[s] = sqrt(sum_{i in s} grad_i^2).
+    impl: "numpy" | "numba" | "cuda", or None to choose by array type
+    (kernels.segments.pick)."""
+    return _NORMS[pick(impl, master)](master, grad, segments)
+
+
+def segment_norms_numpy(master, grad, segments):
+    """Reference: w_norm[s] = sqrt(sum w_i^2), g_norm[s] = sqrt(sum g_i^2) over segment s,
+    each element converted to float64 before squaring."""
+    xp = array_module(master)
+    w_norm = np.zeros(len(segments))
+    g_norm = np.zeros(len(segments))
+    for s, (offset, size) in enumerate(zip(segments["offset"], segments["size"])):
+        w = master[offset:offset + size].astype(np.float64)
+        g = grad[offset:offset + size].astype(np.float64)
+        w_norm[s] = float(xp.sqrt(xp.dot(w, w)))
+        g_norm[s] = float(xp.sqrt(xp.dot(g, g)))
+    return xp.asarray(w_norm), xp.asarray(g_norm)
+
+
+@register_jitable
+def square(x):
+    """x^2 in float64: x is converted before it is squared."""
+    a = np.float64(x)
+    return a * a
+
+
+@register_jitable
+def segment_norm(part_x, part_y, seg_first, s):
+    """(sqrt(sum of part_x over the pieces of segment s), the same of part_y): the
+    pieces' float64 sums added in piece order."""
+    sx = 0.0
+    sy = 0.0
+    for p in range(seg_first[s], seg_first[s + 1]):
+        sx += part_x[p]
+        sy += part_y[p]
+    return math.sqrt(sx), math.sqrt(sy)
+
+
+# ----- Numba CPU -----
+
+@njit(cache=True)
+def sum_squares(x, y):
+    """(sum x_i^2, sum y_i^2) in float64 over two slices of equal length.
+
+    Without fastmath, LLVM may not reorder a floating-point sum, so a single
+    accumulator runs at one add per cycle-latency. LANES independent partial
+    sums (lane k takes elements k, k + LANES, ...) are an order we chose, so the
+    loop vectorises; the lanes are then added in order, then the tail."""
+    lane_x = np.zeros(LANES)
+    lane_y = np.zeros(LANES)
+    blocks = x.size // LANES
+    for b in range(blocks):
+        xs = x[b * LANES:(b + 1) * LANES]
+        ys = y[b * LANES:(b + 1) * LANES]
+        for k in range(LANES):
+            lane_x[k] += square(xs[k])
+            lane_y[k] += square(ys[k])
+    sx = lane_x.sum()
+    sy = lane_y.sum()
+    for i in range(blocks * LANES, x.size):
+        sx += square(x[i])
+        sy += square(y[i])
+    return sx, sy
+
+
+@njit(cache=True)
+def pieces_to_segments(part_x, part_y, seg_first, out_x, out_y):
+    """out[s] = segment_norm(...) for every segment s, one after another."""
+    for s in range(out_x.size):
+        out_x[s], out_y[s] = segment_norm(part_x, part_y, seg_first, s)
+
+
+@njit(parallel=True, cache=True)
+def _piece_sums_cpu(master, grad, piece_start, piece_stop, chunk_first, part_w, part_g):
+    """part_w[p], part_g[p] = sum of master_i^2, grad_i^2 (float64) over piece p; threads
+    take whole chunks."""
+    for c in prange(chunk_first.size - 1):
+        for p in range(chunk_first[c], chunk_first[c + 1]):
+            a = piece_start[p]
+            b = piece_stop[p]
+            part_w[p], part_g[p] = sum_squares(master[a:b], grad[a:b])
+
+
+def segment_norms_numba(master, grad, segments):
+    """Numba CPU version of segment_norms_numpy (threads take whole chunks)."""
+    lay = layout(segments)
+    part_w = np.empty(lay.piece_start.size)
+    part_g = np.empty(lay.piece_start.size)
+    _piece_sums_cpu(master, grad, lay.piece_start, lay.piece_stop, lay.chunk_first, part_w, part_g)
+    w_norm = np.empty(lay.num_segments)
+    g_norm = np.empty(lay.num_segments)
+    pieces_to_segments(part_w, part_g, lay.seg_first, w_norm, g_norm)
+    return w_norm, g_norm
+
+
+# ----- Numba CUDA -----
+
+@cuda.jit(device=True)
+def store_block_sums(part_x, part_y, p, x, y):
+    """part_x[p], part_y[p] = the sums of x and y over the threads of the block (a tree
+    in shared memory). blockDim.x must be a power of two <= CUDA_MAX_THREADS.
+
+    Called from kernels of other modules too (lamb.py). The numba-cuda simulator swaps
+    its fake `cuda` into this module for each call, thread by thread, and the first
+    thread to return swaps the real one back: so nothing here reads `cuda` after the
+    last barrier, and no other device function of this module is called from here."""
+    buf_x = cuda.shared.array(CUDA_MAX_THREADS, float64)
+    buf_y = cuda.shared.array(CUDA_MAX_THREADS, float64)
+    t = cuda.threadIdx.x
+    buf_x[t] = x
+    buf_y[t] = y
+    cuda.syncthreads()
+    half = cuda.blockDim.x // 2
+    while half > 0:
+        if t < half:
+            buf_x[t] += buf_x[t + half]
+            buf_y[t] += buf_y[t + half]
+        cuda.syncthreads()
+        half //= 2
+    if t == 0:
+        part_x[p] = buf_x[0]
+        part_y[p] = buf_y[0]
+
+
+@cuda.jit
+def _piece_sums_cuda(master, grad, piece_start, piece_stop, part_w, part_g):
+    """part_w[p], part_g[p] = sum of master_i^2, grad_i^2 (float64) over piece p; one block
+    per piece."""
+    p = cuda.blockIdx.x        # one block per piece
+    sw = 0.0
+    sg = 0.0
+    for i in range(piece_start[p] + cuda.threadIdx.x, piece_stop[p], cuda.blockDim.x):
+        sw += square(master[i])
+        sg += square(grad[i])
+    store_block_sums(part_w, part_g, p, sw, sg)
+
+
+@cuda.jit
+def pieces_to_segments_cuda(part_x, part_y, seg_first, out_x, out_y):
+    """One thread per segment: out[s] = segment_norm(...)."""
+    s = cuda.grid(1)
+    if s < out_x.size:
+        out_x[s], out_y[s] = segment_norm(part_x, part_y, seg_first, s)
+
+
+def segment_norms_cuda(master, grad, segments):
+    """Numba CUDA version of segment_norms_numpy: one block per piece reduces in shared
+    memory, then one thread per segment adds its pieces."""
+    threads, chunk = cuda_shape()
+    xp = array_module(master)
+    lay = device_layout(segments, chunk, xp)
+    pieces = lay.piece_start.size
+    part_w = xp.zeros(pieces)
+    part_g = xp.zeros(pieces)
+    w_norm = xp.zeros(lay.num_segments)
+    g_norm = xp.zeros(lay.num_segments)
+    if pieces:
+        _piece_sums_cuda[pieces, threads](master, grad, lay.piece_start, lay.piece_stop,
+                                          part_w, part_g)
+        pieces_to_segments_cuda[(lay.num_segments + threads - 1) // threads, threads](
+            part_w, part_g, lay.seg_first, w_norm, g_norm)
+    return w_norm, g_norm
+
+
+_NORMS = {"numpy": segment_norms_numpy, "numba": segment_norms_numba, "cuda": segment_norms_cuda}
+
+
+# ===== 2. The non-finite check =====
+
+def has_overflow(grad, impl=None):
+    """True when the flat float array grad holds an inf or a NaN (anywhere: padding too)."""
+    return _OVERFLOW[pick(impl, grad)](grad)
+
+
+def has_overflow_numpy(grad):
+    """Reference: not all(isfinite(grad))."""
+    return not bool(array_module(grad).isfinite(grad).all())
+
+
+@njit(cache=True)
+def _nonfinite(x):
+    """x * 0 is 0 for every finite x and NaN for inf and NaN, so a sum of x * 0 is NaN
+    exactly when x holds a non-finite value. LANES partial sums keep it vectorised."""
+    zero = x.dtype.type(0)
+    lanes = np.zeros(LANES, x.dtype)
+    blocks = x.size // LANES
+    for b in range(blocks):
+        xs = x[b * LANES:(b + 1) * LANES]
+        for k in range(LANES):
+            lanes[k] += xs[k] * zero
+    total = lanes.sum()
+    for i in range(blocks * LANES, x.size):
+        total += x[i] * zero
+    return not np.isfinite(total)
+
+
+@njit(parallel=True, cache=True)
+def _overflow_cpu(grad, chunk):
+    """any(not isfinite(grad_i)): one flag per chunk, the chunks in parallel."""
+    chunks = (grad.size + chunk - 1) // chunk
+    flags = np.zeros(chunks, np.bool_)
+    for c in prange(chunks):
+        flags[c] = _nonfinite(grad[c * chunk:(c + 1) * chunk])
+    return flags.any()
+
+
+def has_overflow_numba(grad):
+    """Numba CPU version of has_overflow_numpy: one flag per chunk, in parallel."""
+    return bool(_overflow_cpu(grad, _segments.CPU_CHUNK))
+
+
+@cuda.jit
+def _overflow_cuda(grad, flag):
+    """flag[0] = 1 where some grad_i is not finite (grid-stride loop)."""
+    for i in range(cuda.grid(1), grad.size, cuda.gridsize(1)):
+        if not math.isfinite(grad[i]):
+            flag[0] = 1
+
+
+def has_overflow_cuda(grad):
+    """Numba CUDA version of has_overflow_numpy: a grid-stride loop writing one flag."""
+    threads, _ = cuda_shape()
+    flag = array_module(grad).zeros(1, np.int32)
+    if grad.size:
+        _overflow_cuda[min((grad.size + threads - 1) // threads, 4096), threads](grad, flag)
+    return bool(flag[0])
+
+
+_OVERFLOW = {"numpy": has_overflow_numpy, "numba": has_overflow_numba, "cuda": has_overflow_cuda}
+
+
+# ===== 3. The fused SGD / LARS update =====
+
+@register_jitable
 def trust_ratio(w_norm, g_norm, wd, eta, eps):
     """LARS local learning rate: eta ||w|| / (||g|| + wd ||w|| + eps); 1 when a norm is 0."""
     if w_norm > 0.0 and g_norm > 0.0:
@@ -46,8 +333,27 @@ def trust_ratio(w_norm, g_norm, wd, eta, eps):
     return 1.0
 
 
-_trust_ratio_cpu = njit(cache=True)(trust_ratio)
-_trust_ratio_cuda = cuda.jit(device=True)(trust_ratio)
+@register_jitable
+def sgd_coefficients(s, w_norm, g_norm, decay, lars, lr, weight_decay, inv_scale, trust, eta,
+                     eps, step, wd, local_lr):
+    """Segment s: local_lr[s] = trust_ratio(w_norm, g_norm * inv_scale, wd_s) where trust
+    and lars[s], else 1; step[s] = lr * local_lr[s]; wd[s] = weight_decay where decay[s]."""
+    d = weight_decay if decay[s] else 0.0
+    r = 1.0
+    if trust and lars[s]:
+        r = trust_ratio(w_norm[s], g_norm[s] * inv_scale, d, eta, eps)
+    local_lr[s] = r
+    step[s] = lr * r
+    wd[s] = d
+
+
+@register_jitable
+def sgd_element(w, g, v, step, wd, inv_scale, m, nesterov):
+    """One element of the fused pass, in the dtype of its inputs: returns (w', v') for
+    d = g * inv_scale + wd * w; v' = m v + step d; w' = w - v' (Nesterov: w - (m v' + step d))."""
+    d = g * inv_scale + wd * w
+    v = m * v + step * d
+    return w - (m * v + step * d if nesterov else v), v
 
 
 def sgd_update(master, working, grad, velocity, segments, lr, momentum=0.9, weight_decay=0.0,
@@ -55,13 +361,14 @@ def sgd_update(master, working, grad, velocity, segments, lr, momentum=0.9, weig
     """Apply one SGD (trust=False) or LARS (trust=True) step in place; see the module docstring.
 
     master, grad, velocity: flat arrays of one float dtype (velocity is arena.momentum);
-    working: the layers' copy, fp16 or master itself; segments: the arena's segment table.
+    working: the layers' copy, fp16 or master itself; segments: the arena's segment table
+    (gaps between segments are padding, left untouched).
     impl: "numpy" | "numba" | "cuda", or None to choose by array type.
     Returns local_lr, one float64 per segment, in the arrays' module."""
     if nesterov and momentum <= 0:
         raise ValueError("Nesterov momentum needs momentum > 0")
-    return _IMPLS[pick(impl, master)](master, working, grad, velocity, segments, lr, momentum,
-                                      weight_decay, inv_scale, nesterov, trust, eta, eps)
+    return _SGD[pick(impl, master)](master, working, grad, velocity, segments, lr, momentum,
+                                    weight_decay, inv_scale, nesterov, trust, eta, eps)
 
 
 def sgd_update_numpy(master, working, grad, velocity, segments, lr, momentum, weight_decay,
@@ -88,8 +395,18 @@ def sgd_update_numpy(master, working, grad, velocity, segments, lr, momentum, we
             w -= momentum * v + step * g
         else:
             w -= v
-    refresh_working(master, working)
+    refresh_working(master, working, segments)
     return xp.asarray(local_lr)
+
+
+def _per_segment(master, grad, segments, trust, xp, norms):
+    """What the fused versions need before the coefficients, in the module xp: whether
+    any segment takes the trust ratio, the norms (by `norms`; zeros when none does), and
+    empty step, wd (master's dtype) and local_lr (float64), one value per segment."""
+    n = len(segments)
+    trust = trust and bool(layout(segments).lars.any())
+    w_norm, g_norm = norms(master, grad, segments) if trust else (xp.zeros(n), xp.zeros(n))
+    return trust, w_norm, g_norm, xp.empty(n, master.dtype), xp.empty(n, master.dtype), xp.empty(n)
 
 
 # ----- Numba CPU -----
@@ -97,33 +414,34 @@ def sgd_update_numpy(master, working, grad, velocity, segments, lr, momentum, we
 @njit(cache=True)
 def coefficients(w_norm, g_norm, decay, lars, lr, weight_decay, inv_scale, trust, eta, eps,
                  step, wd, local_lr):
-    """Per segment: local_lr, step = lr * local_lr and wd (in step's and wd's dtype)."""
+    """sgd_coefficients for every segment, one after another."""
     for s in range(step.size):
-        d = weight_decay if decay[s] else 0.0
-        r = 1.0
-        if trust and lars[s]:
-            r = _trust_ratio_cpu(w_norm[s], g_norm[s] * inv_scale, d, eta, eps)
-        local_lr[s] = r
-        step[s] = lr * r
-        wd[s] = d
+        sgd_coefficients(s, w_norm, g_norm, decay, lars, lr, weight_decay, inv_scale, trust,
+                         eta, eps, step, wd, local_lr)
+
+
+@njit(cache=True)
+def store_half(half, i, w):
+    """half[i] = the fp16 bits of fp32(w), when there is an fp16 copy (half not empty)."""
+    if half.size:
+        half[i] = float_to_half_bits(np.float32(w))
 
 
 @njit(cache=True)
 def _sgd_piece(w, half, g, v, step, wd, inv_scale, m, nesterov):
     """The element pass on one piece (slices); half is empty when there is no fp16 copy."""
     for i in range(w.size):
-        d = g[i] * inv_scale + wd * w[i]
-        vi = m * v[i] + step * d
+        wi, vi = sgd_element(w[i], g[i], v[i], step, wd, inv_scale, m, nesterov)
         v[i] = vi
-        wi = w[i] - (m * vi + step * d if nesterov else vi)
         w[i] = wi
-        if half.size:
-            half[i] = float_to_half_bits(np.float32(wi))
+        store_half(half, i, wi)
 
 
 @njit(parallel=True, cache=True)
 def _sgd_cpu(master, half, grad, velocity, piece_seg, piece_start, piece_stop, chunk_first,
              step, wd, inv_scale, m, nesterov):
+    """(master_i, velocity_i) = sgd_element(...) with the constants of the piece's segment, and
+    half_i = fp16(master_i) when there is an fp16 copy; threads take whole chunks."""
     for c in prange(chunk_first.size - 1):
         for p in range(chunk_first[c], chunk_first[c + 1]):
             s = piece_seg[p]
@@ -138,14 +456,8 @@ def sgd_update_numba(master, working, grad, velocity, segments, lr, momentum, we
     """Numba CPU version of sgd_update_numpy: norms pass (if trust), then the fused pass;
     threads take whole chunks of the arena."""
     lay = layout(segments)
-    trust = trust and bool(lay.lars.any())
-    if trust:
-        w_norm, g_norm = segment_norms_numba(master, grad, segments)
-    else:
-        w_norm = g_norm = np.zeros(lay.num_segments)
-    step = np.empty(lay.num_segments, master.dtype)
-    wd = np.empty(lay.num_segments, master.dtype)
-    local_lr = np.empty(lay.num_segments)
+    trust, w_norm, g_norm, step, wd, local_lr = _per_segment(master, grad, segments, trust, np,
+                                                             segment_norms_numba)
     coefficients(w_norm, g_norm, lay.decay, lay.lars, lr, weight_decay, inv_scale, trust, eta,
                  eps, step, wd, local_lr)
     fused_half = working is not master and working.dtype == np.float16
@@ -153,7 +465,7 @@ def sgd_update_numba(master, working, grad, velocity, segments, lr, momentum, we
     _sgd_cpu(master, half, grad, velocity, lay.piece_seg, lay.piece_start, lay.piece_stop,
              lay.chunk_first, step, wd, *as_dtype(master, inv_scale, momentum), nesterov)
     if not fused_half:
-        refresh_working(master, working)
+        refresh_working(master, working, segments)
     return local_lr
 
 
@@ -162,42 +474,49 @@ def sgd_update_numba(master, working, grad, velocity, segments, lr, momentum, we
 @cuda.jit
 def coefficients_cuda(w_norm, g_norm, decay, lars, lr, weight_decay, inv_scale, trust, eta, eps,
                       step, wd, local_lr):
-    """One thread per segment: what `coefficients` computes."""
+    """One thread per segment: sgd_coefficients."""
     s = cuda.grid(1)
     if s < step.size:
-        d = weight_decay if decay[s] else 0.0
-        r = 1.0
-        if trust and lars[s]:
-            r = _trust_ratio_cuda(w_norm[s], g_norm[s] * inv_scale, d, eta, eps)
-        local_lr[s] = r
-        step[s] = lr * r
-        wd[s] = d
+        sgd_coefficients(s, w_norm, g_norm, decay, lars, lr, weight_decay, inv_scale, trust,
+                         eta, eps, step, wd, local_lr)
 
 
 @cuda.jit(device=True)
-def store_working(working, i, w, via_fp32):
-    """working[i] = cast(w); an fp16 copy of a float64 master goes through fp32, as on the CPU."""
-    if via_fp32:
-        working[i] = np.float32(w)
-    else:
-        working[i] = w
+def store_working(working, i, w, write_working, via_fp32):
+    """working[i] = cast(w) when write_working; an fp16 copy of a float64 master goes
+    through fp32, as on the CPU."""
+    if write_working:
+        if via_fp32:
+            working[i] = np.float32(w)
+        else:
+            working[i] = w
+
+
+def working_args(master, working):
+    """(working, write_working, via_fp32): the last three arguments of the CUDA update
+    kernels. When working is master they get an empty array in its place, as they write
+    master anyway: one host array passed as two arguments would be copied to the device
+    twice and back twice (Numba's automatic transfers, and the simulator's), the second
+    copy back undoing the first."""
+    if working is master:
+        return master[:0], False, False
+    return working, True, working.dtype == np.float16
 
 
 @cuda.jit
-def _sgd_cuda(master, working, grad, velocity, piece_seg, piece_start, piece_stop, step, wd,
-              inv_scale, m, nesterov, write_working, via_fp32):
+def _sgd_cuda(master, grad, velocity, piece_seg, piece_start, piece_stop, step, wd, inv_scale,
+              m, nesterov, working, write_working, via_fp32):
+    """(master_i, velocity_i) = sgd_element(...), working_i = cast(master_i); one block per
+    piece."""
     p = cuda.blockIdx.x        # one block per piece: its segment's constants for every thread
     s = piece_seg[p]
     st = step[s]
     d = wd[s]
     for i in range(piece_start[p] + cuda.threadIdx.x, piece_stop[p], cuda.blockDim.x):
-        g = grad[i] * inv_scale + d * master[i]
-        v = m * velocity[i] + st * g
-        velocity[i] = v
-        w = master[i] - (m * v + st * g if nesterov else v)
+        w, velocity[i] = sgd_element(master[i], grad[i], velocity[i], st, d, inv_scale, m,
+                                     nesterov)
         master[i] = w
-        if write_working:
-            store_working(working, i, w, via_fp32)
+        store_working(working, i, w, write_working, via_fp32)
 
 
 def sgd_update_cuda(master, working, grad, velocity, segments, lr, momentum, weight_decay,
@@ -207,24 +526,18 @@ def sgd_update_cuda(master, working, grad, velocity, segments, lr, momentum, wei
     threads, chunk = cuda_shape()
     xp = array_module(master)
     lay = device_layout(segments, chunk, xp)
-    trust = trust and bool(layout(segments).lars.any())
-    if trust:
-        w_norm, g_norm = segment_norms_cuda(master, grad, segments)
-    else:
-        w_norm = g_norm = xp.zeros(lay.num_segments)
-    step = xp.empty(lay.num_segments, master.dtype)
-    wd = xp.empty(lay.num_segments, master.dtype)
-    local_lr = xp.empty(lay.num_segments)
+    trust, w_norm, g_norm, step, wd, local_lr = _per_segment(master, grad, segments, trust, xp,
+                                                             segment_norms_cuda)
     if lay.num_segments:
         coefficients_cuda[(lay.num_segments + threads - 1) // threads, threads](
             w_norm, g_norm, lay.decay, lay.lars, lr, weight_decay, inv_scale, trust, eta, eps,
             step, wd, local_lr)
     if lay.piece_start.size:
         _sgd_cuda[lay.piece_start.size, threads](
-            master, working, grad, velocity, lay.piece_seg, lay.piece_start, lay.piece_stop,
-            step, wd, *as_dtype(master, inv_scale, momentum), nesterov, working is not master,
-            working.dtype == np.float16)
+            master, grad, velocity, lay.piece_seg, lay.piece_start, lay.piece_stop,
+            step, wd, *as_dtype(master, inv_scale, momentum), nesterov,
+            *working_args(master, working))
     return local_lr
 
 
-_IMPLS = {"numpy": sgd_update_numpy, "numba": sgd_update_numba, "cuda": sgd_update_cuda}
+_SGD = {"numpy": sgd_update_numpy, "numba": sgd_update_numba, "cuda": sgd_update_cuda}

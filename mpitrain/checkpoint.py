@@ -2,15 +2,17 @@
 
 File layout (no pickle anywhere; format_version 1):
 
-    /master            (P,)  fp32 master weights, the flat parameter arena
-    /momentum          (P,)  the arena's momentum buffer
+    /master            (P,)  fp32 master weights: the parameters one after another, as
+                             the arena holds them but without its alignment padding
+    /momentum          (P,)  the arena's momentum buffer, likewise
     /buffers           (R, B) BatchNorm running statistics of each of the R ranks that
                              wrote it (the rows are equal after an evaluation, which
                              averages them; mid-epoch they differ, and keeping every
                              rank's row is what makes a mid-epoch resume exact)
     /params/name, /params/offset, /params/shape   the arena's table, checked on load
     /buffer_names, /buffer_shapes
-    /optimizer/<key>   arrays of optimizer.state_dict() (scalars are attributes of the group)
+    /optimizer/<key>   arrays of optimizer.state_dict() (arena-sized ones packed like
+                       /master; scalars are attributes of the group)
     attributes of /:   format_version, epoch, step (the loader position of the next batch),
                        global_step, world_size, config (JSON), scaler (JSON), rng (JSON:
                        a list per rank of the bit-generator states of Dropout layers),
@@ -28,7 +30,6 @@ import re
 
 import numpy as np
 
-from . import backend
 
 FORMAT_VERSION = 1
 PATTERN = "checkpoint-{global_step:09d}.h5"
@@ -60,23 +61,22 @@ def set_rng_states(model, states):
 
 def collect(model, comm, epoch, step, global_step, config, optimizer=None, scaler=None):
     """Everything a checkpoint holds, as host arrays and JSON-able values, on rank 0
-    (None on the other ranks). Collective: every rank must call it."""
-    buffers = backend.to_numpy(model.buffer_arena.data)
-    rows = comm.gather(buffers, root=0)
+    (None on the other ranks). Collective over the Communicator `comm`."""
+    rows = comm.gather(model.buffer_arena.pack(model.buffer_arena.data), root=0)
     rngs = comm.gather(rng_states(model), root=0)
     if comm.rank != 0:
         return None
     a = model.arena
-    state = dict(master=backend.to_numpy(a.master), momentum=backend.to_numpy(a.momentum),
-                 buffers=np.stack(rows) if buffers.size else np.zeros((len(rows), 0), np.float32),
-                 names=[p.name for p in a.params], offsets=[p.offset for p in a.params],
+    state = dict(master=a.pack(a.master), momentum=a.pack(a.momentum), buffers=np.stack(rows),
+                 names=[p.name for p in a.params],
+                 offsets=np.cumsum([0] + [p.size for p in a.params[:-1]]).tolist(),
                  shapes=[list(p.shape) for p in a.params],
                  buffer_names=[b.name for b in model.buffer_arena.buffers],
                  buffer_shapes=[list(b.shape) for b in model.buffer_arena.buffers],
                  epoch=int(epoch), step=int(step), global_step=int(global_step),
                  world_size=comm.size, config=config, rng=rngs, optimizer={}, scaler=None)
     if optimizer is not None and hasattr(optimizer, "state_dict"):
-        state["optimizer"] = {k: backend.to_numpy(v) if hasattr(v, "shape") else v
+        state["optimizer"] = {k: a.pack(v) if hasattr(v, "shape") else v
                               for k, v in optimizer.state_dict().items()}
     if scaler is not None and hasattr(scaler, "state_dict"):
         state["scaler"] = scaler.state_dict()
@@ -183,7 +183,7 @@ def check_matches(state, model):
     a = model.arena
     mine = [(p.name, list(p.shape)) for p in a.params]
     theirs = list(zip(state["names"], state["shapes"]))
-    if mine == theirs and state["offsets"] == [p.offset for p in a.params]:
+    if mine == theirs and state["master"].size == sum(p.size for p in a.params):
         return
     for (n1, s1), (n2, s2) in zip(mine, theirs):
         if (n1, s1) != (n2, s2):
@@ -200,9 +200,9 @@ def restore(path, model, comm, optimizer=None, scaler=None):
     momentum, BatchNorm buffers, dropout generators), optimizer and scaler.
 
     Returns the checkpoint's metadata (epoch, step, global_step, world_size, config).
-    Collective. With as many ranks as wrote it, every rank gets its own BatchNorm
-    statistics and generator state back; with a different number, every rank gets the
-    mean of the saved statistics and rank 0's generator states.
+    Collective over the Communicator `comm`. With as many ranks as wrote it, every rank
+    gets its own BatchNorm statistics and generator state back; with a different number,
+    every rank gets the mean of the saved statistics and rank 0's generator states.
     """
     state, error = None, None
     if comm.rank == 0:
@@ -224,42 +224,34 @@ def restore(path, model, comm, optimizer=None, scaler=None):
                                           if isinstance(v, np.ndarray))
     meta = comm.bcast(meta, root=0)
     a = model.arena
-    _bcast_into(comm, a.master, state["master"] if state else None)
+    _restore_arena(comm, a, a.master, state["master"] if state else None)
     a.sync_working()
-    _bcast_into(comm, a.momentum, state["momentum"] if state else None)
-    if model.buffer_arena.size:
-        rows = state["buffers"] if state else None
-        same = meta["world_size"] == comm.size
-        host = np.empty(model.buffer_arena.size, backend.to_numpy(model.buffer_arena.data[:1]).dtype)
-        if comm.rank == 0:
-            rows = np.ascontiguousarray(rows if same else rows.mean(axis=0, keepdims=True),
-                                        host.dtype)
-        if same:
-            comm.Scatter(rows if comm.rank == 0 else None, host, root=0)
-        else:
-            if comm.rank == 0:
-                host[...] = rows[0]
-            comm.Bcast(host, root=0)
-        model.buffer_arena.data[...] = backend.array_module(model.buffer_arena.data).asarray(host)
+    _restore_arena(comm, a, a.momentum, state["momentum"] if state else None)
+    buffers = model.buffer_arena
+    rows = None
+    if comm.rank == 0:
+        rows = list(state["buffers"]) if meta["world_size"] == comm.size \
+            else [state["buffers"].mean(axis=0)] * comm.size
+    buffers.unpack(comm.scatter(rows, root=0), buffers.data)
     rngs = meta["rng"]
     set_rng_states(model, rngs[comm.rank] if len(rngs) == comm.size else rngs[0])
     if optimizer is not None and hasattr(optimizer, "load_state_dict"):
         opt = dict(meta["optimizer"])
-        xp = backend.array_module(a.master)            # optimizer arrays live beside the arena
         for key in meta["optimizer_arrays"]:
-            opt[key] = xp.asarray(comm.bcast(state["optimizer"][key] if state else None, root=0))
+            opt[key] = a.zeros()
+            _restore_arena(comm, a, opt[key], state["optimizer"][key] if state else None)
         optimizer.load_state_dict(opt)
     if scaler is not None and hasattr(scaler, "load_state_dict") and meta["scaler"] is not None:
         scaler.load_state_dict(meta["scaler"])
     return meta
 
 
-def _bcast_into(comm, target, source):
-    host = np.empty(target.shape, backend.to_numpy(target[:1]).dtype)
+def _restore_arena(comm, arena, target, packed):
+    """Rank 0 unpacks a checkpoint array into `target` (an arena-sized buffer); every rank
+    then gets rank 0's copy."""
     if comm.rank == 0:
-        host[...] = source
-    comm.Bcast(host, root=0)
-    target[...] = backend.array_module(target).asarray(host)
+        arena.unpack(packed, target)
+    comm.broadcast(target, root=0)
 
 
 def checkpoints(directory):
@@ -292,33 +284,3 @@ def prune(directory, keep):
         os.remove(path)
     for tmp in glob.glob(os.path.join(directory, ".checkpoint-*.h5.tmp")):
         os.remove(tmp)
-
-
-# ----- stopping on a signal -----
-class StopSignals:
-    """SIGTERM and SIGUSR1 (what Slurm sends before a time limit, with --signal) only set
-    a flag here; the training loop looks at it between steps, the ranks agree on it with
-    an all-reduce (MAX), write a checkpoint and stop. Installed only in the main thread;
-    `restore()` puts the previous handlers back."""
-
-    EXIT_STATUS = {"SIGUSR1": 0, "SIGTERM": 143}     # 143 = 128 + 15, as a shell reports
-
-    def __init__(self, signals=("SIGTERM", "SIGUSR1")):
-        import signal
-        import threading
-        self.received = 0
-        self.previous = {}
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for name in signals:
-            num = getattr(signal, name)
-            self.previous[num] = signal.signal(num, self._handle)
-
-    def _handle(self, signum, frame):
-        self.received = signum
-
-    def restore(self):
-        import signal
-        for num, handler in self.previous.items():
-            signal.signal(num, handler)
-        self.previous = {}

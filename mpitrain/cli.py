@@ -197,7 +197,7 @@ def build_parser():
     synthetic.add_argument("--classes", type=positive_int, default=10)
     synthetic.add_argument("--seed", type=nonnegative_int, default=0)
 
-    bench = commands.add_parser("bench", help="benchmarks (step, data)",
+    bench = commands.add_parser("bench", help="benchmarks (step, update, comm, data)",
                                 description="Benchmarks; each reports against a reference "
                                             "measured in the same run.")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="benchmark")
@@ -401,7 +401,7 @@ def _config_value(action, value):
 
 def run_train(args, parser=None, argv=()):
     from mpi4py import MPI
-    from mpitrain.checkpoint import StopSignals
+    from mpitrain.control import StopSignals
     from mpitrain.precision import LossScaleError
     from mpitrain.train import ConfigError, TrainingError, train
     if getattr(args, "config", None):
@@ -468,17 +468,17 @@ def main(argv=None):
     elif args.command == "convert":
         run_convert(args)
     elif args.bench == "step":
-        from mpitrain.bench import main_step
+        from mpitrain.bench.step import main_step
         main_step(args, argv)
     elif args.bench == "data":
-        from mpitrain.bench_data import run
+        from mpitrain.bench.data import run
         run(args.data, args.workers, args.batch, args.image_size, args.reference, args.json,
             args.batches)
     elif args.bench == "update":
-        from mpitrain.bench_update import run
+        from mpitrain.bench.update import run
         run(args.model, args.repeats, args.json)
     elif args.bench == "comm":
-        from mpitrain.bench_comm import MiB, run
+        from mpitrain.bench.comm import MiB, run
         run(args.model, tuple(args.algorithms.split(",")),
             tuple(int(f) * MiB for f in args.fusion_mib.split(",")), args.repeats,
             args.ranks_per_node, not args.no_sweep, args.json)

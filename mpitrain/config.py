@@ -41,8 +41,8 @@ def load_yaml(path, known):
 
 
 def default_run_dir(comm):
-    """runs/<timestamp> (-2, -3, ... if taken) chosen by rank 0 and broadcast, so every
-    rank agrees."""
+    """runs/<timestamp> (-2, -3, ... if taken) chosen by rank 0 and broadcast over the
+    Communicator `comm`, so every rank agrees."""
     name = None
     if comm.rank == 0:
         name = stem = time.strftime("runs/%Y%m%d-%H%M%S")
@@ -54,24 +54,21 @@ def default_run_dir(comm):
 
 
 def environment(comm, device):
-    """What the run ran on: world and node sizes, device, library versions."""
+    """What the run ran on: world and host sizes, device, library versions (collective
+    over the Communicator `comm`)."""
     import h5py
     import mpi4py
     import numba
     import numpy
     from mpi4py import MPI
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    local_size = local.size
-    leaders = comm.allreduce(1 if local.rank == 0 else 0)
     hosts = sorted(set(comm.allgather(platform.node())))
-    local.Free()
-    env = dict(world_size=comm.size, nodes=leaders, ranks_per_node=local_size,
+    env = dict(world_size=comm.size, nodes=len(hosts), ranks_per_node=comm.host_size,
                hosts=hosts[:16] + ([f"... {len(hosts) - 16} more"] if len(hosts) > 16 else []),
                device=device, mpi_library=MPI.Get_library_version().strip().splitlines()[0],
                mpi_standard=".".join(map(str, MPI.Get_version())), mpi4py=mpi4py.__version__,
                python=platform.python_version(), numpy=numpy.__version__,
                numba=numba.__version__, h5py=h5py.__version__, hdf5=h5py.version.hdf5_version)
-    if device == "gpu":
+    if device.startswith("cuda"):
         import cupy
         env["cupy"] = cupy.__version__
         env["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
@@ -105,8 +102,3 @@ def describe(title, data, width=100):
                      for k, v in sorted(data.items()))
     return textwrap.fill(items, width, initial_indent=f"{title}: ", subsequent_indent="  ",
                          break_long_words=False, break_on_hyphens=False)
-
-
-def ensure_dir(path):
-    os.makedirs(path, exist_ok=True)
-    return path

@@ -18,13 +18,20 @@ class EvalError(ValueError):
 def evaluate_checkpoint(path, data, batch_size=None, workers=2, device="auto", comm=None):
     """{"top1", "top5" (5 classes or more), "images"} of checkpoint `path` on file `data`."""
     from mpi4py import MPI
+    from mpitrain.comm import Communicator
+    comm = Communicator(comm or MPI.COMM_WORLD)
+    result = _evaluate(comm, path, data, batch_size, workers, device)
+    comm.free()         # collective: not after an error, which may be one rank's alone
+    return result
+
+
+def _evaluate(comm, path, data, batch_size, workers, device):
     from mpitrain.datasets.loader import Loader
     from mpitrain.nets import build_model
 
     from . import checkpoint
     from .train import (PRESETS, TRANSFORM, ConfigError, average_buffers, check_batch,
                         describe_file, evaluate)
-    comm = comm or MPI.COMM_WORLD
     info = None
     if comm.rank == 0:
         try:
@@ -48,9 +55,7 @@ def evaluate_checkpoint(path, data, batch_size=None, workers=2, device="auto", c
     except ConfigError as e:
         raise EvalError(str(e)) from None
 
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    backend.use_device(device, local.rank, local.size)
-    local.Free()
+    backend.use_device(device, comm.host_rank, comm.host_size)
     model = build_model(cfg["model"], num_classes=classes, seed=0)
     try:
         checkpoint.restore(path, model, comm)

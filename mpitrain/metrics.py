@@ -1,7 +1,7 @@
 """Progress output, metrics records and the Chrome-trace timeline.
 
-On a terminal the line redraws in place; elsewhere (a Slurm log, CI) it prints a
-plain line every `every` seconds, so logs stay readable.
+Progress on a terminal is a tqdm bar redrawn in place; elsewhere (a Slurm log,
+CI) it is plain lines, so logs stay readable.
 """
 import json
 import os
@@ -9,36 +9,47 @@ import sys
 import threading
 import time
 
+from tqdm import tqdm
+
 
 class Progress:
-    """Call with (done, total) as work advances; `close()` prints the final line."""
+    """Call with (done, total) as work advances; `close()` ends it. On a terminal a tqdm
+    bar; elsewhere a plain line every `every` seconds and one at the end."""
 
     def __init__(self, what, stream=None, every=10.0):
         self.what = what
         self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
         self.every = every
+        self.bar = tqdm(desc=what, file=self.stream, dynamic_ncols=True) \
+            if self.stream.isatty() else None
         self.start = self.last = time.perf_counter()
         self.done = self.total = 0
 
     def __call__(self, done, total):
         self.done, self.total = done, total
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.update(done - self.bar.n)
+            return
         now = time.perf_counter()
-        if self.tty or now - self.last >= self.every:
+        if now - self.last >= self.every:
             self.last = now
-            self._write(now, end="\r" if self.tty else "\n")
+            self._line(now)
 
-    def _write(self, now, end):
+    def _line(self, now):
         elapsed = now - self.start
         rate = self.done / elapsed if elapsed > 0 else 0.0
         eta = (self.total - self.done) / rate if rate > 0 else 0.0
         percent = self.done / self.total if self.total else 1.0
         self.stream.write(f"{self.what}: {self.done}/{self.total} ({percent:.0%}) "
-                          f"{rate:,.0f}/s, {elapsed:.0f} s elapsed, ETA {eta:.0f} s{end}")
+                          f"{rate:,.0f}/s, {elapsed:.0f} s elapsed, ETA {eta:.0f} s\n")
         self.stream.flush()
 
     def close(self):
-        self._write(time.perf_counter(), end="\n")
+        if self.bar is not None:
+            self.bar.close()
+        else:
+            self._line(time.perf_counter())
 
 
 def trace_path(path, rank):
@@ -217,128 +228,45 @@ def read_metrics(path):
 
 
 class StepProgress:
-    """Rank 0's training progress: on a terminal a bar redrawn in place with loss,
-    images/s and ETA; elsewhere the same as a plain line each time `update` is called
-    with `log=True` (the trainer calls it every --log-every steps)."""
+    """Rank 0's training progress. On a terminal a tqdm bar (steps done, ETA) with the
+    latest progress text (loss, images/s, ...) beside it, redrawn in place; elsewhere
+    (a Slurm log, CI) that text as a plain line with the ETA each time the trainer logs
+    (every --log-every steps). `line()` prints a permanent line (epoch summaries)."""
 
-    def __init__(self, total_steps, done_steps=0, stream=None, width=24):
+    def __init__(self, total_steps, done_steps=0, stream=None):
         self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
         self.total, self.start_done = total_steps, done_steps
-        self.width = width
         self.start = time.perf_counter()
-        self.drawn = False
+        self.bar = tqdm(total=total_steps, initial=done_steps, file=self.stream,
+                        dynamic_ncols=True, bar_format="[{bar:24}] {postfix}  ETA {remaining}") \
+            if self.stream.isatty() else None
 
-    def update(self, done, text, log=False):
-        """`done` steps of the whole run are complete; `text` holds loss, images/s..."""
-        elapsed = time.perf_counter() - self.start
-        rate = (done - self.start_done) / elapsed if elapsed > 0 else 0.0
-        eta = (self.total - done) / rate if rate > 0 else 0.0
-        if self.tty:
-            filled = int(self.width * done / max(self.total, 1))
-            bar = "#" * filled + "." * (self.width - filled)
-            self.stream.write(f"\r[{bar}] {text}  ETA {_clock(eta)}\033[K")
-            self.drawn = True
-        elif log:
-            self.stream.write(f"{text}  ETA {_clock(eta)}\n")
-        self.stream.flush()
+    @property
+    def tty(self):
+        return self.bar is not None
+
+    def update(self, done, text=None):
+        """`done` steps of the whole run are complete; `text` (loss, images/s, ...) is given
+        on the steps the trainer logs."""
+        if self.bar is not None:
+            self.bar.update(done - self.bar.n)
+            if text is not None:
+                self.bar.set_postfix_str(text)
+        elif text is not None:
+            elapsed = time.perf_counter() - self.start
+            rate = (done - self.start_done) / elapsed if elapsed > 0 else 0.0
+            eta = (self.total - done) / rate if rate > 0 else 0.0
+            self.stream.write(f"{text}  ETA {tqdm.format_interval(eta)}\n")
+            self.stream.flush()
 
     def line(self, text):
-        """A permanent line (epoch summary, evaluation), below the bar."""
-        if self.drawn:
-            self.stream.write("\r\033[K")
-            self.drawn = False
-        self.stream.write(text + "\n")
-        self.stream.flush()
-
-
-def _clock(seconds):
-    m, s = divmod(int(seconds), 60)
-    h, m = divmod(m, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
-
-
-class Watchdog:
-    """Ends the whole job (MPI Abort, status 3) when no progress is reported for `timeout`
-    seconds: a rank that stalls or dies keeps the others waiting in their next collective,
-    and their watchdogs fire.
-
-    The trainer calls `beat(where)` after every step and around evaluations and
-    checkpoint writes, so `timeout` must exceed the longest of those. The message names
-    this rank, the last thing it completed and, from `activity()` (Timeline.activity),
-    the phase it is stuck in; the first rank whose watchdog fires ends the job, which
-    is a rank waiting for the late one (typically in 'all-reduce').
-
-    The late ranks are named from a heartbeat board: a directory (in the run directory)
-    with one small file per rank, overwritten in place with the rank's position, a
-    count of beats and phases entered (`entered`, the Timeline's listener) that
-    advances identically on every rank. A stalled rank cannot report, but its file
-    still says where it stopped; the ranks behind the furthest one did not arrive.
-    Posting costs one pwrite of 128 bytes per phase, no message.
-    """
-
-    def __init__(self, timeout, comm, stream=None, activity=None, board=None):
-        self.timeout, self.comm = float(timeout), comm
-        self.stream = stream or sys.stderr
-        self.activity = activity or (lambda: None)
-        self.where = "start"
-        self.last = time.monotonic()
-        self.count = 0
-        self.board, self._fd = board, None
-        if board:
-            os.makedirs(board, exist_ok=True)
-            self._fd = os.open(os.path.join(board, f"rank{comm.rank}"),
-                               os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
-        self.thread.start()
-
-    def beat(self, where):
-        self.where, self.last = where, time.monotonic()
-        self._post(f"after {where}")
-
-    def entered(self, phase):
-        """The main thread entered a phase (a Timeline span): post the position."""
-        self._post(f"in '{phase}' after {self.where}")
-
-    def _post(self, where):
-        self.count += 1
-        if self._fd is not None:
-            os.pwrite(self._fd, f"{self.count:>14d} {where[:112]:<112}\n".encode(), 0)
-
-    def late_ranks(self):
-        """[(rank, position)] of the ranks behind the furthest one on the board."""
-        positions = {}
-        for r in range(self.comm.size):
-            try:
-                with open(os.path.join(self.board, f"rank{r}")) as f:
-                    text = f.read()
-                positions[r] = int(text[:14]), text[15:].strip()
-            except (OSError, ValueError):
-                positions[r] = -1, "no heartbeat (is the run directory on a shared file system?)"
-        furthest = max(count for count, _ in positions.values())
-        return [(r, where) for r, (count, where) in positions.items() if count < furthest]
-
-    def _watch(self):
-        period = min(1.0, self.timeout / 4)
-        while not self._stop.wait(period):
-            idle = time.monotonic() - self.last
-            if idle > self.timeout:
-                now = self.activity()
-                late = self.late_ranks() if self.board else []
-                who = ("; ranks that did not arrive: " + ", ".join(
-                    f"rank {r} ({where})" for r, where in late)) if late else \
-                    "; a rank is stalled or has not arrived in the collective"
-                self.stream.write(
-                    f"rank {self.comm.rank} of {self.comm.size}: no progress for {idle:.0f} s "
-                    f"(--collective-timeout {self.timeout:g}) after {self.where}"
-                    f"{', ' + now if now else ''}{who}. Ending the job.\n")
-                self.stream.flush()
-                time.sleep(1.0)         # let the launcher forward the message before the abort
-                self.comm.Abort(3)
+        """A permanent line (epoch summary, evaluation), above the bar."""
+        if self.bar is not None:
+            self.bar.write(text, file=self.stream)
+        else:
+            self.stream.write(text + "\n")
+            self.stream.flush()
 
     def close(self):
-        self._stop.set()
-        self.thread.join()
-        if self._fd is not None:
-            os.close(self._fd)
+        if self.bar is not None:
+            self.bar.close()

@@ -4,7 +4,8 @@ An optimizer never loops over parameters in Python: each step is one call of
 a fused kernel (mpitrain.kernels) over the flat arena, which reads the
 segment table to know where each parameter lies and whether weight decay and
 the trust ratio apply to it (biases and BatchNorm gamma/beta: neither). The
-same call unscales the gradient (inv_scale = 1 / (loss scale * ranks)), and
+same call unscales the summed gradient and averages it over the ranks
+(inv_scale = Reducer.postscale / loss scale), and
 writes the updated master weights into the working copy (fp16 under mixed
 precision), so the layers see the new weights without a separate cast.
 
@@ -22,7 +23,7 @@ v = lr v'; when the rate changes, the velocity keeps the rate it was built with.
 """
 import math
 
-from mpitrain.kernels.lamb import lamb_state, lamb_update
+from mpitrain.kernels.lamb import lamb_update
 from mpitrain.kernels.update import sgd_update
 
 
@@ -91,7 +92,7 @@ class LAMB:
         self.beta1, self.beta2, self.eps = float(beta1), float(beta2), float(eps)
         self.weight_decay = float(weight_decay)
         self.impl = impl
-        _, self.exp_avg_sq = lamb_state(arena.master)
+        self.exp_avg_sq = arena.zeros()      # aligned like the arena's buffers
         self.t = 0
 
     def step(self, lr, inv_scale=1.0):

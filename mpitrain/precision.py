@@ -4,11 +4,15 @@ fp16 has 5 exponent bits: gradients smaller than 2^-24 round to zero. The
 trainer multiplies the loss gradient (dlogits) by `scale` before backward, so
 every gradient in the chain is `scale` times larger and small ones survive;
 the update kernel multiplies by inv_scale = 1 / (scale * ranks) as it reads
-the summed fp32 gradient, which undoes the scale and averages over the ranks.
+the summed fp32 gradient, which undoes the scale and averages over the ranks
+(1 / scale alone when the ranks' gradients were divided before the sum, as
+with fp16 on the wire: Reducer.postscale).
 
 Too large a scale overflows: some gradient becomes inf or NaN. The step is
-then skipped on every rank (the flag is combined with MPI MAX, so no replica
-moves alone), and a dynamic scaler halves the scale:
+then skipped on every rank, and a dynamic scaler halves the scale. The ranks
+need no vote on it: the trainer checks the summed gradient, which holds the
+same bits on every rank (an inf or NaN on any rank makes the sum non-finite
+everywhere), so every replica sees the same flag:
 
     dynamic   start at init_scale (2^16)
               overflow   -> scale = max(scale / 2, min_scale), skip the step,
@@ -22,10 +26,6 @@ not finite whatever the scale: after `patience` such overflows in a row the
 scaler raises LossScaleError rather than skip steps for ever.
 """
 import numbers
-
-import numpy as np
-
-from mpitrain.kernels.overflow import has_overflow
 
 
 class LossScaleError(RuntimeError):
@@ -112,15 +112,3 @@ def make_scaler(loss_scale, precision):
     if loss_scale is None:
         loss_scale = "dynamic" if precision == "fp16" else 1.0
     return LossScaler(loss_scale, check=True if precision == "fp16" else None)
-
-
-def found_overflow(grad, comm=None):
-    """True on every rank when any rank's gradient holds an inf or a NaN: one kernel pass
-    over the local arena (kernels.overflow), then one MPI MAX of the flag across `comm`."""
-    local = has_overflow(grad)
-    if comm is None or comm.size == 1:
-        return local
-    from mpi4py import MPI
-    flag = np.array([int(local)], np.int32)
-    comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
-    return bool(flag[0])

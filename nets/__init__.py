@@ -23,14 +23,15 @@ MODELS = {
 
 
 def build_model(name, num_classes=1000, seed=0, dtype=np.float32, working_dtype=None,
-                zero_init_residual=False, **kw):
+                zero_init_residual=False, rank=0, **kw):
     """The network `name`, its parameters bound into an arena and initialised from `seed`.
 
     dtype: master weights and gradients (np.float32, or np.float64 for verification).
     working_dtype: what the layers compute in (np.float16 under mixed precision; default dtype).
     zero_init_residual: ResNets only; the last BN gamma of every block starts at zero.
     kw: passed to the builder (e.g. dropout=0.0 for AlexNet, layers=(2, 2, 2) for resnet_small).
-    The same seed seeds AlexNet's dropout masks.
+    seed and rank seed AlexNet's dropout masks: the weights are the same on every rank
+    (they depend on the seed only), the masks differ from rank to rank.
     """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
@@ -42,7 +43,7 @@ def build_model(name, num_classes=1000, seed=0, dtype=np.float32, working_dtype=
     elif zero_init_residual:
         raise ValueError(f"zero_init_residual applies to ResNets, not to {name!r}")
     else:
-        kw["seed"] = seed
+        kw.update(seed=seed, rank=rank)
     model = MODELS[name](num_classes=int(num_classes), **kw)
     return model.bind(dtype, working_dtype, seed)
 

@@ -25,8 +25,10 @@ class Dropout(Module):
     so the expected value of y is x and eval mode is the identity.
     Backward: dx = dy * m / (1 - p) (the same mask); identity after an eval forward.
 
-    The mask comes from the layer's own NumPy generator (seeded by `seed`, reset
-    by `seed(s)`), so a run is reproducible; on the GPU it is copied over.
+    The mask comes from the layer's own NumPy generator, so a run is
+    reproducible; on the GPU it is copied over. `seed` is an integer or a
+    sequence of them: the networks seed each dropout layer from (model seed,
+    rank, layer), so that every rank of a data-parallel run draws its own masks.
     """
 
     def __init__(self, p=0.5, seed=0):
@@ -36,7 +38,7 @@ class Dropout(Module):
         self.seed(seed)
 
     def seed(self, s):
-        """Restart the mask sequence from seed s."""
+        """Restart the mask sequence from seed s (an integer or a sequence of integers)."""
         self.rng = np.random.default_rng(s)
 
     def forward(self, x, train=True):

@@ -35,10 +35,11 @@ class AlexNet(Module):
     """AlexNet on NHWC input (N, H, W, 3); logits (N, num_classes).
 
     dropout: the drop probability of both classifier dropouts (0 makes them the identity).
-    seed: seeds the two dropout layers' masks (seed and seed + 1).
+    seed, rank: the two dropout layers' masks are drawn from generators seeded by
+    (seed, rank, 0) and (seed, rank, 1): each rank of a run draws its own.
     """
 
-    def __init__(self, num_classes=1000, batch_norm=False, dropout=0.5, seed=0):
+    def __init__(self, num_classes=1000, batch_norm=False, dropout=0.5, seed=0, rank=0):
         self.num_classes = num_classes
         self.batch_norm = batch_norm
         self.dropout = dropout
@@ -55,8 +56,8 @@ class AlexNet(Module):
         self.avgpool = AdaptiveAvgPool2d((6, 6))
         self.flatten = Flatten()
         self.classifier = Sequential(
-            Dropout(dropout, seed=seed), Linear(256 * 6 * 6, 4096), ReLU(),
-            Dropout(dropout, seed=seed + 1), Linear(4096, 4096), ReLU(),
+            Dropout(dropout, seed=(seed, rank, 0)), Linear(256 * 6 * 6, 4096), ReLU(),
+            Dropout(dropout, seed=(seed, rank, 1)), Linear(4096, 4096), ReLU(),
             Linear(4096, num_classes))
         self.stages = [self.features, self.avgpool, self.flatten, self.classifier]
 
@@ -73,9 +74,9 @@ class AlexNet(Module):
         return dy
 
 
-def alexnet(num_classes=1000, dropout=0.5, seed=0):
-    return AlexNet(num_classes, batch_norm=False, dropout=dropout, seed=seed)
+def alexnet(num_classes=1000, dropout=0.5, seed=0, rank=0):
+    return AlexNet(num_classes, batch_norm=False, dropout=dropout, seed=seed, rank=rank)
 
 
-def alexnet_bn(num_classes=1000, dropout=0.5, seed=0):
-    return AlexNet(num_classes, batch_norm=True, dropout=dropout, seed=seed)
+def alexnet_bn(num_classes=1000, dropout=0.5, seed=0, rank=0):
+    return AlexNet(num_classes, batch_norm=True, dropout=dropout, seed=seed, rank=rank)

@@ -9,8 +9,8 @@ from .module import Module, constant
 # Elementwise passes run on a "wide" view of the (M, C) activations, (M/k, k*C),
 # with each per-channel vector tiled k times. On the plain (M, C) view NumPy
 # calls its inner loop once per row of only C elements when broadcasting a (C,)
-# vector, and that per-call overhead made every pass 1.3-2x slower than on the
-# wide view (measured on (8192, 64) and (2048, 512) float32). k*C is kept near
+# vector, and that per-call overhead made every pass slower than on the wide
+# view (the measurements: docs/benchmarks.md, "Layers"). k*C is kept near
 # WIDE elements (64 KiB of fp32), so the tiled vectors stay in cache.
 WIDE = 16384
 
@@ -122,6 +122,8 @@ class BatchNorm2d(Module):
         dgamma = _fold(xp.einsum("ij,ij->j", dyw, xc), k, C) * invstd
         self.weight.grad[...] = dgamma
         self.bias.grad[...] = dbeta
+        self.bias.grad_ready()                  # in arena order: bias, then weight
+        self.weight.grad_ready()
         if self.train and self.group is not None:     # dx sees the whole group's statistics
             both = self.group.sum(xp.concatenate([dbeta, dgamma]))
             dbeta, dgamma, M = both[:C], both[C:], M * self.group.size

@@ -96,17 +96,20 @@ class Conv2d(Module):
         gw = self.weight.grad                                   # (O, k, k, C) arena view
         if self.bias is not None:
             dy.reshape(-1, O).sum(axis=0, dtype=self.bias.grad.dtype, out=self.bias.grad)
+            self.bias.grad_ready()
         if self._use_cudnn(dy):
             x, self.x = self.x, None
             if gw.dtype == x.dtype:
                 cudnn.conv_backward_filter(x, dy, gw.shape, s, p, out=gw)
             else:
                 gw[...] = cudnn.conv_backward_filter(x, dy, gw.shape, s, p)
+            self.weight.grad_ready()
             return cudnn.conv_backward_data(dy, w, self.x_shape, s, p)
         xp = array_module(dy)
         dy2 = xp.ascontiguousarray(dy).reshape(-1, O)           # (N*Ho*Wo, O)
         col = self.col
         matmul(dy2.T, col, out=gw.reshape(O, -1))
+        self.weight.grad_ready()                                # its bucket may be summed now
         if self.pointwise:
             self.col = None
             dcol = matmul(dy2, w.reshape(O, -1))                # (N*Ho*Wo, C)

@@ -35,9 +35,11 @@ class Linear(Module):
 
     def backward(self, dy):
         xp = array_module(dy)
-        matmul(dy.T, self.x, out=self.weight.grad)     # accumulated in the arena's fp32
         if self.bias is not None:
             xp.sum(dy, axis=0, dtype=self.bias.grad.dtype, out=self.bias.grad)
+            self.bias.grad_ready()
+        matmul(dy.T, self.x, out=self.weight.grad)     # accumulated in the arena's fp32
+        self.weight.grad_ready()
         self.x = None
         return matmul(dy, self.weight.data)
 

@@ -2,7 +2,9 @@
 
 A module has `forward(x, train)` -> y and `backward(dy)` -> dx. It caches in
 forward only what backward needs, and writes weight gradients into its
-parameters' arena views (`p.grad[...] = ...`, overwriting, never accumulating).
+parameters' arena views (`p.grad[...] = ...`, overwriting, never accumulating),
+calling `p.grad_ready()` as soon as a gradient is final, so that its bucket can
+be summed across ranks while backward goes on.
 
 Attributes that are `Module`, `Param` or `Buffer` register themselves in
 assignment order, which gives torchvision's state_dict names

@@ -62,19 +62,31 @@ def tiny_model(classes=3, seed=0, dropout=True):
     return Sequential(*layers).bind(np.float32, seed=seed)
 
 
+_solo = []
+
+
+def solo():
+    """The Communicator of a one-process run (made once)."""
+    if not _solo:
+        from mpi4py import MPI
+
+        from mpitrain.comm import Communicator
+        _solo.append(Communicator(MPI.COMM_SELF))
+    return _solo[0]
+
+
 def state_of(model, **extra):
-    from mpi4py import MPI
     meta = dict(epoch=1, step=2, global_step=9, config={"model": "tiny", "batch_size": 4})
     meta.update(extra)
-    return checkpoint.collect(model, MPI.COMM_SELF, meta["epoch"], meta["step"],
+    return checkpoint.collect(model, solo(), meta["epoch"], meta["step"],
                               meta["global_step"], meta["config"])
 
 
 # ----- the file -----
 def test_write_read_restore_round_trip(tmp_path):
-    from mpi4py import MPI
     model = tiny_model()
-    model.arena.momentum[...] = np.arange(model.arena.size, dtype=np.float32)
+    for p in model.arena.params:
+        p.momentum[...] = np.arange(p.size).reshape(p.shape) + p.offset
     dropout = model.layers[1]
     dropout.rng.random(5)                           # a generator that has moved on
     path = checkpoint.write(str(tmp_path / "checkpoint-000000009.h5"), state_of(model))
@@ -82,7 +94,7 @@ def test_write_read_restore_round_trip(tmp_path):
 
     other = tiny_model(seed=1)
     assert not np.array_equal(other.arena.master, model.arena.master)
-    meta = checkpoint.restore(path, other, MPI.COMM_SELF)
+    meta = checkpoint.restore(path, other, solo())
     np.testing.assert_array_equal(other.arena.master, model.arena.master)
     np.testing.assert_array_equal(other.arena.momentum, model.arena.momentum)
     np.testing.assert_array_equal(other.layers[1].rng.random(3), expected_next)
@@ -90,16 +102,20 @@ def test_write_read_restore_round_trip(tmp_path):
     assert meta["config"] == {"model": "tiny", "batch_size": 4}
     with open(path, "rb") as f:
         assert b"pickle" not in f.read()            # plain HDF5 datasets and JSON attributes
+    # the parameters one after another, without the arena's alignment padding
+    stored = checkpoint.read(path)
+    assert stored["master"].size == model.num_params() < model.arena.size
+    np.testing.assert_array_equal(
+        stored["master"], np.concatenate([p.master.ravel() for p in model.arena.params]))
 
 
 def test_mismatched_classes_are_named(tmp_path):
-    from mpi4py import MPI
     path = checkpoint.write(str(tmp_path / "checkpoint-000000009.h5"), state_of(tiny_model(3)))
     with pytest.raises(checkpoint.CheckpointError, match=r"parameter 2\.bias has shape \(3,\) in "
                                                          r"the checkpoint, the model has 2\.bias "
                                                          r"\(4,\) \(a different model or number "
                                                          r"of classes\?\)"):
-        checkpoint.restore(path, tiny_model(4), MPI.COMM_SELF)
+        checkpoint.restore(path, tiny_model(4), solo())
 
 
 def test_failed_write_leaves_the_previous_checkpoint(tmp_path):

@@ -1,5 +1,5 @@
 """`python -m mpitrain`: argparse refuses bad values with exit status 2; inspect and
-bench step produce what they promise."""
+the benchmarks produce what they promise."""
 import json
 import os
 import subprocess
@@ -65,61 +65,84 @@ def test_inspect_resnet50(capsys):
     assert "25,557,032" in capsys.readouterr().out
 
 
-def test_bench_step_json():
+# ----- the benchmarks: one cheap run each, checking what the benchmark could get wrong -----
+@pytest.mark.torch
+def test_bench_step_times_the_same_network_in_torch():
+    """The PyTorch side runs in a child process that rebuilds the network and the batch
+    from the seed: the ratio means something only if both frameworks then run the same
+    network with the same weights on the same batch, so their first losses (before any
+    update) agree, and only with torch on NumPy's BLAS thread count."""
     r = run("bench", "step", "--model", "resnet_small", "--image-size", "32", "--batch", "8",
-            "--steps", "2", "--warmup", "1", "--num-classes", "10", "--json")
+            "--steps", "1", "--warmup", "1", "--num-classes", "10", "--seed", "3",
+            "--reference", "torch", "--json")
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout)                      # one JSON object and nothing else
-    ours = result["mpitrain"]
-    assert ours["images_per_s"] > 0
-    assert ours["step_ms"] == pytest.approx(8 / ours["images_per_s"] * 1e3)
-    for phase in ("forward_loss_ms", "backward_ms", "update_ms"):
-        assert ours[phase] > 0
-    assert result["blas"]["threads"] >= 1
-
-
-@pytest.mark.torch
-def test_bench_step_against_torch():
-    r = run("bench", "step", "--model", "resnet_small", "--image-size", "32", "--batch", "8",
-            "--steps", "2", "--warmup", "1", "--num-classes", "10", "--reference", "torch",
-            "--json")
-    assert r.returncode == 0, r.stderr
-    result = json.loads(r.stdout)
-    assert result["torch"]["images_per_s"] > 0
-    assert result["ratio"] == pytest.approx(result["mpitrain"]["images_per_s"]
-                                            / result["torch"]["images_per_s"])
+    ours, theirs = result["mpitrain"]["first_loss"], result["torch"]["first_loss"]
+    assert theirs == pytest.approx(ours, rel=1e-5)
     assert result["torch"]["threads"] == result["blas"]["threads"]
 
 
-def test_native_openblas_runs_without_the_forcing_variables():
-    # the environment as it is: where OPENBLAS_CORETYPE/_L2_SIZE are set the command
-    # re-runs itself without them and says so; either way the benchmark sees neither
-    r = run("bench", "step", "--model", "resnet_small", "--image-size", "32", "--batch", "4",
-            "--steps", "1", "--warmup", "0", "--num-classes", "10", "--native-openblas", "--json")
+def test_native_openblas_reruns_without_the_forcing_variables():
+    """--native-openblas re-runs the command without OPENBLAS_CORETYPE/_L2_SIZE (which
+    OpenBLAS reads when it loads) and says so; the benchmark then sees neither."""
+    env = {**os.environ, "OPENBLAS_L2_SIZE": "262144"}
+    r = subprocess.run([sys.executable, "-m", "mpitrain", "bench", "step", "--model",
+                        "resnet_small", "--image-size", "32", "--batch", "4", "--steps", "1",
+                        "--warmup", "0", "--num-classes", "10", "--native-openblas", "--json"],
+                       capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
+    assert "--native-openblas: re-running without" in r.stderr
     result = json.loads(r.stdout)
     assert result["blas"]["forced"] == {}
-    forced = [k for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if k in os.environ]
     removed = result["native_openblas"]["removed"]
-    if forced:
-        assert "--native-openblas: re-running without" in r.stderr
-        assert all(f"{k}=" in removed for k in forced)
-    else:
-        assert removed == "nothing was set"
+    assert "OPENBLAS_L2_SIZE=262144" in removed
+    if "OPENBLAS_CORETYPE" in os.environ:
+        assert f"OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']}" in removed
 
 
-def test_convert_then_bench_data(tmp_path):
-    """convert digits and synthetic JPEGs through the CLI, then time the loader on each."""
-    r = run("convert", "digits", str(tmp_path))
+def test_bench_update_times_kernels_that_compute_the_numpy_step():
+    """Every implementation it times first takes one step from the same state; a kernel
+    that computes another step would make its time meaningless."""
+    r = run("bench", "update", "--model", "resnet_small", "--repeats", "1", "--json")
     assert r.returncode == 0, r.stderr
-    assert "train: 1438 images" in r.stdout and "val: 359 images" in r.stdout
+    result = json.loads(r.stdout)
+    assert set(result["results"]) >= {"numpy", "numba"}
+    for impl, figures in result["results"].items():
+        assert figures["max_diff_vs_numpy"] < 1e-5, impl
+
+
+def test_bench_comm_sums_the_model_arena_as_training_does():
+    """bench comm must time the model's own gradient arena (its tensors, in arena order)
+    allocated as training allocates it, in the node's shared memory: only then does
+    `hybrid` take the path training takes (shm for the arena and its buckets)."""
+    from launcher import mpiexec
+
+    from mpitrain.nets import build_model
+    sizes = build_model("resnet_small").arena.segments["size"]
+    r = subprocess.run([mpiexec(), "-np", "2", sys.executable, "-m", "mpitrain", "bench", "comm",
+                        "--model", "resnet_small", "--algorithms", "flat,hybrid",
+                        "--fusion-mib", "4", "--repeats", "1", "--no-sweep", "--json"],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["values"] == int(sizes.sum())
+    rows = {(row["algorithm"], row["mode"], row["wire"]): row for row in result["rows"]}
+    assert rows["flat", "per-tensor", "fp32"]["calls"] == len(sizes)
+    for mode in ("whole", "fused 4 MiB"):
+        assert rows["hybrid", mode, "fp32"]["ran"] == ["shm"], mode
+
+
+def test_bench_data_times_full_batches(tmp_path):
+    """convert synthetic JPEGs through the CLI, then time the loader on them: the images
+    counted as they come out of the loader are the batches asked for, all of them full
+    (the file's 8 records make two batches an epoch; three are timed after the first)."""
     jpegs = tmp_path / "synthetic.h5"
     r = run("convert", "synthetic", str(jpegs), "--count", "8", "--size", "96x64", "--classes", "2")
     assert r.returncode == 0, r.stderr
     assert "train: 8 images" in r.stdout
-    for path, size in ((tmp_path / "digits_val.h5", "32"), (jpegs, "48")):
-        r = run("bench", "data", "--data", str(path), "--image-size", size, "--batch", "4",
-                "--workers", "1", "--batches", "2", "--json")
-        assert r.returncode == 0, r.stderr
-        result = json.loads(r.stdout)
-        assert result["mpitrain"]["images_per_s"] > 0
+    r = run("bench", "data", "--data", str(jpegs), "--image-size", "48", "--batch", "4",
+            "--workers", "1", "--batches", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["records"] == 8
+    assert result["mpitrain"]["images"] == 3 * 4

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mpitrain import checkpoint
-from test_checkpoint import command, environment, wait_for
+from test_checkpoint import command, environment, solo, wait_for
 
 # 3 epochs of 22 steps: long enough to interrupt in the middle of epoch 2
 JOB = ("train", "--epochs", "3", "--batch-size", "64")
@@ -27,8 +27,6 @@ def digits(tmp_path_factory):
 @pytest.fixture(scope="module")
 def five_classes(tmp_path_factory):
     """A 32x32 file with 5 classes, and a checkpoint of resnet_small for the digits' 10."""
-    from mpi4py import MPI
-
     from mpitrain.datasets.convert import convert_synthetic
     from mpitrain.nets import build_model
     path = tmp_path_factory.mktemp("five")
@@ -38,7 +36,7 @@ def five_classes(tmp_path_factory):
     config = dict(model="resnet_small", batch_size=8, data="digits", num_classes=10,
                   image_size=32)
     ckpt = checkpoint.write(str(path / "checkpoint-000000001.h5"),
-                            checkpoint.collect(model, MPI.COMM_SELF, 0, 1, 1, config))
+                            checkpoint.collect(model, solo(), 0, 1, 1, config))
     return data, ckpt
 
 

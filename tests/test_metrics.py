@@ -3,6 +3,7 @@ the progress display, the YAML configuration, and `plot`."""
 import io
 import json
 import os
+import re
 import threading
 import time
 
@@ -87,11 +88,15 @@ def test_progress_prints_plain_lines_off_a_terminal():
     out = io.StringIO()
     p = StepProgress(100, 0, stream=out)
     assert not p.tty
-    p.update(10, "loss 1.0")
+    p.update(10)
     assert out.getvalue() == ""                        # only logged steps print
-    p.update(20, "loss 0.5", log=True)
-    line = out.getvalue()
-    assert line.startswith("loss 0.5  ETA ") and line.endswith("\n") and "\r" not in line
+    p.update(20, "loss 0.5")
+    p.line("epoch 1/2 done")
+    p.close()
+    lines = out.getvalue().split("\n")
+    assert re.fullmatch(r"loss 0\.5  ETA \d\d:\d\d", lines[0]), lines
+    assert lines[1:] == ["epoch 1/2 done", ""]
+    assert "\r" not in out.getvalue() and "\033" not in out.getvalue()
 
 
 # ----- --config -----
@@ -160,9 +165,11 @@ def test_progress_bar_redraws_in_place_on_a_terminal():
         def isatty(self):
             return True
     out = Terminal()
-    p = StepProgress(10, 0, stream=out, width=10)
+    p = StepProgress(10, 0, stream=out)
     p.update(5, "loss 1.0")
-    assert out.getvalue().startswith("\r[#####.....] loss 1.0  ETA ")
-    assert "\n" not in out.getvalue()
+    drawn = out.getvalue()
+    assert drawn.startswith("\r") and "loss 1.0  ETA" in drawn and "\n" not in drawn
+    assert "#" * 12 in drawn or "\u2588" * 12 in drawn     # half of the 24-wide bar
     p.line("epoch 1/2 done")
-    assert out.getvalue().endswith("\r\033[Kepoch 1/2 done\n")
+    assert "epoch 1/2 done\n" in out.getvalue()[len(drawn):]
+    p.close()

@@ -42,7 +42,7 @@ def test_arena_is_reverse_registration_order_with_flags():
     assert model.arena.params[0].name == "fc.bias"
     assert model.arena.params[-1].name == "conv1.weight"
     seg = model.arena.segments
-    assert np.array_equal(seg["offset"][1:], np.cumsum(seg["size"])[:-1])
+    assert np.all(seg["offset"][1:] >= seg["offset"][:-1] + seg["size"][:-1])   # in order, apart
     for (name, p), (offset, size, decay, lars) in zip(reversed(named), seg):
         assert (offset, size) == (p.offset, p.size)
         is_weight_matrix = name.endswith("weight") and len(p.shape) in (2, 4)   # conv or linear
@@ -51,6 +51,45 @@ def test_arena_is_reverse_registration_order_with_flags():
     assert flags["layer2.0.downsample.0.weight"] == (True, True)
     assert flags["layer2.0.downsample.1.weight"] == (False, False)
     assert flags["bn1.bias"] == flags["fc.bias"] == (False, False)
+
+
+@pytest.mark.parametrize("classes", [10, 1000])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_parameter_starts_on_a_256_byte_boundary(name, classes):
+    """In every buffer of the arena (master, fp16 working copy, gradient, momentum, LAMB's
+    second moment), whatever the number of classes; the padding between parameters is zero
+    and takes no part in the segment table."""
+    from mpitrain.optim import LAMB
+    model = build_model(name, num_classes=classes, working_dtype=np.float16)
+    arena = model.arena
+    second_moment = LAMB(arena).exp_avg_sq
+    views = {"master": "master", "working": "data", "grad": "grad", "momentum": "momentum"}
+    for p in arena.params:
+        for buffer, attr in views.items():
+            assert getattr(p, attr).ctypes.data % 256 == 0, (name, p.name, buffer)
+        assert second_moment[p.offset:].ctypes.data % 256 == 0, (name, p.name, "LAMB v")
+    used = np.zeros(arena.size, bool)
+    for offset, size in arena.segments[["offset", "size"]]:
+        used[offset:offset + size] = True
+    assert used.sum() == model.num_params() and not arena.master[~used].any()
+    for b in model.buffer_arena.buffers:
+        assert b.data.ctypes.data % 256 == 0, (name, b.name)
+
+
+def test_alexnet_dropout_masks_come_from_the_seed_and_the_rank():
+    """Every rank starts from the same weights but draws its own dropout masks (else the
+    global batch would hold only batch / ranks distinct masks); the same (seed, rank)
+    draws the same masks again."""
+    masks, weights = {}, {}
+    for rank in (0, 1, 0):
+        model = build_model("alexnet", num_classes=10, seed=5, rank=rank)
+        weights.setdefault(rank, model.arena.master[:1000].copy())
+        drop = model.classifier.layers[0]
+        drop.forward(np.ones((2, 9216), np.float32))
+        masks.setdefault(rank, []).append(drop.mask)
+    np.testing.assert_array_equal(weights[0], weights[1])
+    np.testing.assert_array_equal(masks[0][0], masks[0][1])
+    assert not np.array_equal(masks[0][0], masks[1][0])
 
 
 def test_alexnet_names_and_flags():
@@ -84,19 +123,10 @@ def test_zero_init_residual_rejected_for_alexnet():
 
 
 def _record_backward_order(model):
-    """Wrap every leaf's backward on the instance; the list fills with each leaf's
-    parameters (in arena order within the leaf) as backward reaches it."""
+    """The names of the parameters, in the order backward says their gradients are final
+    (the arena's on_grad_ready listener, which the gradient Reducer uses)."""
     written = []
-    for _, m in model.named_modules():
-        if m.children():
-            continue
-        params = [p.name for _, p in reversed(list(m.named_params()))]
-
-        def backward(dy, backward=m.backward, params=params):
-            dx = backward(dy)
-            written.extend(params)
-            return dx
-        m.backward = backward
+    model.arena.on_grad_ready = lambda p: written.append(p.name)
     return written
 
 
@@ -106,12 +136,14 @@ def _record_backward_order(model):
 def test_backward_writes_gradients_in_arena_order(make):
     model = make()
     written = _record_backward_order(model)
-    model.arena.grad[...] = np.nan
+    for p in model.arena.params:
+        p.grad[...] = np.nan
     x = np.random.default_rng(0).standard_normal((2, 16, 16, 3)).astype(np.float32)
     y = model.forward(x, train=True)
     model.backward(np.ones_like(y))
     assert written == [p.name for p in model.arena.params]
-    assert np.all(np.isfinite(model.arena.grad))      # every gradient was written
+    for p in model.arena.params:                        # every gradient was written
+        assert np.all(np.isfinite(p.grad)), p.name
     # within a block with a shortcut: the downsample's gradients come before conv1's
     assert written.index("layer2.0.downsample.0.weight") < written.index("layer2.0.conv1.weight")
 
@@ -157,7 +189,7 @@ FLOAT32 = {"resnet18": (4, 32), "resnet50": (8, 32), "alexnet": (2, 64)}
 def _train_step_both(name, n, size, dtype, tdtype):
     import torch
 
-    from mpitrain import reference_torch as rt
+    from mpitrain.bench import reference_torch as rt
     kw = {"dropout": 0.0} if name.startswith("alexnet") else {}
     model = build_model(name, num_classes=10, dtype=dtype, seed=1, **kw)
     tmodel = rt.to_torch(model, tdtype).train()
@@ -184,7 +216,7 @@ def _rel(a, b):
 def test_matches_torch_float64(name):
     import torch
 
-    from mpitrain import reference_torch as rt
+    from mpitrain.bench import reference_torch as rt
     model, tmodel, logits, tlogits, tgrads = _train_step_both(name, *FLOAT64[name], np.float64, torch.float64)
     assert _rel(logits, tlogits) < 1e-6
     for pname, p in model.named_params():

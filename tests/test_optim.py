@@ -33,6 +33,16 @@ def tiny_arena(dtype, working_dtype=None):
 GRADS = [[0.1, -0.2, 0.3, 0.4, -0.5], [-0.3, 0.6, 0.05, -0.1, 0.2], [0.2, 0.2, -0.4, 0.0, 0.1]]
 
 
+def set_grad(arena, g):
+    """The five gradient values into the arena's (padded) gradient buffer."""
+    arena.unpack(np.asarray(g, arena.dtype), arena.grad)
+
+
+def packed(arena, buf):
+    """The five parameter values of one of the arena's buffers, without the padding."""
+    return arena.pack(buf)
+
+
 def sgd_by_hand(lr, m, wd, nesterov):
     """The same three steps, one scalar at a time, from PyTorch's documented formulas
     (v' = m v' + d; w -= lr v', Nesterov w -= lr (d + m v'))."""
@@ -55,11 +65,11 @@ def test_sgd_matches_hand_computation(nesterov, dtype, tol):
     arena = tiny_arena(dtype)
     opt = SGD(arena, momentum=m, weight_decay=wd, nesterov=nesterov)
     for g in GRADS:
-        arena.grad[...] = g
+        set_grad(arena, g)
         opt.step(lr)
     w, v = sgd_by_hand(lr, m, wd, nesterov)
-    np.testing.assert_allclose(arena.master, w, rtol=0, atol=tol)
-    np.testing.assert_allclose(arena.momentum, lr * v, rtol=0, atol=tol)
+    np.testing.assert_allclose(packed(arena, arena.master), w, rtol=0, atol=tol)
+    np.testing.assert_allclose(packed(arena, arena.momentum), lr * v, rtol=0, atol=tol)
 
 
 def test_sgd_decays_only_flagged_segments():
@@ -67,7 +77,8 @@ def test_sgd_decays_only_flagged_segments():
     arena = tiny_arena(np.float64)
     opt = SGD(arena, momentum=0.0, weight_decay=0.5)
     opt.step(1.0)
-    np.testing.assert_allclose(arena.master, [0.25, -0.75, 2.0, 0.25, -0.75], rtol=0, atol=0)
+    np.testing.assert_allclose(packed(arena, arena.master), [0.25, -0.75, 2.0, 0.25, -0.75],
+                               rtol=0, atol=0)
 
 
 def test_sgd_unscales_the_gradient():
@@ -76,8 +87,8 @@ def test_sgd_unscales_the_gradient():
     plain, scaled = tiny_arena(np.float64), tiny_arena(np.float64)
     opts = SGD(plain, weight_decay=0.05), SGD(scaled, weight_decay=0.05)
     for g in GRADS:
-        plain.grad[...] = g
-        scaled.grad[...] = np.array(g) * 16
+        set_grad(plain, g)
+        set_grad(scaled, np.array(g) * 16)
         opts[0].step(0.1)
         opts[1].step(0.1, inv_scale=1 / 16)
     np.testing.assert_array_equal(scaled.master, plain.master)
@@ -85,10 +96,38 @@ def test_sgd_unscales_the_gradient():
 
 def test_sgd_refreshes_the_fp16_working_copy():
     arena = tiny_arena(np.float32, working_dtype=np.float16)
-    arena.grad[...] = GRADS[0]
+    set_grad(arena, GRADS[0])
     SGD(arena, momentum=0.9, weight_decay=1e-2).step(0.5)
     assert arena.working.dtype == np.float16
     np.testing.assert_array_equal(arena.working, arena.master.astype(np.float16))
+
+
+@pytest.mark.parametrize("name", ["sgd", "lars", "lamb"])
+@pytest.mark.parametrize("working_dtype", [np.float16, None], ids=["fp16", "fp32"])
+def test_optimizers_leave_the_arena_padding_alone(name, working_dtype):
+    # the arena aligns every parameter, so the bias starts after a gap of padding; sentinels
+    # there (finite in grad, so that nothing counts as an overflow) must survive the steps
+    arena = tiny_arena(np.float32, working_dtype=working_dtype)
+    opt = make_optimizer(name, arena, weight_decay=1e-2,
+                         **({} if name == "lamb" else {"momentum": 0.9}))
+    pad = np.ones(arena.size, bool)
+    for offset, size in zip(arena.segments["offset"], arena.segments["size"]):
+        pad[offset:offset + size] = False
+    assert pad.sum() > 0
+    state = [arena.master, arena.momentum] + ([opt.exp_avg_sq] if name == "lamb" else [])
+    for buf in state:
+        buf[pad] = 7.0
+    arena.grad[pad] = 1e4
+    if arena.working is not arena.master:
+        arena.working[pad] = 5.0
+    for g in GRADS:
+        set_grad(arena, g)
+        opt.step(0.1)
+    for buf in state:
+        assert np.all(buf[pad] == 7.0)
+    if arena.working is not arena.master:
+        assert np.all(arena.working[pad] == 5.0)
+    assert np.all(packed(arena, arena.master) != [0.5, -1.5, 2.0, 0.25, -0.75])     # moved
 
 
 def test_bad_hyperparameters_are_refused():

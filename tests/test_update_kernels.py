@@ -1,7 +1,10 @@
-"""The optimizer kernels (mpitrain.kernels: norms, update, lamb, overflow, cast).
+"""The optimizer kernels (mpitrain.kernels: update (norms, overflow check, SGD/LARS),
+lamb, cast, segments).
 
 Numba CPU kernels run on fp32 arenas and are compared with the NumPy reference
-run on float64 copies, and with loops written out here. The CUDA kernels run
+run on float64 copies, and with loops written out here. Arenas with padding
+between the parameters (as mpitrain.arena lays them out) hold sentinel values
+there, which no kernel may read into a norm or overwrite. The CUDA kernels run
 under the numba-cuda simulator in a subprocess (NUMBA_ENABLE_CUDASIM must be
 set before numba.cuda is first imported) on arenas of a few hundred elements.
 """
@@ -13,7 +16,7 @@ import numpy as np
 import pytest
 
 from mpitrain.arena import SEGMENT_DTYPE
-from mpitrain.kernels import cast, lamb, norms, overflow, segments, update
+from mpitrain.kernels import cast, lamb, segments, update
 
 SIZES = (1, 7, 3001, 64, 129, 0, 2, 1000)        # 1, odd, a few thousand, an empty one
 DECAY = (0, 1, 1, 0, 1, 1, 0, 1)
@@ -21,6 +24,7 @@ LARS = (0, 1, 1, 0, 0, 1, 0, 1)
 SIM_SIZES = (1, 7, 150, 33, 0, 10)              # the simulator runs ~1000 elements/s
 SIM_DECAY = (1, 1, 0, 1, 0, 0)
 SIM_LARS = (1, 0, 1, 1, 1, 0)
+SIM_GAPS = (2, 0, 5, 300, 1, 3)                 # 300: more than a simulator piece (128)
 
 
 def make_segments(sizes, decay, lars):
@@ -47,6 +51,39 @@ def make_arena(seg, seed=0):
 def small_chunks(monkeypatch):
     """CPU chunks of 1000 elements, so that parameters span several chunks and pieces."""
     monkeypatch.setattr(segments, "CPU_CHUNK", 1000)
+
+
+# Padded arenas, as mpitrain.arena lays them out: GAPS[i] elements of padding before
+# parameter i, TAIL after the last one. The padding holds sentinels: PAD in master,
+# momentum and LAMB's moments, PAD_WORKING in the working copy, PAD_GRAD (finite, so that
+# has_overflow stays quiet; large, so that it would swamp any norm it entered) in grad.
+GAPS = (2, 0, 5, 2100, 1, 3, 0, 7)      # 2100: a CPU chunk of 1000 without any parameter
+TAIL = 9
+PAD, PAD_WORKING, PAD_GRAD = 7.0, 5.0, 1e4
+
+
+def make_padded(sizes, gaps, decay, lars, tail=TAIL):
+    """(packed, padded, total): the segment table of the parameters one after another, the
+    table with gaps[i] elements of padding before parameter i, and the padded arena's size."""
+    packed = make_segments(sizes, decay, lars)
+    padded = packed.copy()
+    padded["offset"] += np.cumsum(gaps)
+    return packed, padded, int(padded["offset"][-1] + padded["size"][-1] + tail)
+
+
+def padding(seg, total):
+    """Boolean mask of the elements of a `total`-element arena that no segment holds."""
+    pad = np.ones(total, bool)
+    for offset, size in zip(seg["offset"], seg["size"]):
+        pad[offset:offset + size] = False
+    return pad
+
+
+def spread(values, padded, total, fill):
+    """The packed array `values` laid out by the padded table, `fill` in the padding."""
+    out = np.full(total, fill, values.dtype)
+    out[~padding(padded, total)] = values
+    return out
 
 
 # ----- layout -----
@@ -79,20 +116,72 @@ def test_pick_chooses_by_array_type_and_rejects_unknown_names():
         segments.pick("fortran", x)
 
 
+def test_layout_with_gaps_cuts_pieces_only_inside_segments():
+    _, seg, total = make_padded(SIZES, GAPS, DECAY, LARS)
+    lay = segments.layout(seg, chunk=1000)
+    covered = np.zeros(total, int)
+    for a, b, s in zip(lay.piece_start, lay.piece_stop, lay.piece_seg):
+        assert seg["offset"][s] <= a < b <= seg["offset"][s] + seg["size"][s]
+        assert a // 1000 == (b - 1) // 1000                      # inside one chunk
+        covered[a:b] += 1
+    assert np.array_equal(covered, (~padding(seg, total)).astype(int))   # each element once
+    for s in range(len(seg)):
+        own = np.flatnonzero(lay.piece_seg == s)
+        assert list(own) == list(range(lay.seg_first[s], lay.seg_first[s + 1]))
+    end = int(seg["offset"][-1] + seg["size"][-1])
+    assert lay.chunk_first.size - 1 == -(-end // 1000)           # chunks: equal arena ranges
+    for c in range(lay.chunk_first.size - 1):
+        own = slice(lay.chunk_first[c], lay.chunk_first[c + 1])
+        assert np.all(lay.piece_start[own] >= 1000 * c)
+        assert np.all(lay.piece_stop[own] <= 1000 * (c + 1))
+    assert np.any(np.diff(lay.chunk_first) == 0)                 # the chunk inside the gap
+
+
+@pytest.mark.parametrize("offsets,sizes,message", [
+    ((0, 5), (10, 10), "must not overlap"),
+    ((20, 0), (5, 5), "arena order"),
+    ((0, 10, 12), (10, 5, 5), "starts before the end of segment 1"),
+    ((0, 10), (10, -1), "negative"),
+])
+def test_layout_refuses_overlapping_or_unordered_segments(offsets, sizes, message):
+    seg = np.zeros(len(sizes), SEGMENT_DTYPE)
+    seg["offset"], seg["size"] = offsets, sizes
+    with pytest.raises(ValueError, match=message):
+        segments.layout(seg)
+
+
 # ----- norms -----
 
 def test_segment_norms_numba_equal_float64_reference(small_chunks):
     seg = make_segments(SIZES, DECAY, LARS)
     master, grad, _ = make_arena(seg)
-    w_norm, g_norm = norms.segment_norms(master, grad, seg, impl="numba")
+    w_norm, g_norm = update.segment_norms(master, grad, seg, impl="numba")
     for s, (offset, size) in enumerate(zip(seg["offset"], seg["size"])):
         w = master[offset:offset + size].astype(np.float64)
         g = grad[offset:offset + size].astype(np.float64)
         np.testing.assert_allclose(w_norm[s], np.sqrt(np.sum(w * w)), rtol=1e-13)
         np.testing.assert_allclose(g_norm[s], np.sqrt(np.sum(g * g)), rtol=1e-13)
-    ref = norms.segment_norms(master.astype(np.float64), grad.astype(np.float64), seg, "numpy")
+    ref = update.segment_norms(master.astype(np.float64), grad.astype(np.float64), seg, "numpy")
     np.testing.assert_allclose(w_norm, ref[0], rtol=1e-13)
     np.testing.assert_allclose(g_norm, ref[1], rtol=1e-13)
+
+
+def norms_padded(impl, sizes, gaps, decay, lars, tail=TAIL):
+    """segment_norms of `impl` on a padded arena equal the float64 reference on the packed
+    parameters: nothing of the padding (PAD_GRAD would swamp a norm) is read."""
+    packed, seg, total = make_padded(sizes, gaps, decay, lars, tail)
+    master, grad, _ = make_arena(packed)
+    w_norm, g_norm = update.segment_norms(spread(master, seg, total, PAD),
+                                          spread(grad, seg, total, PAD_GRAD), seg, impl=impl)
+    ref = update.segment_norms(master.astype(np.float64), grad.astype(np.float64), packed,
+                               "numpy")
+    np.testing.assert_allclose(w_norm, ref[0], rtol=1e-13)
+    np.testing.assert_allclose(g_norm, ref[1], rtol=1e-13)
+
+
+@pytest.mark.parametrize("impl", ["numpy", "numba"])
+def test_segment_norms_read_no_padding(small_chunks, impl):
+    norms_padded(impl, SIZES, GAPS, DECAY, LARS)
 
 
 # ----- fused SGD / LARS -----
@@ -221,6 +310,41 @@ def test_lars_with_no_lars_segments_is_sgd_bit_for_bit():
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
 
 
+def padded_working(kind, master, total):
+    """The working copy of a padded test arena: fp16 or a separate fp32 array with
+    PAD_WORKING in every element, or master itself."""
+    return master if kind == "master" else np.full(total, PAD_WORKING, kind)
+
+
+def sgd_padded(impl, sizes, gaps, decay, lars, trust, working, tail=TAIL):
+    """One Nesterov SGD/LARS step of `impl` on a padded fp32 arena, checked against the
+    float64 reference on the packed parameters; the padding must keep its sentinels."""
+    packed, seg, total = make_padded(sizes, gaps, decay, lars, tail)
+    master, grad, momentum = make_arena(packed)
+    kw = dict(STEP, trust=trust, nesterov=True)
+    w_ref, v_ref, lr_ref = reference_step(master, grad, momentum, packed, **kw)
+    w, v = spread(master, seg, total, PAD), spread(momentum, seg, total, PAD)
+    work = padded_working(working, w, total)
+    local_lr = update.sgd_update(w, work, spread(grad, seg, total, PAD_GRAD), v, seg,
+                                 impl=impl, **kw)
+    pad = padding(seg, total)
+    assert np.all(w[pad] == PAD) and np.all(v[pad] == PAD)
+    if work is not w:
+        assert np.all(work[pad] == PAD_WORKING)
+    np.testing.assert_allclose(local_lr, lr_ref, rtol=1e-12)
+    np.testing.assert_allclose(v[~pad], v_ref, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(w[~pad], w_ref, rtol=1e-6, atol=1e-7)
+    assert np.array_equal(work[~pad], w[~pad].astype(work.dtype))
+
+
+@pytest.mark.parametrize("impl", ["numpy", "numba"])
+@pytest.mark.parametrize("trust", [False, True], ids=["sgd", "lars"])
+@pytest.mark.parametrize("working", [np.float16, np.float32, "master"],
+                         ids=["fp16", "fp32-copy", "master"])
+def test_fused_update_leaves_padding_alone(small_chunks, impl, trust, working):
+    sgd_padded(impl, SIZES, GAPS, DECAY, LARS, trust, working)
+
+
 # ----- LAMB -----
 
 def lamb_by_hand(w, grads, seg, lr, beta1, beta2, eps, wd, inv_scale):
@@ -265,45 +389,165 @@ def test_lamb_numba_and_numpy_match_hand_computed_reference_for_three_steps(smal
     assert np.all(ratio[~on] == 1.0) and np.all(ratio[on] != 1.0)
 
 
+LAMB_HP = dict(lr=0.01, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=1e-2, inv_scale=1 / 8)
+
+
+def lamb_padded(impl, sizes, gaps, decay, lars, tail=TAIL):
+    """Two LAMB steps of `impl` on a padded fp32 arena with an fp16 working copy, checked
+    against lamb_by_hand on the packed parameters; the padding must keep its sentinels."""
+    packed, seg, total = make_padded(sizes, gaps, decay, lars, tail)
+    master, grad, _ = make_arena(packed)
+    grads = [grad, grad[::-1].copy()]
+    w_ref, m_ref, v_ref = lamb_by_hand(master, grads, packed, *(LAMB_HP[k] for k in (
+        "lr", "beta1", "beta2", "eps", "weight_decay", "inv_scale")))
+    w = spread(master, seg, total, PAD)
+    m, v = spread(np.zeros_like(master), seg, total, PAD), spread(np.zeros_like(master), seg,
+                                                                  total, PAD)
+    half = padded_working(np.float16, w, total)
+    for t, g in enumerate(grads, start=1):
+        ratio = lamb.lamb_update(w, half, spread(g, seg, total, PAD_GRAD), m, v, seg, step=t,
+                                 impl=impl, **LAMB_HP)
+    pad = padding(seg, total)
+    assert np.all(w[pad] == PAD) and np.all(m[pad] == PAD) and np.all(v[pad] == PAD)
+    assert np.all(half[pad] == PAD_WORKING)
+    np.testing.assert_allclose(m[~pad], m_ref, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(v[~pad], v_ref, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(w[~pad], w_ref, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(half[~pad], w[~pad].astype(np.float16))
+    on = seg["lars"].astype(bool) & (seg["size"] > 0)
+    assert np.all(ratio[~on] == 1.0) and np.all(ratio[on] != 1.0)
+
+
+@pytest.mark.parametrize("impl", ["numpy", "numba"])
+def test_lamb_leaves_padding_alone(small_chunks, impl):
+    lamb_padded(impl, SIZES, GAPS, DECAY, LARS)
+
+
 # ----- overflow -----
 
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 def test_overflow_check_finds_one_nonfinite_value_anywhere(small_chunks, bad):
     grad = np.random.default_rng(7).standard_normal(3001).astype(np.float32)
     grad[17] = 3e38                                     # large but finite
-    assert not overflow.has_overflow(grad, impl="numba")
+    assert not update.has_overflow(grad, impl="numba")
     for where in (0, 1500, 3000):
         g = grad.copy()
         g[where] = bad
-        assert overflow.has_overflow(g, impl="numba"), where
-        assert overflow.has_overflow(g, impl="numpy"), where
+        assert update.has_overflow(g, impl="numba"), where
+        assert update.has_overflow(g, impl="numpy"), where
+
+
+def test_overflow_check_reads_the_whole_array_padding_included(small_chunks):
+    _, seg, total = make_padded(SIZES, GAPS, DECAY, LARS)
+    grad = np.zeros(total, np.float32)
+    assert not update.has_overflow(grad, impl="numba")
+    grad[np.flatnonzero(padding(seg, total))[[0, 500, -1]]] = [0.0, np.nan, 0.0]
+    assert update.has_overflow(grad, impl="numba") and update.has_overflow(grad, impl="numpy")
 
 
 def test_overflow_check_of_an_empty_array_is_clean():
-    assert not overflow.has_overflow(np.zeros(0, np.float32), impl="numba")
+    assert not update.has_overflow(np.zeros(0, np.float32), impl="numba")
 
 
 # ----- casts -----
 
-def test_to_half_rounds_like_numpy():
+def half_inputs():
+    """fp32 values for to_half: every fp16 value, every midpoint between two neighbours
+    (ties) and the fp32 values either side of it, the overflow boundary, fp32 subnormals,
+    infinities, NaNs with payloads, a million random bit patterns and normal values of
+    every scale."""
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    finite = np.unique(every[np.isfinite(every)].astype(np.float32))
+    ties = ((finite[:-1].astype(np.float64) + finite[1:]) / 2).astype(np.float32)   # exact
+    top = np.float32(65520)                                      # the tie between 65504 and inf
+    special = np.array([0.0, -0.0, np.inf, -np.inf, 1e-45, -1e-45, 1e-40, 2.0 ** -25,
+                        2.0 ** -26, 3 * 2.0 ** -26, 3.4e38, -3.4e38, 1e5], np.float32)
+    nans = np.array([0x7fc00000, 0xffc00000, 0x7f800001, 0x7fa00000, 0xff812345, 0x7fffffff,
+                     0x7f802000, 0xffbfffff], np.uint32).view(np.float32)
     rng = np.random.default_rng(8)
-    special = [0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65519.99, 65520, -65520, 1e-8,
-               2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -25, 2.0 ** -14, 1 + 2.0 ** -11,
-               1 + 3 * 2.0 ** -11, 2049, 2051]            # ties to even, subnormals, overflow
-    x = np.concatenate([special, rng.standard_normal(5000) * 10.0 ** rng.uniform(-9, 5, 5000)])
-    x = x.astype(np.float32)
-    with np.errstate(over="ignore"):
-        expected = x.astype(np.float16)
-    got = cast.to_half(x, impl="numba")
+    bits = rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    normal = (rng.standard_normal(1 << 16) * 10.0 ** rng.uniform(-9, 5, 1 << 16)).astype(np.float32)
+    parts = [every.astype(np.float32), ties, np.nextafter(ties, np.float32(np.inf)),
+             np.nextafter(ties, np.float32(-np.inf)), [top, -top], np.nextafter(top, 0 * top),
+             special, nans, bits, normal]
+    return np.concatenate([np.asarray(p, np.float32).ravel() for p in parts])
+
+
+def quieted(x, quiet_bit):
+    """x with every signalling NaN replaced by its quiet twin (the quiet bit set). IEEE 754
+    conversions quiet a signalling NaN, and so do the hardware conversions the kernels use;
+    NumPy's own fp16 conversions keep it signalling. That is the only difference allowed."""
+    bits = x.view(np.uint32 if x.dtype == np.float32 else np.uint16)
+    return np.where(np.isnan(x) & ((bits & quiet_bit) == 0), bits | quiet_bit, bits).view(x.dtype)
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "serial"])
+@pytest.mark.parametrize("scale", [1.0, 0.5, 1024.0, 2.0 ** -24, 3.0, 1 / 3])
+@pytest.mark.parametrize("impl", ["numpy", "numba"])
+def test_to_half_is_numpys_cast_bit_for_bit(impl, scale, parallel):
+    x = half_inputs()
+    with np.errstate(all="ignore"):
+        expected = (x if scale == 1.0 else x * np.float32(scale)).astype(np.float16)
+        got = cast.to_half(x, impl=impl, scale=scale, parallel=parallel)
+        if impl == "numba":     # the NaN inputs that NumPy lets through signalling
+            expected = quieted(x, 0x00400000).astype(np.float16) if scale == 1.0 else expected
     assert got.dtype == np.float16
-    assert np.array_equal(got.view(np.uint16)[~np.isnan(x)], expected.view(np.uint16)[~np.isnan(x)])
-    assert np.all(np.isnan(got[np.isnan(x)]))
+    assert np.array_equal(got.view(np.uint16), expected.view(np.uint16))   # NaNs included
 
 
-def test_to_float_is_exact_for_every_half():
-    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
-    got = cast.to_float(h, impl="numba")
-    assert np.array_equal(got, h.astype(np.float32), equal_nan=True)
+@pytest.mark.parametrize("impl", ["numpy", "numba"])
+def test_to_half_rounds_the_scaled_value_to_fp32_first(impl):
+    # 6147 * fp32(1/3) = 2049.00006...: rounded to fp32 that is 2049, a tie between the
+    # fp16 neighbours 2048 and 2050, which goes to even (2048); a single rounding of the
+    # product straight to fp16 would give 2050
+    got = cast.to_half(np.array([6147.0], np.float32), impl=impl, scale=1 / 3)
+    assert got[0] == 2048
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "serial"])
+@pytest.mark.parametrize("impl", ["numpy", "numba"])
+def test_to_float_is_numpys_cast_for_every_half(impl, parallel):
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    got = cast.to_float(every, impl=impl, parallel=parallel)
+    expected = (quieted(every, 0x0200) if impl == "numba" else every).astype(np.float32)
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))   # NaNs included
+    assert np.sum(quieted(every, 0x0200).view(np.uint16) != every.view(np.uint16)) == 1022
+
+
+SERIAL_CASTS_BESIDE_PARALLEL_ONES = """
+import sys, threading
+import numpy as np
+from mpitrain.kernels import cast
+parallel = sys.argv[1] == "parallel"
+x = np.random.default_rng(0).standard_normal(1 << 18).astype(np.float32)
+h = cast.to_half(x)
+cast.to_float(h)
+stop = threading.Event()
+
+def background():
+    while not stop.is_set():
+        assert np.array_equal(cast.to_half(x, parallel=parallel), h)
+        cast.to_float(h, parallel=parallel)
+
+t = threading.Thread(target=background)
+t.start()
+for _ in range(300):
+    cast.to_half(x)
+    cast.to_float(h)
+stop.set()
+t.join()
+import numba
+assert numba.threading_layer() == "workqueue"
+"""
+
+
+def test_serial_casts_run_beside_parallel_ones_in_another_thread():
+    # Numba's workqueue threading layer aborts the process when two threads enter parallel
+    # regions at once: parallel=False must not enter one (with parallel=True it aborts)
+    env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue", NUMBA_NUM_THREADS="2")
+    run = subprocess.run([sys.executable, "-c", SERIAL_CASTS_BESIDE_PARALLEL_ONES, "serial"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
 
 
 def test_casts_check_dtypes():
@@ -320,8 +564,8 @@ def sim_arena():
 
 def sim_norms():
     seg, master, grad, _ = sim_arena()
-    got = norms.segment_norms(master, grad, seg, impl="cuda")
-    ref = norms.segment_norms(master.astype(np.float64), grad.astype(np.float64), seg, "numpy")
+    got = update.segment_norms(master, grad, seg, impl="cuda")
+    ref = update.segment_norms(master.astype(np.float64), grad.astype(np.float64), seg, "numpy")
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-13)
     np.testing.assert_allclose(got[1], ref[1], rtol=1e-13)
 
@@ -358,20 +602,35 @@ def sim_lamb():
 
 def sim_overflow_and_casts():
     grad = np.random.default_rng(10).standard_normal(50).astype(np.float32)
-    assert not overflow.has_overflow(grad, impl="cuda")
+    assert not update.has_overflow(grad, impl="cuda")
     for where, bad in [(0, np.inf), (25, np.nan), (49, -np.inf)]:
         g = grad.copy()
         g[where] = bad
-        assert overflow.has_overflow(g, impl="cuda")
+        assert update.has_overflow(g, impl="cuda")
     x = np.array([0.5, 65520, 2.0 ** -25, 3 * 2.0 ** -25, -1 - 2.0 ** -11, np.nan, -np.inf] +
                  list(grad[:40]), np.float32)
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):
         h = cast.to_half(x, impl="cuda")
-        assert np.array_equal(h, x.astype(np.float16), equal_nan=True)
+        assert np.array_equal(h.view(np.uint16), x.astype(np.float16).view(np.uint16))
+        for scale in (0.5, 1 / 3):
+            hs = cast.to_half(x, impl="cuda", scale=scale)
+            assert np.array_equal(hs.view(np.uint16),
+                                  (x * np.float32(scale)).astype(np.float16).view(np.uint16))
+    assert cast.to_half(np.array([6147.0], np.float32), impl="cuda", scale=1 / 3)[0] == 2048
     assert np.array_equal(cast.to_float(h, impl="cuda"), h.astype(np.float32), equal_nan=True)
 
 
-@pytest.mark.parametrize("check", ["sim_norms", "sim_update", "sim_lamb", "sim_overflow_and_casts"])
+def sim_padding():
+    """The CUDA norms, SGD/LARS and LAMB kernels on a padded arena: padding neither read
+    into a norm nor written."""
+    norms_padded("cuda", SIM_SIZES, SIM_GAPS, SIM_DECAY, SIM_LARS, tail=3)
+    sgd_padded("cuda", SIM_SIZES, SIM_GAPS, SIM_DECAY, SIM_LARS, True, np.float16, tail=3)
+    sgd_padded("cuda", SIM_SIZES, SIM_GAPS, SIM_DECAY, SIM_LARS, False, "master", tail=3)
+    lamb_padded("cuda", SIM_SIZES, SIM_GAPS, SIM_DECAY, SIM_LARS, tail=3)
+
+
+@pytest.mark.parametrize("check", ["sim_norms", "sim_update", "sim_lamb", "sim_overflow_and_casts",
+                                   "sim_padding"])
 def test_cuda_kernels_under_the_simulator(check):
     code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
             f"import test_update_kernels as t; t.{check}()")

@@ -38,206 +38,78 @@ build each Allreduce by construction from Reduce (or Reduce_scatter) and Bcast
 (or Allgatherv), so that every element has one owner. NCCL's all-reduce (ring,
 tree, NVLS) likewise reduces each element once and then distributes it.
 
-float16. MPI has no standard half type. MPICH 5 offers MPIX_C_FLOAT16
-(mpi4py's MPI.FLOAT16_T) with a native SUM, which is correct but slower than
-the user-defined operation below (bench_comm, 2 ranks, ResNet-50 in fp16,
-minimum of 7: 315 ms native against 122 ms for the same flat all-reduce with
-this op, 287 against 86 ms in 4 MiB slices), and other MPI libraries lack it. So float16
-travels as MPI.UINT16_T (the bits) and is summed by `fp16_sum_op()`, a
-commutative user-defined MPI.Op whose Numba kernel adds IEEE halves exactly
-as NumPy's float16 addition does (bit for bit, checked by the tests); NumPy's
-own float16 addition is a scalar loop, 3-5x slower here.
+float16. MPI has no standard half type (MPICH's MPIX_C_FLOAT16 is slower
+than the operation below and other libraries lack it; docs/benchmarks.md).
+So float16 travels as MPI.UINT16_T (the bits) and is summed by
+`fp16_sum_op()`, a commutative user-defined MPI.Op whose Numba kernel widens
+each half to float32 exactly, adds, and rounds once to the nearest half (the
+conversions of mpitrain.kernels.cast): bit for bit NumPy's float16 addition,
+which is a scalar loop several times slower.
 """
 import itertools
 
 import numpy as np
 from mpi4py import MPI
+from numba import njit
 
-from mpitrain.backend import array_module
-
-try:
-    import numba
-except ImportError:     # the float16 sum falls back to NumPy
-    numba = None
+from mpitrain.kernels.cast import load, store
 
 ALGORITHMS = ("flat", "hierarchical", "2d", "shm", "hybrid")
 
 
 # ----------------------------------------------------------------------------
-# float16 summation for MPI
+# The kernels: sums of float32, float64 and float16 (as uint16 bits) arrays
 # ----------------------------------------------------------------------------
-_BLOCK = 2048   # elements per step of the kernels: their scratch stays in L1
+_BLOCK = 2048   # elements per step of the shm kernel: its scratch stays in L1
 
 
-def _half_sum_numpy(inout, other):
-    """inout += other on float16 values held as uint16 bits (the reference)."""
-    a = inout.view(np.float16)
-    np.add(a, other.view(np.float16), out=a)
+@njit(cache=True, nogil=True)
+def add_into(acc, x):
+    """acc += x elementwise; float16 (uint16 bits) is widened to float32, added and
+    rounded once, which is the correctly rounded half sum (24 >= 2 * 11 + 2
+    significand bits make the double rounding exact)."""
+    for i in range(acc.size):
+        store(acc, i, load(acc, i) + load(x, i))
 
 
-def _widen(half, start, m, bits, value):
-    """value[:m] = float32 of the halves half[start:start+m] (bits: uint32 view of value).
+@njit(cache=True, nogil=True)
+def shm_sum(peers, lo, hi, me, spread, acc):
+    """peers[me][lo:hi] = the sum of every peers[q][lo:hi], q in local-rank order, added in
+    acc's dtype (float32 for float16 and float32, float64 for float64) and rounded once;
+    then, when `spread`, the sum copied into every other peers[q].
 
-    The sign, exponent and mantissa of h move to float32 position
-    ((h & 0x7fff) << 13); the exponent-31 codes (inf, NaN) get float32's
-    all-ones exponent; multiplying by 2**112 (= 2**(127-15), the difference of
-    the exponent biases) then gives the exact value, half subnormals included.
+    Block by block through acc (_BLOCK elements), so the block of the sum is still in
+    L1 when it is copied: each element of every copy is read once and written once.
     """
-    for i in range(m):
-        h = np.uint32(half[start + i])
-        bits[i] = (((h & 0x8000) << 16) | ((h & 0x7fff) << 13)
-                   | (np.uint32(0x7f800000) if (h & 0x7c00) == 0x7c00 else np.uint32(0)))
-    for i in range(m):
-        value[i] = value[i] * np.float32(2.0 ** 112)
-
-
-def _narrow(value, bits, m, aux, aux_bits, half, start):
-    """half[start:start+m] = value[:m] rounded to the nearest half, ties to even
-    (bits: uint32 view of value; aux, aux_bits: scratch float32 and its uint32 view).
-
-      normal results:    rebias the exponent (-112 << 23), add 0xfff plus the
-                         lowest kept bit, drop 13 bits (a carry may bump the
-                         exponent, correctly, up to infinity);
-      subnormal results: |v| + 0.5 puts |v| in units of 2**-24 (the float32
-                         spacing at 0.5) in the low mantissa bits, rounded to
-                         even by the float32 addition itself;
-      |v| >= 65520:      infinity (65520 is halfway to 2**16: the tie goes up, to even);
-      NaN:               a quiet NaN.
-    """
-    for i in range(m):
-        aux[i] = np.abs(value[i]) + np.float32(0.5)
-    for i in range(m):
-        f = bits[i]
-        mag = f & np.uint32(0x7fffffff)
-        r = mag - np.uint32(112 << 23)
-        normal = (r + np.uint32(0xfff) + ((r >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)
-        subnormal = aux_bits[i] - np.uint32(0x3f000000)
-        h = normal if mag >= np.uint32(0x38800000) else subnormal
-        h = np.uint32(0x7c00) if mag >= np.uint32(0x477ff000) else h
-        h = np.uint32(0x7e00) if mag > np.uint32(0x7f800000) else h
-        half[start + i] = np.uint16(((f >> np.uint32(16)) & np.uint32(0x8000)) | h)
-
-
-def _half_sum_kernel(inout, other):
-    """inout += other on float16 values held as uint16 bits, bit for bit as NumPy.
-
-    Both halves are widened to float32 exactly, added, and rounded to half: a
-    float32 has 24 >= 2*11 + 2 significand bits, so rounding twice (exact sum
-    -> float32 -> half) gives the correctly rounded half sum.
-    """
-    a_bits = np.empty(_BLOCK, np.uint32)
-    b_bits = np.empty(_BLOCK, np.uint32)
-    a, b = a_bits.view(np.float32), b_bits.view(np.float32)
-    for start in range(0, inout.size, _BLOCK):
-        m = min(_BLOCK, inout.size - start)
-        _widen(inout, start, m, a_bits, a)
-        _widen(other, start, m, b_bits, b)
-        for i in range(m):
-            a[i] += b[i]
-        _narrow(a, a_bits, m, b, b_bits, inout, start)
-
-
-def _to_half_kernel(src, dst):
-    """dst (uint16 bits) = src (float32) rounded to half, as NumPy's astype(float16)."""
-    a_bits = np.empty(_BLOCK, np.uint32)
-    b_bits = np.empty(_BLOCK, np.uint32)
-    a, b = a_bits.view(np.float32), b_bits.view(np.float32)
-    for start in range(0, src.size, _BLOCK):
-        m = min(_BLOCK, src.size - start)
-        for i in range(m):
-            a[i] = src[start + i]
-        _narrow(a, a_bits, m, b, b_bits, dst, start)
-
-
-def _from_half_kernel(src, dst):
-    """dst (float32) = src (uint16 bits of halves), exactly."""
-    bits = np.empty(_BLOCK, np.uint32)
-    value = bits.view(np.float32)
-    for start in range(0, src.size, _BLOCK):
-        m = min(_BLOCK, src.size - start)
-        _widen(src, start, m, bits, value)
-        for i in range(m):
-            dst[start + i] = value[i]
-
-
-def _add_into(acc, x):
-    """acc += x, elementwise."""
-    for i in range(x.size):
-        acc[i] += x[i]
-
-
-def _copy_into(y, x):
-    """y[:] = x."""
-    for i in range(x.size):
-        y[i] = x[i]
-
-
-def _shm_sum_kernel(peers, lo, hi, me, spread):
-    """peers[me][lo:hi] += peers[q][lo:hi] for every other q in order (float32 or
-    float64), then, when `spread`, the sum copied into every peers[q].
-
-    Block by block, so the block of the sum is still in L1 when it is copied:
-    each element of every copy is read once and written once. (The loops are
-    over slices passed to helpers: indexing the tuple inside a loop would keep
-    LLVM from vectorising.)
-    """
-    mine = peers[me]
-    for start in range(lo, hi, _BLOCK):
-        stop = min(start + _BLOCK, hi)
-        for q in range(len(peers)):
-            if q != me:
-                _add_into(mine[start:stop], peers[q][start:stop])
-        for q in range(len(peers)):
-            if spread and q != me:
-                _copy_into(peers[q][start:stop], mine[start:stop])
-
-
-def _shm_half_sum_kernel(peers, lo, hi, me, spread):
-    """_shm_sum_kernel for float16 held as uint16 bits: the halves are widened to
-    float32 exactly, summed in float32 and rounded to half once."""
-    a_bits = np.empty(_BLOCK, np.uint32)
-    b_bits = np.empty(_BLOCK, np.uint32)
-    a, b = a_bits.view(np.float32), b_bits.view(np.float32)
     for start in range(lo, hi, _BLOCK):
         m = min(_BLOCK, hi - start)
-        _widen(peers[0], start, m, a_bits, a)
+        for i in range(m):
+            acc[i] = load(peers[0], start + i)
         for q in range(1, len(peers)):
-            _widen(peers[q], start, m, b_bits, b)
-            _add_into(a[:m], b[:m])
-        _narrow(a, a_bits, m, b, b_bits, peers[me], start)
+            _add_block(acc, peers[q], start, m)
+        _store_block(peers[me], acc, start, m)
         for q in range(len(peers)):
             if spread and q != me:
-                _copy_into(peers[q][start:start + m], peers[me][start:start + m])
+                _copy_block(peers[q], peers[me], start, m)
 
 
-if numba is not None:
-    _widen = numba.njit(cache=True, nogil=True)(_widen)
-    _narrow = numba.njit(cache=True, nogil=True)(_narrow)
-    half_sum = numba.njit(cache=True, nogil=True)(_half_sum_kernel)
-    _to_half = numba.njit(cache=True, nogil=True)(_to_half_kernel)
-    _from_half = numba.njit(cache=True, nogil=True)(_from_half_kernel)
-    _add_into = numba.njit(cache=True, nogil=True)(_add_into)
-    _copy_into = numba.njit(cache=True, nogil=True)(_copy_into)
-    _shm_sum = numba.njit(cache=True, nogil=True)(_shm_sum_kernel)
-    _shm_half_sum = numba.njit(cache=True, nogil=True)(_shm_half_sum_kernel)
-else:
-    half_sum = _half_sum_numpy
-    _shm_sum, _shm_half_sum = _shm_sum_kernel, _shm_half_sum_kernel
+@njit(cache=True, nogil=True)
+def _add_block(acc, x, start, m):
+    # a helper per loop: indexing the tuple of peers inside a loop keeps LLVM from vectorising
+    for i in range(m):
+        acc[i] += load(x, start + i)
 
 
-def cast_into(dst, src):
-    """dst[...] = src for host float32 <-> float16 with the kernels above (NumPy's own
-    casts between them are scalar loops, about 10x slower here); anything else by NumPy."""
-    if numba is not None and array_module(dst, src) is np and dst.flags.c_contiguous \
-            and src.flags.c_contiguous and dst.size == src.size:
-        if src.dtype == np.float32 and dst.dtype == np.float16:
-            _to_half(src.reshape(-1), dst.reshape(-1).view(np.uint16))
-            return dst
-        if src.dtype == np.float16 and dst.dtype == np.float32:
-            _from_half(src.reshape(-1).view(np.uint16), dst.reshape(-1))
-            return dst
-    dst[...] = src
-    return dst
+@njit(cache=True, nogil=True)
+def _store_block(y, acc, start, m):
+    for i in range(m):
+        store(y, start + i, acc[i])
+
+
+@njit(cache=True, nogil=True)
+def _copy_block(y, x, start, m):
+    for i in range(m):
+        y[start + i] = x[start + i]
 
 
 _fp16_sum = None
@@ -253,7 +125,7 @@ def fp16_sum_op():
     global _fp16_sum
     if _fp16_sum is None:
         def add(invec, inoutvec, datatype):
-            half_sum(np.frombuffer(inoutvec, np.uint16), np.frombuffer(invec, np.uint16))
+            add_into(np.frombuffer(inoutvec, np.uint16), np.frombuffer(invec, np.uint16))
         _fp16_sum = MPI.Op.Create(add, commute=True)
     return _fp16_sum
 
@@ -273,18 +145,22 @@ def wire(buf):
 # ----------------------------------------------------------------------------
 # The algorithms, on host (NumPy) buffers through MPI
 # ----------------------------------------------------------------------------
-def flat(comm, buf):
-    """One MPI Allreduce over all ranks."""
+def flat(comm, buf, wait=None):
+    """One MPI Allreduce over all ranks (an Iallreduce handed to `wait`, if given)."""
     dt, op = wire(buf)
-    comm.world.Allreduce(MPI.IN_PLACE, [buf, dt], op=op)
+    if wait is None:
+        comm.world.Allreduce(MPI.IN_PLACE, [buf, dt], op=op)
+    else:
+        wait(comm.world.Iallreduce(MPI.IN_PLACE, [buf, dt], op=op))
 
 
-def hierarchical(comm, buf):
+def hierarchical(comm, buf, wait=None):
     """Reduce to the node leader, Allreduce among leaders, Bcast inside the node.
 
     Only one rank per node sends across nodes, which is Jia et al.'s answer to
     many GPUs sharing one network card; the price is that the leaders do all
-    the cross-node work while the others wait.
+    the cross-node work while the others wait. Its phases are blocking (`wait`
+    is not used).
     """
     dt, op = wire(buf)
     node = comm.node_comm
@@ -317,7 +193,7 @@ def shard_layout(n, node_sizes, local_size):
     return counts, displs
 
 
-def two_d(comm, buf):
+def two_d(comm, buf, wait=None):
     """Reduce_scatter in the node, Allreduce across nodes per shard, Allgatherv in the node.
 
     Every rank of a node carries 1/S of the cross-node traffic (hierarchical
@@ -325,6 +201,7 @@ def two_d(comm, buf):
     buffer: an in-place Reduce_scatter would leave it at the front of `buf`
     rather than at its place, so MPI writes it to scratch and the Allgatherv
     writes every shard, this rank's included, straight to its place in `buf`.
+    Its phases are blocking (`wait` is not used).
     """
     dt, op = wire(buf)
     counts, displs = shard_layout(buf.size, comm.node_sizes, comm.local_size)
@@ -377,8 +254,7 @@ def shm(comm, buf, wait=None):
     if win is None:                 # no room was left in shared memory for this array
         return two_d(comm, buf)
     dt, op = wire(buf)
-    half = buf.dtype == np.float16
-    if half:
+    if buf.dtype == np.float16:
         peers = tuple(p.view(np.uint16) for p in peers)
     counts, displs = shard_layout(buf.size, comm.node_sizes, comm.local_size)
     lo = displs[comm.local_rank]
@@ -395,7 +271,9 @@ def shm(comm, buf, wait=None):
 
     node_barrier()
     if hi > lo:
-        (_shm_half_sum if half else _shm_sum)(peers, lo, hi, comm.local_rank, not across)
+        acc = comm.scratch(np.float64 if buf.dtype == np.float64 else np.float32, _BLOCK,
+                           purpose="shm")
+        shm_sum(peers, lo, hi, comm.local_rank, not across, acc)
         if across:
             # blocking, as in 2d: a node without shared memory runs 2d, and MPI never
             # matches a blocking collective with a non-blocking one
@@ -418,48 +296,28 @@ SHM_MIN_BYTES = 64 << 10
 def choose(comm, nbytes, dtype=np.float32, device=False, shared=False):
     """The algorithm `hybrid` uses for a buffer of `nbytes` of `dtype` on `comm`'s topology.
 
-    The rule, from `python -m mpitrain.bench_comm` on this 2-core host (MPICH
-    5.0.2, shared memory; minimum ms of interleaved runs; grouping by
-    --ranks-per-node stands in for nodes; 4 ranks oversubscribe the 2 cores,
-    so those numbers are noisier):
+    The rule comes from `python -m mpitrain bench comm` on a 2-core host with
+    MPICH (figures in docs/benchmarks.md; a real cluster should be re-measured
+    and this function changed to match):
 
-    * a buffer in the node's shared memory (the gradient arena in training,
-      Communicator.shared_zeros), of at least 64 KiB, on more than one rank:
-      shm, any dtype and topology. Single buffers, flat / 2d / shm, 2 ranks, fp32: 4 KiB 0.015 /
-      0.027 / 0.035; 16 KiB 0.033 / 0.052 / 0.040; 64 KiB 0.048 / 0.077 /
-      0.042; 1 MiB 0.31 / 0.57 / 0.22; 4 MiB 1.36 / 2.28 / 0.49; 64 MiB 45 /
-      60 / 4.3. fp16: 16 KiB 0.090 / 0.114 / 0.098; 64 KiB 0.230 / 0.205 /
-      0.175; 4 MiB 9.1 / 5.9 / 3.7. ResNet-50's arena in 4 MiB buckets: 7.8 /
-      54.6 / 33.8 ms (shm / 2d / flat), per tensor 11.6 / 57.9 / 36.2 ms; on
-      4 ranks (oversubscribed) 25.6 ms for shm, 140 for flat. shm reads and
-      writes each element of the rank's shard of every copy once, in place;
-      MPICH's shared-memory all-reduce copies the data through its own cells.
-      Below 64 KiB the two barriers cost more than the copies saved. On a
-      node without shared memory shm runs 2d, which is why the rule keys on
-      the buffer, not the node.
-    * float32/float64 (MPI's built-in SUM) elsewhere: flat, at every size and topology.
-      Single buffers, flat / hierarchical / 2d, 2 ranks on one node:
-      4 KiB 0.012 / 0.015 / 0.043; 1 MiB 0.29 / 0.42 / 0.50;
-      4 MiB 1.07 / 2.09 / 2.03; 64 MiB 48 / 118 / 66. 4 MiB on 4 ranks, one
-      node: 4.4 / 7.3 / 8.0; as 2 nodes of 2: 12.3 / 14.8 / 20.7. MPICH's own
-      all-reduce already uses shared memory inside a host; splitting it into
-      phases only adds steps, and these "nodes" share one memory, so there is
-      no slow network for the hierarchy to spare. (Jia et al. pick
-      hierarchical for small tensors on 1,024 GPUs; a real cluster should be
-      re-measured with bench_comm, and this function changed to match.)
-    * float16 (the user-defined op, `fp16_sum_op`): 2d from 256 KiB up when
-      every node has at least two ranks, else flat. MPICH runs a user-defined
-      op on the whole buffer on every rank (the op is called once with all n
-      elements), so the half additions, not the copies, dominate; 2d's
-      reduce-scatter splits them among the node's ranks. flat / 2d, 2 ranks:
-      256 KiB 0.82 / 0.61; 4 MiB 13.1 / 8.4; 49 MiB 123 / 69. 4 ranks, one
-      node: 256 KiB 2.2 / 1.5; 1 MiB 8.1 / 4.8; 4 MiB 38 / 24. 2 nodes of 2:
-      4 MiB 51 / 39; 16 MiB 185 / 120. At 64 KiB and below they are within
-      noise (2 ranks 0.236 / 0.233) and flat makes one call instead of three.
-      With a one-rank node, 2d has one shard per node and no split to gain.
-    * CuPy buffers (NCCL): flat. NCCL's own all-reduce is already
-      topology-aware (rings and trees over NVLink and the network); not
-      measured here, as this host has no GPU.
+    * a buffer in the node's shared memory (the gradient arena of a CPU run,
+      Communicator.shared_zeros) of at least SHM_MIN_BYTES, on more than one
+      rank: shm, any dtype and topology. It reads and writes each element of
+      the rank's shard of every copy once, in place, where MPICH's
+      shared-memory all-reduce copies through its own cells; below 64 KiB its
+      two barriers cost more than the copies saved. On a node without shared
+      memory shm runs 2d, which is why the rule keys on the buffer, not the node.
+    * float32/float64 elsewhere: flat. MPICH's own all-reduce already uses
+      shared memory inside a host; splitting it into phases only adds steps.
+      (Jia et al. pick hierarchical for small tensors on 1,024 GPUs, where a
+      slow network is there to spare.)
+    * float16 (the user-defined op): 2d from FP16_2D_MIN_BYTES up when every
+      node has at least two ranks, else flat. MPI runs a user-defined op on the
+      whole buffer on every rank, so the half additions dominate, and 2d's
+      reduce-scatter splits them among the node's ranks. With a one-rank node
+      2d has one shard per node and nothing to split.
+    * CuPy buffers (NCCL): flat; NCCL's own all-reduce is topology-aware
+      (rings and trees over NVLink and the network).
     """
     if device:
         return "flat"

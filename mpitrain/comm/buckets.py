@@ -7,63 +7,45 @@ the parameters in arena order and closes a bucket as soon as it holds at least
 `threshold` bytes, so every cut is a parameter boundary, a tensor larger than
 the threshold is a bucket of its own, and the layout depends only on the
 segment table: identical on every rank. The default threshold, 4 MiB, is the
-fastest slice size measured by `python -m mpitrain bench comm` on this host
-(REFERENCES.md: ResNet-50's 25.6M fp32 gradients sum in 11 ms as 4 MiB slices,
-39 ms as one all-reduce, 18 ms as 161 per-tensor calls).
-
-Knowing when a bucket is ready. Every leaf module that owns parameters
-(Conv2d, Linear, BatchNorm2d) gets its `backward` wrapped on the instance (as
-mpitrain.inspect wraps `forward`): the wrapper calls the layer's own backward,
-which has then written all of that layer's gradients, and counts those
-parameters off their buckets. The layers themselves know nothing of it. A
-bucket whose count reaches zero is ready; buckets are handed to communication
-strictly in index order (a bucket ready early waits for the ones before it),
-so every rank issues the same collectives in the same order whatever order
-its layers finish in.
-
-Overlap. MPICH progresses a non-blocking all-reduce only while some MPI call
-runs (or with MPIR_CVAR_ASYNC_PROGRESS=1, which spins a core), and numpy's
-backward makes no MPI calls for tens of milliseconds at a time. So the reducer
-runs one communication thread that takes ready buckets from a queue and sums
-each on the Communicator's own duplicated world communicator, while the main
-thread goes on with backward (NumPy's BLAS and the Numba kernels release the
-GIL). MPI must be initialised with MPI_THREAD_MULTIPLE (mpi4py's default): the
-main thread may meanwhile run collectives on other communicators (distributed
-BatchNorm's group sums). `finish()` waits until every bucket is summed. With
-overlap off, `finish()` sums all buckets in order in the calling thread after
+fastest slice size `python -m mpitrain bench comm` found (docs/benchmarks.md):
+fewer, larger calls than one per tensor, yet early enough to start during
 backward.
 
-The thread must not spin. A blocking MPICH collective polls shared memory in
-a busy loop until the other ranks arrive, and with one core per rank that loop
-takes the core from backward. Measured with `mpirun -np 2 python -m mpitrain
-bench step` (ResNet-50, 64x64, batch 32 per rank, 1 thread per rank, 19
-buckets of 4 MiB, steps of both variants interleaved, on this 2-core host
-shared with other jobs): a thread running blocking all-reduces made the step
-260 ms LONGER than --no-overlap (the buckets took 440 ms instead of 50 ms),
-while a flat all-reduce started with Iallreduce and tested every POLL seconds
-with sleeps in between made it 53 ms shorter, of 95 ms of all-reduce in the
---no-overlap step (55% hidden; the wait after backward fell to 0.2 ms). So a
-flat bucket goes that way, and shm (what `hybrid` picks for an arena in shared
-memory, which is where the Reducer puts a host arena) waits for its node
-barriers the same way, as tested Ibarriers; hierarchical and 2d are sequences
-of blocking collectives and still block in the thread.
-On the same host with little other load the all-reduce takes only 20-29 ms of
-a 1.1 s step, and overlap did not pay: the wait after backward fell to 0.5-3 ms
-but backward grew by 24-28 ms, the step by 13-36 ms (1-3%). With one core per
-rank there is no idle core: the shared-memory all-reduce is itself copying and
-adding on the rank's core, and the thread's Test calls take the GIL from
-backward. Overlap pays where the transport works without the CPU (a network
-card, NCCL on GPUs) or the host is oversubscribed; --no-overlap is the switch.
-With shm (same benchmark, two runs on a busy host): the --no-overlap step
-spent 10.6 and 41 ms in the all-reduce (1-2% of a 1.5-1.9 s step);
-overlapped, 96-97% of it ran behind backward, yet the step was 74 and 9 ms
-longer: on a rank's only core the polling thread costs backward more than
-the little communication left to hide. Hence `train`'s default, --overlap
-auto: overlapped for a GPU arena (NCCL runs on its own stream and links),
-after backward for a host arena.
-MPITRAIN_COMM_POLL=0 restores the blocking thread (to measure the difference).
+Knowing when a bucket is ready. A layer's backward calls `param.grad_ready()`
+for each parameter as soon as its gradient is written (nets/conv.py, linear.py,
+batchnorm.py), and the arena passes that on to its `on_grad_ready` listener:
+the Reducer sets itself there when it is built and clears it on `close()`.
+It counts the parameter off its bucket; a bucket whose count reaches zero is
+ready. Buckets are handed to communication strictly in index order (a bucket
+ready early waits for the ones before it), so every rank issues the same
+collectives in the same order whatever order its layers finish in.
 
-On a GPU the hook first waits for the device stream, so the thread never
+Overlap. MPICH progresses a non-blocking all-reduce only while some MPI call
+runs, and NumPy's backward makes no MPI calls for tens of milliseconds at a
+time. So with overlap the reducer runs one communication thread that takes
+ready buckets from a queue and sums each through `Communicator.allreduce` (the
+Communicator's own duplicated world communicator), while the main thread goes
+on with backward (BLAS and the Numba kernels release the GIL). MPI must be
+initialised with MPI_THREAD_MULTIPLE (mpi4py's default): the main thread may
+meanwhile run collectives on other communicators (distributed BatchNorm's
+group sums). `finish()` waits until every bucket is summed. With overlap off,
+`finish()` sums all buckets in order in the calling thread after backward.
+
+The thread must not spin: a blocking MPICH collective polls shared memory in a
+busy loop until the other ranks arrive, and with one core per rank that loop
+takes the core from backward. So the thread hands `allreduce` a `wait`
+function: flat buckets start as Iallreduce and shm's node barriers as
+Ibarrier, tested every POLL seconds with sleeps in between until backward is
+over, when they simply wait (hierarchical and 2d are sequences of blocking
+collectives and still block). MPITRAIN_COMM_POLL=0 restores blocking calls.
+Even so, on a CPU host every rank's core is busy: the shared-memory sum is
+itself copying and adding on that core, and the polling takes the GIL from
+backward, so overlap did not pay there (measurements in docs/benchmarks.md).
+It pays where the transport works without the CPU (NCCL on GPUs, a network
+card). Hence `train`'s default, --overlap auto: overlapped for a GPU arena,
+after backward for a host arena.
+
+On a GPU the listener first waits for the device stream, so the thread never
 reads a gradient still being computed.
 
 Each bucket's all-reduce is recorded as a span ("bucket i (n bytes)", category
@@ -71,8 +53,11 @@ Each bucket's all-reduce is recorded as a span ("bucket i (n bytes)", category
 while the main thread's wait in `finish()` (category "comm" in train_step) is
 the part that backward did not hide.
 
-The reducer only sums; averaging over ranks is folded into the update's
-inverse loss scale (train_step).
+Averaging. The reducer sums; dividing by the number of ranks is folded into
+the update's inverse loss scale (`postscale`). With float16 on the wire the
+gradients are divided before they are summed instead (Horovod's prescale), so
+that the sum's range, and the chance of a float16 overflow, does not grow with
+the number of ranks; `postscale` is then 1.
 """
 import os
 import queue
@@ -82,74 +67,80 @@ import time
 import numpy as np
 
 from mpitrain import backend
-from mpitrain.arena import Param
 from mpitrain.metrics import Timeline
-
-from . import algorithms
 
 DEFAULT_THRESHOLD = 4 << 20      # bytes
 POLL = float(os.environ.get("MPITRAIN_COMM_POLL", 2e-4))   # seconds; 0: blocking collectives
 
 
 def bucket_bounds(arena, threshold=DEFAULT_THRESHOLD):
-    """[(start, stop), ...] element ranges of arena.grad, in arena order, each closed as
-    soon as it reaches `threshold` bytes (cut at parameter boundaries)."""
+    """[(start, stop), ...] element ranges of arena.grad, in arena order, each from its
+    first parameter's start to its last parameter's end, closed as soon as it reaches
+    `threshold` bytes. The padding between two buckets belongs to neither."""
     itemsize = np.dtype(arena.grad.dtype).itemsize
-    bounds, start = [], 0
+    bounds, start = [], None
     for offset, size in zip(arena.segments["offset"], arena.segments["size"]):
+        start = int(offset) if start is None else start
         stop = int(offset) + int(size)
         if (stop - start) * itemsize >= threshold:
             bounds.append((start, stop))
-            start = stop
-    if start < arena.size or not bounds:
-        bounds.append((start, int(arena.size)))
+            start = None
+    if start is not None:
+        bounds.append((start, stop))
     return bounds
 
 
-class Reducer:
-    """Sums `model.arena.grad` over `comm` (an mpitrain.comm.Communicator) bucket by bucket.
+def share_gradients(arena, comm, algorithm):
+    """Place a host arena's gradients in the node's shared memory (Communicator.shared_zeros),
+    where the shm algorithm adds the node's copies in place. Done on every node, sharing
+    memory or not, so that `hybrid` chooses alike everywhere; a no-op for device arenas
+    and for algorithms that never use shm."""
+    if algorithm in ("shm", "hybrid") and backend.array_module(arena.grad) is np \
+            and comm.peers(arena.grad) is None:
+        arena.rebind_grad(comm.shared_zeros(arena.size, arena.grad.dtype))
 
-        reducer = Reducer(model, comm, threshold=4 << 20, algorithm="hybrid")
-        reducer.begin()          # before backward: arm the hooks
+
+class Reducer:
+    """Sums `arena.grad` over `comm` (an mpitrain.comm.Communicator) bucket by bucket.
+
+        reducer = Reducer(model.arena, comm, threshold=4 << 20, algorithm="hybrid")
+        reducer.begin()          # before backward
         model.backward(dy)       # buckets start summing as their gradients land
         reducer.finish()         # every bucket summed (in place), same bits on every rank
+        grad * reducer.postscale # the mean over the ranks
+        reducer.close()          # the arena forgets the reducer
 
     wire_dtype=np.float16 sends each bucket as float16 (cast into the Communicator's
     reused wire buffer, summed there, cast back). overlap=False sums all buckets
     after backward, in the caller's thread.
     """
 
-    def __init__(self, model, comm, threshold=DEFAULT_THRESHOLD, algorithm="hybrid",
+    def __init__(self, arena, comm, threshold=DEFAULT_THRESHOLD, algorithm="hybrid",
                  wire_dtype=None, overlap=True, timeline=None):
+        if arena.on_grad_ready is not None:
+            raise ValueError("this arena already has a Reducer; close() it first")
         self.comm, self.algorithm, self.overlap = comm, algorithm, overlap
         self.wire_dtype = None if wire_dtype is None else np.dtype(wire_dtype)
         self.timeline = timeline or Timeline.off()
-        arena = model.arena
-        # on every node, sharing memory or not, so that hybrid chooses alike everywhere
-        if algorithm in ("shm", "hybrid") and backend.array_module(arena.grad) is np \
-                and comm.peers(arena.grad) is None:
-            arena.rebind_grad(comm.shared_zeros(arena.size, arena.grad.dtype))
         self.arena = arena
-        self.bounds = bucket_bounds(model.arena, threshold)
+        self.bounds = bucket_bounds(arena, threshold)
+        half = self.wire_dtype is not None and self.wire_dtype.itemsize < arena.grad.dtype.itemsize
+        self.prescale = 1.0 / comm.size if half else None
+        self.postscale = 1.0 if half else 1.0 / comm.size
         starts = [a for a, _ in self.bounds]
-        bucket_of = {id(p): int(np.searchsorted(starts, p.offset, side="right")) - 1
-                     for p in model.arena.params}
-        self.counts = np.zeros(len(self.bounds), np.int64)   # parameters per bucket
-        for p in model.arena.params:
-            self.counts[bucket_of[id(p)]] += 1
+        self.bucket_of = {id(p): int(np.searchsorted(starts, p.offset, side="right")) - 1
+                          for p in arena.params}
+        self.counts = np.bincount(list(self.bucket_of.values()), minlength=len(self.bounds))
         self.pending = self.counts.copy()
         self.next = len(self.bounds)        # next bucket to hand over; all handed over: idle
         self.armed = False
         self.error = None
         self._queue = self._thread = None
-        for _, m in model.named_modules():
-            own = [p for _, p in m._items() if isinstance(p, Param)]     # its own, not its children's
-            if own:
-                _hook_backward(m, self, [bucket_of[id(p)] for p in own])
+        arena.on_grad_ready = self.ready
 
     # ----- one step -----
     def begin(self):
-        """Arm the hooks for one backward pass."""
+        """Arm the listener for one backward pass."""
         self.pending[:] = self.counts
         self.next, self.error, self.armed = 0, None, True
         if self.overlap and self._thread is None:
@@ -158,12 +149,11 @@ class Reducer:
                                             daemon=True)
             self._thread.start()
 
-    def written(self, buckets):
-        """Backward has written the gradients of one layer (its parameters' buckets)."""
+    def ready(self, param):
+        """Backward has written `param`'s gradient (the arena's on_grad_ready)."""
         if not (self.armed and self.overlap):
             return
-        for b in buckets:
-            self.pending[b] -= 1
+        self.pending[self.bucket_of[id(param)]] -= 1
         if self.next < len(self.bounds) and self.pending[self.next] == 0:
             backend.synchronize()           # the gradients must be in memory before MPI reads them
             while self.next < len(self.bounds) and self.pending[self.next] == 0:
@@ -188,53 +178,24 @@ class Reducer:
                 self._reduce(b)
 
     def close(self):
-        """Stop the communication thread (after a finish())."""
+        """Stop the communication thread (after a finish()) and detach from the arena."""
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
+        if self.arena.on_grad_ready == self.ready:
+            self.arena.on_grad_ready = None
 
     # ----- the communication thread -----
     def _reduce(self, b):
         start, stop = self.bounds[b]
         t0 = time.perf_counter()
         buf = self.arena.grad[start:stop]
-        if self.overlap and POLL and backend.array_module(buf) is np:
-            self._reduce_politely(buf)
-        else:
-            self.comm.allreduce(buf, self.algorithm, wire_dtype=self.wire_dtype)
+        polite = self.overlap and POLL and backend.array_module(buf) is np
+        self.comm.allreduce(buf, self.algorithm, self.wire_dtype, self.prescale,
+                            wait=self._wait if polite else None)
         nbytes = (stop - start) * (self.wire_dtype or self.arena.grad.dtype).itemsize
         self.timeline.add(f"bucket {b} ({nbytes} bytes)", "bucket", t0, time.perf_counter())
-
-    def _reduce_politely(self, buf):
-        """The communication thread's all-reduce of a host bucket, without spinning a core.
-
-        A blocking MPICH collective polls the shared memory in a loop until the other
-        ranks arrive: in the communication thread that loop takes the core from
-        backward. A flat all-reduce is therefore started as Iallreduce, and shm's
-        barriers as Ibarrier, and tested every POLL seconds, sleeping in between
-        (each Test moves the collective on), until backward is over (finish()
-        disarms the reducer), when they simply wait; hierarchical and 2d are
-        compositions of blocking collectives and run as such.
-        """
-        from mpi4py import MPI
-        wire = buf
-        if self.wire_dtype is not None and self.wire_dtype != buf.dtype:
-            wire = algorithms.cast_into(
-                self.comm.scratch(self.wire_dtype, buf.size, like=buf, purpose="wire"), buf)
-        algorithm = self.algorithm
-        if algorithm == "hybrid":
-            algorithm = algorithms.choose(self.comm, wire.nbytes, wire.dtype,
-                                          shared=self.comm.peers(wire) is not None)
-        if algorithm == "flat":
-            dt, op = algorithms.wire(wire)
-            self._wait(self.comm.world.Iallreduce(MPI.IN_PLACE, [wire, dt], op=op))
-        elif algorithm == "shm":
-            algorithms.shm(self.comm, wire, wait=self._wait)
-        else:
-            self.comm.allreduce(wire, algorithm)
-        if wire is not buf:
-            algorithms.cast_into(buf, wire)
 
     def _wait(self, request):
         """Complete `request`, testing it every POLL seconds while backward runs."""
@@ -259,15 +220,3 @@ class Reducer:
                 self.error = e
             finally:
                 self._queue.task_done()
-
-
-def _hook_backward(module, reducer, buckets):
-    """Wrap module.backward on the instance: after it has written the module's gradients,
-    tell the reducer which buckets they belong to."""
-    backward = module.backward
-
-    def backward_then_notify(dy):
-        dx = backward(dy)
-        reducer.written(buckets)
-        return dx
-    module.backward = backward_then_notify

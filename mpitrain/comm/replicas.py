@@ -13,10 +13,11 @@ def checksum(arena):
     return zlib.crc32(memoryview(backend.to_numpy(arena.master)).cast("B"))
 
 
-def check_replicas(arena, mpi_comm, step=None):
-    """Collective: raise ReplicaMismatch on every rank, naming the ranks whose master
-    weights differ from rank 0's, when the checksums do not all agree."""
-    sums = mpi_comm.allgather(checksum(arena))
+def check_replicas(arena, comm, step=None):
+    """Collective over the Communicator `comm`: raise ReplicaMismatch on every rank,
+    naming the ranks whose master weights differ from rank 0's, when the checksums do
+    not all agree."""
+    sums = comm.allgather(checksum(arena))
     if len(set(sums)) > 1:
         differ = [r for r, s in enumerate(sums) if s != sums[0]]
         at = f" after step {step}" if step is not None else ""

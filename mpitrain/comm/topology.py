@@ -1,4 +1,13 @@
-"""Communicator: who is on which node, and the communicators the algorithms use.
+"""Communicator: the one object through which every collective of a run goes.
+
+A run makes one Communicator and passes it wherever ranks must agree: the
+model broadcast at the start, the gradient sums (`allreduce`, through the
+algorithms of algorithms.py), the per-step flags (`allmax`), the BatchNorm
+averages and groups, the evaluation counts, the checkpoint's gather and
+restore. Device (CuPy) arrays go to NCCL where it serves, else through
+`staged()`, the one place that copies a device array through host memory.
+
+Topology, the communicators the algorithms use:
 
     world          every rank (a duplicate of the communicator given, so that
                    mpitrain's collectives never match the caller's own)
@@ -18,13 +27,18 @@ Nodes are numbered by their lowest world rank. A node is what
 `ranks_per_node=K`, the ranks with equal `rank // K`, so that one host can
 play several nodes; the last node may be smaller than K.
 """
+import contextlib
 import os
 import sys
+import threading
 
 import numpy as np
 from mpi4py import MPI
 
+from mpitrain import backend
+from mpitrain.arena import ALIGN_BYTES
 from mpitrain.backend import array_module
+from mpitrain.kernels import cast
 
 from . import algorithms
 
@@ -33,6 +47,11 @@ class Communicator:
     def __init__(self, mpi_comm=None, ranks_per_node=None):
         self.world = (mpi_comm or MPI.COMM_WORLD).Dup()
         self.rank, self.size = self.world.rank, self.world.size
+        # the ranks of this host (shared memory), whatever --ranks-per-node says: they share
+        # its cores and GPUs
+        host = self.world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.host_rank, self.host_size = host.rank, host.size
+        host.Free()
         if ranks_per_node is None:
             self.node_comm = self.world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         else:
@@ -57,8 +76,9 @@ class Communicator:
         shared = self.node_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.shares_memory = self.local_size > 1 and shared.size == self.local_size
         shared.Free()
-        self._windows = []      # [(MPI.Win, (every local rank's array in it))]
+        self._windows = []      # [(MPI.Win or None, (every local rank's array in it))]
         self._scratch = {}
+        self._groups = []
         self._nccl = None
 
     # ------------------------------------------------------------------
@@ -73,8 +93,11 @@ class Communicator:
         return "\n".join(lines)
 
     def free(self):
-        """Release the shared windows and the MPI communicators (collective); arrays
-        from shared_zeros (a Reducer's gradient arena) must not be used afterwards."""
+        """Release the groups, the shared windows and the MPI communicators (collective);
+        arrays from shared_zeros (a shared gradient arena) must not be used afterwards."""
+        for group in self._groups:
+            group.free()
+        self._groups = []
         for win, views in list(self._windows):
             self._free_window(win, views)
         for c in (self.cross_comm, self.node_comm, self.world):
@@ -82,8 +105,8 @@ class Communicator:
                 c.Free()
         self.leaders_comm = MPI.COMM_NULL
 
-    # ------------------------------------------------------------------
-    def allreduce(self, buf, algorithm="hybrid", wire_dtype=None):
+    # ----- the gradient sum -----
+    def allreduce(self, buf, algorithm="hybrid", wire_dtype=None, prescale=None, wait=None):
         """Sum the contiguous 1-D array `buf` over all ranks, in place; the same bits everywhere.
 
         algorithm: "flat", "hierarchical", "2d", "shm" or "hybrid" (see algorithms.py).
@@ -91,7 +114,13 @@ class Communicator:
         of a float32 buffer): `buf` is cast into a reused wire buffer, summed
         there (in the wire dtype, so partial sums round to it) and cast back.
         A float16 sum that exceeds 65504 becomes inf on every rank, which the
-        loss scaler's overflow check then sees.
+        overflow check then sees.
+        prescale: multiply by this first (in the cast, when there is one): with
+        1 / size the result is the mean, whose range does not grow with the
+        number of ranks (what float16 on the wire needs).
+        wait: a function that completes an MPI request; given, the flat and
+        shm algorithms start non-blocking operations and hand them to it (the
+        Reducer's communication thread polls instead of spinning a core).
         Returns the algorithm that ran.
         """
         if buf.ndim != 1 or not buf.flags.c_contiguous:
@@ -100,42 +129,37 @@ class Communicator:
         if algorithm not in algorithms.ALGORITHMS:
             raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; "
                              f"choose one of {', '.join(algorithms.ALGORITHMS)}")
-        if wire_dtype is not None and np.dtype(wire_dtype) != buf.dtype:
-            wire = self.scratch(wire_dtype, buf.size, like=buf, purpose="wire")
-            algorithms.cast_into(wire, buf)
-            ran = self.allreduce(wire, algorithm)
-            algorithms.cast_into(buf, wire)
-            return ran
+        if wire_dtype is None or np.dtype(wire_dtype) == buf.dtype:
+            if prescale is not None:
+                buf *= buf.dtype.type(prescale)
+            return self._sum(buf, algorithm, wait)
+        # Numba's parallel regions are entered from one thread only: a communication
+        # thread casts on its own
+        parallel = threading.current_thread() is threading.main_thread()
+        wire = self.scratch(wire_dtype, buf.size, like=buf, purpose="wire")
+        _cast(buf, wire, 1.0 if prescale is None else prescale, parallel)
+        ran = self._sum(wire, algorithm, wait)
+        _cast(wire, buf, 1.0, parallel)
+        return ran
+
+    def _sum(self, buf, algorithm, wait):
         algorithms.wire(buf)      # reject an unsupported dtype before any collective starts
         on_device = array_module(buf) is not np
         if algorithm == "hybrid":
             algorithm = algorithms.choose(self, buf.nbytes, buf.dtype, on_device,
                                           shared=self.peers(buf) is not None)
         if not on_device:
-            algorithms.HOST[algorithm](self, buf)
-        else:
-            self._device_allreduce(buf, algorithm)
-        return algorithm
-
-    def _device_allreduce(self, buf, algorithm):
-        """A CuPy buffer: NCCL when there is NCCL, else MPI on the device buffer
-        (CUDA-aware MPI) or on a host copy; MPI only after the stream is idle. Device
-        memory is in no shared window: shm runs as the 2d it is shaped like."""
-        if algorithm == "shm":
+            algorithms.HOST[algorithm](self, buf, wait)
+            return algorithm
+        if algorithm == "shm":      # device memory is in no shared window: the 2d it is shaped like
             algorithm = "2d"
         engine = self.nccl()
         if engine is not None:
             engine.allreduce(buf, algorithm)
-            return
-        import cupy
-        cupy.cuda.get_current_stream().synchronize()
-        # the float16 op's kernel runs on the host, so float16 always goes through host memory
-        if _cuda_aware() and buf.dtype != np.float16:
-            algorithms.HOST[algorithm](self, buf)
         else:
-            host = buf.get()
-            algorithms.HOST[algorithm](self, host)
-            buf.set(host)
+            with self.staged(buf) as host:
+                algorithms.HOST[algorithm](self, host)
+        return algorithm
 
     def nccl(self):
         """The NCCL engine for CuPy buffers, created on first use (collectively); None without NCCL."""
@@ -144,24 +168,104 @@ class Communicator:
             self._nccl = nccl.NcclEngine(self) if nccl.available() else False
         return self._nccl or None
 
+    # ----- the other collectives of a run -----
+    def broadcast(self, buf, root=0):
+        """Overwrite the array `buf` on every rank with root's, in place (NCCL for CuPy
+        arrays where there is NCCL)."""
+        engine = self.nccl() if array_module(buf) is not np else None
+        if engine is not None:
+            engine.broadcast(engine.world, buf, root)
+            return buf
+        with self.staged(buf, write_back=self.rank != root) as host:
+            self.world.Bcast(host, root=root)
+        return buf
+
+    def average(self, buf):
+        """Replace the array `buf` by its mean over the ranks, in place (BatchNorm running
+        statistics before an evaluation)."""
+        self.allreduce(buf, "flat")
+        buf *= buf.dtype.type(1.0 / self.size)
+        return buf
+
+    def allmax(self, values):
+        """The elementwise maximum over all ranks of a few numbers (flags agreed once per
+        step, timings), as a NumPy array; ints stay int64, anything else becomes float64."""
+        values = np.asarray(values)
+        out = values.astype(np.int64 if values.dtype.kind in "biu" else np.float64).reshape(-1)
+        self.world.Allreduce(MPI.IN_PLACE, out, op=MPI.MAX)
+        return out
+
+    def group(self, size):
+        """A Group of `size` consecutive ranks containing this one (distributed BatchNorm)."""
+        group = Group(self, size)
+        self._groups.append(group)
+        return group
+
+    def bcast(self, obj, root=0):
+        """A Python object from root (pickled; small things: names, paths, metadata)."""
+        return self.world.bcast(obj, root=root)
+
+    def gather(self, obj, root=0):
+        """Every rank's Python object, as a list on root (None elsewhere)."""
+        return self.world.gather(obj, root=root)
+
+    def scatter(self, objs, root=0):
+        """Rank r's item of root's list `objs`."""
+        return self.world.scatter(objs, root=root)
+
+    def allgather(self, obj):
+        """Every rank's Python object, as a list on every rank."""
+        return self.world.allgather(obj)
+
+    def barrier(self):
+        self.world.Barrier()
+
+    def abort(self, status):
+        """End every rank of the job at once (MPI Abort) with `status`."""
+        self.world.Abort(status)
+
+    @contextlib.contextmanager
+    def staged(self, buf, write_back=True):
+        """`buf` in a form MPI takes: itself for host memory, and for device memory when MPI
+        is CUDA-aware (float16 excepted: its op runs on the host); else a host copy,
+        written back into `buf` on leaving when `write_back`. The device's queued work
+        is finished first, so MPI reads what the kernels wrote."""
+        if array_module(buf) is np:
+            yield buf
+            return
+        backend.synchronize()
+        if _cuda_aware() and buf.dtype != np.float16:
+            yield buf
+            return
+        host = backend.to_numpy(buf)
+        yield host
+        if write_back:
+            buf.set(host)
+
+    # ----- memory the algorithms use -----
     def shared_zeros(self, n, dtype):
         """n zeros of `dtype` in an MPI-3 shared-memory window of the node (collective
-        over the node), which every rank of the node can read and write. Where the
-        node's ranks do not share memory (or the node has one rank) a private array,
-        still registered, so that every rank agrees the buffer is "shared" (the
-        hybrid rule) and runs `shm`, which is 2d on such a node."""
+        over the node), which every rank of the node can read and write; each rank's
+        array starts on an ALIGN_BYTES boundary. Where the node's ranks do not share
+        memory (or the node has one rank) a private array, still registered, so that
+        every rank agrees the buffer is "shared" (the hybrid rule) and runs `shm`,
+        which is 2d on such a node."""
+        from mpitrain.arena import aligned_zeros
         dtype = np.dtype(dtype)
         if not (self.shares_memory and self._room_in_shared_memory(n * dtype.itemsize)):
-            mine = np.zeros(n, dtype)
+            mine = aligned_zeros(n, dtype, np)
             self._windows.append((None, (mine,) * self.local_size))
             return mine
-        win = MPI.Win.Allocate_shared(max(n, 1) * dtype.itemsize, dtype.itemsize,
-                                      comm=self.node_comm)
+        nbytes = n * dtype.itemsize
+        win = MPI.Win.Allocate_shared(nbytes + ALIGN_BYTES, 1, comm=self.node_comm)
         win.Lock_all(MPI.MODE_NOCHECK)      # one passive epoch for the window's life: Win.Sync works
-        views = tuple(np.frombuffer(win.Shared_query(q)[0], dtype, n)
-                      for q in range(self.local_size))
+        views = []
+        for q in range(self.local_size):
+            raw = np.frombuffer(win.Shared_query(q)[0], np.uint8)
+            skip = -raw.ctypes.data % ALIGN_BYTES
+            views.append(raw[skip:skip + nbytes].view(dtype))
         views[self.local_rank][:] = 0
-        self._windows.append((win, views))
+        self._windows.append((win, tuple(views)))
         return views[self.local_rank]
 
     def _room_in_shared_memory(self, nbytes):
@@ -186,11 +290,12 @@ class Communicator:
         share memory); None when buf is not in such an array."""
         if not isinstance(buf, np.ndarray) or not buf.size:
             return None
+        address = buf.ctypes.data
         for win, views in self._windows:
             mine = views[self.local_rank]
-            if (buf.base is mine or buf is mine) and buf.dtype == mine.dtype:   # NumPy keeps base flat
-                i = (buf.__array_interface__["data"][0]
-                     - mine.__array_interface__["data"][0]) // buf.itemsize
+            start = mine.ctypes.data
+            if buf.dtype == mine.dtype and start <= address < start + mine.nbytes:
+                i = (address - start) // buf.itemsize
                 return win, tuple(v[i:i + buf.size] for v in views)
         return None
 
@@ -222,40 +327,39 @@ class Communicator:
             buf = self._scratch[key] = xp.empty(max(n, 1), dtype)
         return buf[:n]
 
-    # ------------------------------------------------------------------
-    def bcast_(self, buf, root=0):
-        """Overwrite `buf` on every rank with root's, in place (NCCL for CuPy buffers)."""
-        if array_module(buf) is not np:
-            engine = self.nccl()
-            if engine is not None:
-                engine.broadcast(engine.world, buf, root)
-                return buf
-            import cupy
-            cupy.cuda.get_current_stream().synchronize()
-            if not _cuda_aware():
-                host = buf.get()
-                self.world.Bcast(host, root=root)
-                buf.set(host)
-                return buf
-        self.world.Bcast(buf, root=root)
-        return buf
 
-    def average_(self, buf, algorithm="flat"):
-        """Replace `buf` by its mean over the ranks, in place (BN running statistics)."""
-        self.allreduce(buf, algorithm)
-        buf *= buf.dtype.type(1.0 / self.size)
-        return buf
+class Group:
+    """`size` consecutive ranks of a Communicator (0..size-1, size..2 size-1, ...; the last
+    group may be smaller): .size, and .sum(v), the sum over the group of a per-channel
+    vector (distributed BatchNorm)."""
 
-    def allreduce_max(self, value):
-        """The largest `value` (a Python or NumPy scalar) over all ranks."""
-        return self.world.allreduce(value.item() if hasattr(value, "item") else value, op=MPI.MAX)
+    def __init__(self, comm, size):
+        if int(size) < 1:
+            raise ValueError(f"the group size must be positive, got {size}")
+        self.comm = comm
+        self._mpi = comm.world.Split(color=comm.rank // int(size), key=comm.rank)
+        self.size = self._mpi.size
 
-    def any_true(self, flag):
-        """True on every rank if `flag` is true on any rank (the overflow flag)."""
-        return bool(self.allreduce_max(bool(flag)))
+    def sum(self, v):
+        """A new array (on v's device) holding the sum of v over the group."""
+        total = v.copy()
+        with self.comm.staged(total) as host:
+            self._mpi.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
+        return total
 
-    def barrier(self):
-        self.world.Barrier()
+    def free(self):
+        self._mpi.Free()
+
+
+def _cast(src, dst, scale, parallel):
+    """dst = src * scale in dst's dtype: the kernels of mpitrain.kernels.cast between fp32
+    and fp16 (NumPy's own casts between them are scalar loops), NumPy or CuPy otherwise."""
+    if src.dtype == np.float32 and dst.dtype == np.float16:
+        cast.to_half(src, dst, scale=scale, parallel=parallel)
+    elif src.dtype == np.float16 and dst.dtype == np.float32 and scale == 1.0:
+        cast.to_float(src, dst, parallel=parallel)
+    else:
+        dst[...] = src * src.dtype.type(scale) if scale != 1.0 else src
 
 
 def _cuda_aware():

@@ -31,6 +31,17 @@ def watchdog(request):
     timer.cancel()
 
 
+@pytest.fixture(scope="module")
+def comm():
+    """A Communicator of the world, for one test module (freed at its end)."""
+    from mpi4py import MPI
+
+    from mpitrain.comm import Communicator
+    c = Communicator(MPI.COMM_WORLD)
+    yield c
+    c.free()
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config):
     from mpi4py import MPI

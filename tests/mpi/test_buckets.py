@@ -1,4 +1,4 @@
-"""Fusion buckets and the overlapped reducer under `mpirun -np N` (any N).
+"""Fusion buckets and the Reducer under `mpirun -np N` (any N).
 
 Every rank computes its verdict, the verdicts are gathered and every rank asserts
 on all of them (test_data_parallel.agree), so no rank is left waiting in a collective.
@@ -8,34 +8,33 @@ import pytest
 from mpi4py import MPI
 
 from mpitrain.comm import Communicator
-from mpitrain.comm.buckets import Reducer, bucket_bounds
+from mpitrain.comm.buckets import bucket_bounds, share_gradients
 from mpitrain.nets import build_model
+from mpitrain.nets.losses import softmax_cross_entropy
 from mpitrain.optim import SGD
+from mpitrain.precision import LossScaler
 from mpitrain.train import broadcast_model, train_step
-from test_data_parallel import agree, small_net
+from test_data_parallel import agree, digest, reducer_for, serial_steps, small_net
 
 WORLD = MPI.COMM_WORLD
 
 
-@pytest.fixture(scope="module")
-def comm():
-    c = Communicator(WORLD)
-    yield c
-    c.free()
-
-
 @pytest.mark.parametrize("threshold", [1, 4096, 300_000, 1 << 30])
-def test_buckets_cover_the_arena_once_in_order_and_agree_across_ranks(threshold):
+def test_buckets_cover_every_parameter_once_in_order_and_agree_across_ranks(threshold):
     def check():
         arena = build_model("resnet_small", num_classes=10).arena
         bounds = bucket_bounds(arena, threshold)
-        cuts = {int(o) for o in arena.segments["offset"]} | {arena.size}
-        if bounds[0][0] != 0 or bounds[-1][1] != arena.size:
-            return f"buckets span {bounds[0][0]}..{bounds[-1][1]}, arena has {arena.size}"
-        if any(a[1] != b[0] for a, b in zip(bounds, bounds[1:])):
-            return "buckets overlap or leave a gap"
-        if any(a >= b or a not in cuts or b not in cuts for a, b in bounds):
+        starts = [int(o) for o in arena.segments["offset"]]
+        ends = [int(o + n) for o, n in arena.segments[["offset", "size"]]]
+        if bounds[0][0] != starts[0] or bounds[-1][1] != ends[-1]:
+            return f"buckets span {bounds[0][0]}..{bounds[-1][1]}, parameters {starts[0]}..{ends[-1]}"
+        if any(a[1] > b[0] for a, b in zip(bounds, bounds[1:])):
+            return "buckets overlap"
+        if any(a >= b or a not in starts or b not in ends for a, b in bounds):
             return "a bucket is empty or cuts a parameter"
+        covered = sum(any(a <= s and e <= b for a, b in bounds) for s, e in zip(starts, ends))
+        if covered != len(starts):
+            return f"{len(starts) - covered} parameter(s) in no bucket"
         small = [b - a for a, b in bounds[:-1] if (b - a) * 4 < threshold]
         if small:
             return f"buckets below the threshold before the last: {small}"
@@ -48,18 +47,18 @@ def test_buckets_cover_the_arena_once_in_order_and_agree_across_ranks(threshold)
 
 
 def _backward(model, x, y):
-    from mpitrain.nets.losses import softmax_cross_entropy
     loss, dlogits = softmax_cross_entropy(model.forward(x, train=True), y)
     model.backward(dlogits)
 
 
-def test_reducer_puts_a_host_arena_in_shared_memory(comm):
-    """Where the node's ranks share memory, the Reducer moves the gradient arena into
-    a shared window (for shm), keeping its values, and backward writes there."""
+def test_shared_gradients_stay_aligned_and_keep_their_values(comm):
+    """share_gradients moves a host arena's gradients into the node's shared memory
+    (what shm sums in place), aligned as every arena buffer, and backward writes there."""
     def check():
         model = small_net(seed=0)
+        model.arena.grad[...] = np.arange(model.arena.size) % 7
         before = model.arena.grad.copy()
-        Reducer(model, comm, threshold=100).close()
+        share_gradients(model.arena, comm, "hybrid")
         grad = model.arena.grad
         if comm.peers(grad) is None:
             return "the arena is not registered as shared (hybrid would choose unlike other nodes)"
@@ -68,9 +67,12 @@ def test_reducer_puts_a_host_arena_in_shared_memory(comm):
                    f"{comm.shares_memory}"
         if not np.array_equal(grad, before):
             return "the gradients changed when the arena moved"
-        if not all(np.shares_memory(p.grad, grad) for p in model.arena.params):
-            return "a parameter's grad view still points at the old buffer"
+        misaligned = [p.name for p in model.arena.params if p.grad.ctypes.data % 256
+                      or not np.shares_memory(p.grad, grad)]
+        if misaligned:
+            return f"grad views not 256-byte aligned in the shared arena: {misaligned}"
         rng = np.random.default_rng(WORLD.rank)
+        grad[...] = 0
         _backward(model, rng.standard_normal((2, 8, 8, 3)).astype(np.float32),
                   rng.integers(0, 5, 2))
         if not np.any(grad):
@@ -80,36 +82,43 @@ def test_reducer_puts_a_host_arena_in_shared_memory(comm):
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-@pytest.mark.parametrize("wire", [None, np.float16])
-def test_reducer_sums_exactly_what_a_plain_allreduce_sums(comm, overlap, wire):
+@pytest.mark.parametrize("wire", [None, np.float16], ids=["fp32-wire", "fp16-wire"])
+def test_reducer_sums_every_ranks_gradients(comm, overlap, wire):
+    """After finish(), grad * postscale is the mean of every rank's backward gradients
+    (float64 reference; fp16 on the wire: within its rounding), with the same bits on
+    every rank; with overlap the buckets start during backward, without it after."""
     def check():
         model = small_net(seed=0)
-        reducer = Reducer(model, comm, threshold=100, algorithm="hybrid", wire_dtype=wire,
-                          overlap=overlap)
-        rng = np.random.default_rng(WORLD.rank)
-        x = rng.standard_normal((2, 8, 8, 3)).astype(np.float32)
-        y = rng.integers(0, 5, 2)
-        _backward(model, x, y)                  # hooks disarmed: nothing summed
-        local = model.arena.grad.copy()
-        reducer.begin()
-        _backward(model, x, y)
-        handed_over = reducer.next              # buckets started during backward
-        reducer.finish()
-        reducer.close()
-        # the same buckets summed one by one after the fact (same calls: same bits),
-        # from shared memory as the reducer's arena (hybrid's choice depends on it)
-        expected = comm.shared_zeros(local.size, local.dtype)
-        expected[...] = local
-        for a, b in reducer.bounds:
-            comm.allreduce(expected[a:b], "hybrid", wire_dtype=wire)
-        if not np.array_equal(model.arena.grad, expected):
-            return f"differs from the bucket-wise sum by {np.abs(model.arena.grad - expected).max()}"
+        reducer = reducer_for(model, comm, threshold=100, wire_dtype=wire, overlap=overlap)
         if len(reducer.bounds) < 3:
             return f"only {len(reducer.bounds)} bucket(s): the test would prove little"
-        if overlap and handed_over != len(reducer.bounds):
-            return f"only {handed_over}/{len(reducer.bounds)} buckets started during backward"
-        if not overlap and handed_over != 0:
-            return "--no-overlap started buckets during backward"
+        grads = []
+        for r in range(WORLD.size):             # every rank's gradient, computed here
+            rng = np.random.default_rng(r)
+            _backward(model, rng.standard_normal((2, 8, 8, 3)).astype(np.float32),
+                      rng.integers(0, 5, 2))
+            grads.append(model.arena.grad.astype(np.float64))
+        rng = np.random.default_rng(WORLD.rank)
+        reducer.begin()
+        _backward(model, rng.standard_normal((2, 8, 8, 3)).astype(np.float32),
+                  rng.integers(0, 5, 2))
+        handed_over = reducer.next
+        reducer.finish()
+        reducer.close()
+        mean = np.mean(grads, axis=0)
+        got = model.arena.grad * reducer.postscale
+        scale = np.abs(grads).max()
+        error = np.abs(got - mean).max() / scale
+        tolerance = 1e-6 if wire is None else 2e-3
+        if error > tolerance:
+            return f"mean of the ranks' gradients off by {error:.2e} of max |g|"
+        if len(set(comm.allgather(digest(model.arena.grad)))) != 1:
+            return "the sum differs between ranks"
+        expected_early = len(reducer.bounds) if overlap else 0
+        if handed_over != expected_early:
+            return f"{handed_over}/{len(reducer.bounds)} buckets started during backward"
+        if model.arena.on_grad_ready is not None:
+            return "close() left the reducer attached to the arena"
         return None
     agree(check)
 
@@ -117,21 +126,19 @@ def test_reducer_sums_exactly_what_a_plain_allreduce_sums(comm, overlap, wire):
 def whole_arena_sum_check(model, reducer):
     """None if the reducer sums integer-valued gradients (exact in any order) to the
     whole-arena sum bit for bit (every element summed once, none left out), else why not."""
+    local = {p.name: (np.arange(p.size).reshape(p.shape) % 13) * (WORLD.rank + 1) - p.size % 5
+             for p in model.arena.params}
+    whole = np.zeros_like(model.arena.grad)
+    for p in model.arena.params:
+        whole[p.offset:p.offset + p.size] = local[p.name].ravel()
+    WORLD.Allreduce(MPI.IN_PLACE, whole, op=MPI.SUM)
     reducer.begin()
     for p in model.arena.params:             # as backward would, layer by layer
-        p.grad[...] = (np.arange(p.size).reshape(p.shape) % 13) * (WORLD.rank + 1) - p.size % 5
-    whole = model.arena.grad.copy()
-    WORLD.Allreduce(MPI.IN_PLACE, whole, op=MPI.SUM)
+        p.grad[...] = local[p.name]
+        p.grad_ready()                       # the bucket may be summed from here on
     reducer.finish()
     reducer.close()
     return None if np.array_equal(model.arena.grad, whole) else "differs from the whole-arena sum"
-
-
-def test_reducer_equals_one_allreduce_of_the_whole_arena(comm):
-    def check():
-        model = small_net(seed=0)
-        return whole_arena_sum_check(model, Reducer(model, comm, threshold=100))
-    agree(check)
 
 
 @pytest.mark.parametrize("k", [None, 1, 2])
@@ -143,7 +150,7 @@ def test_reducer_sums_large_buckets_on_any_grouping(k):
 
     def check():
         model = build_model("resnet_small", num_classes=10)
-        reducer = Reducer(model, grouped, threshold=256 << 10)
+        reducer = reducer_for(model, grouped, threshold=256 << 10)
         if not any((b - a) * 4 >= 64 << 10 for a, b in reducer.bounds):
             return "no bucket of 64 KiB: the test would prove little"
         return whole_arena_sum_check(model, reducer)
@@ -151,35 +158,105 @@ def test_reducer_sums_large_buckets_on_any_grouping(k):
     grouped.free()
 
 
+def test_fp16_wire_sum_does_not_grow_with_the_ranks(comm):
+    """Loss-scaled gradients near the top of the float16 range (40000; the limit is 65504)
+    on every rank: summed as float16 they would overflow on two ranks or more, but
+    prescaled by 1 / ranks their mean comes back finite."""
+    def check():
+        model = small_net(seed=0)
+        reducer = reducer_for(model, comm, threshold=100, wire_dtype=np.float16, overlap=False)
+        reducer.begin()
+        model.arena.grad[...] = 0
+        for p in model.arena.params:
+            p.grad[...] = 40000.0
+        reducer.finish()
+        reducer.close()
+        mean = np.concatenate([p.grad.ravel() for p in model.arena.params]) * reducer.postscale
+        if not np.isfinite(mean).all():
+            return f"the float16 sum overflowed on {WORLD.size} rank(s)"
+        error = np.abs(mean - 40000.0).max() / 40000.0
+        return None if error <= 2e-3 else f"mean off by {error:.1e}"
+    agree(check)
+
+
 @pytest.mark.parametrize("overlap,wire", [(True, None), (False, None), (True, np.float16)])
 def test_bucketed_ranks_match_one_process_with_the_whole_batch(comm, overlap, wire):
     local, steps = 2, 4
     global_batch = local * WORLD.size
+
+    def optimizer(arena):
+        return SGD(arena, momentum=0.9, weight_decay=1e-3)
 
     def check():
         rng = np.random.default_rng(42)
         x = rng.standard_normal((steps * global_batch, 10, 10, 3)).astype(np.float32)
         y = rng.integers(0, 5, steps * global_batch)
         parallel = small_net(seed=WORLD.rank)
-        broadcast_model(parallel, WORLD)
-        reducer = Reducer(parallel, comm, threshold=100, wire_dtype=wire, overlap=overlap)
-        opt = SGD(parallel.arena, momentum=0.9, weight_decay=1e-3)
+        broadcast_model(parallel, comm)
+        reducer = reducer_for(parallel, comm, threshold=100, wire_dtype=wire, overlap=overlap)
+        opt = optimizer(parallel.arena)
         for s in range(steps):
             part = slice(s * global_batch + WORLD.rank * local,
                          s * global_batch + (WORLD.rank + 1) * local)
-            train_step(parallel, opt, WORLD, x[part], y[part], lr=0.1, reducer=reducer)
+            train_step(parallel, opt, reducer, x[part], y[part], lr=0.1)
         reducer.close()
-        serial = small_net(seed=0)
-        opt = SGD(serial.arena, momentum=0.9, weight_decay=1e-3)
-        for s in range(steps):
-            part = slice(s * global_batch, (s + 1) * global_batch)
-            train_step(serial, opt, MPI.COMM_SELF, x[part], y[part], lr=0.1)
+        serial = serial_steps(small_net(seed=0), x, y, steps, global_batch, optimizer)
         w, ref = parallel.arena.master, serial.arena.master
         error = np.abs(w - ref).max() / np.abs(ref).max()
         tolerance = 1e-5 if wire is None else 3e-3      # fp16 on the wire: 11-bit sums
         if error > tolerance:
             return f"weights differ from the serial run by {error:.2e} (relative to max |w|)"
-        root = w.copy()
-        WORLD.Bcast(root, root=0)
-        return None if np.array_equal(w, root) else "replicas differ"
+        return None
     agree(check)
+
+
+def _counted(name):
+    def call(self, *args, **kw):
+        self.calls.append(name)
+        return getattr(Communicator, name)(self, *args, **kw)
+    return call
+
+
+class CountingCommunicator(Communicator):
+    """A real Communicator that records which of its collectives a step calls."""
+    calls = []
+    allreduce, allmax = _counted("allreduce"), _counted("allmax")
+    broadcast, allgather = _counted("broadcast"), _counted("allgather")
+
+
+@pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")   # the forced overflow
+def test_an_overflow_on_one_rank_is_skipped_everywhere_without_a_vote():
+    """An inf in one rank's input makes the summed gradient non-finite on every rank, so
+    every rank skips the same step; the step's only collectives are the bucket sums."""
+    counting = CountingCommunicator(WORLD)
+    bad_step = 2
+
+    def check():
+        model = small_net(seed=WORLD.rank, working_dtype=np.float16)
+        broadcast_model(model, counting)
+        reducer = reducer_for(model, counting, threshold=300)
+        opt = SGD(model.arena, momentum=0.9, weight_decay=1e-4)
+        scaler = LossScaler("dynamic", init_scale=1024.0, growth_interval=1000)
+        rng = np.random.default_rng(WORLD.rank)          # different data on each rank
+        record = []
+        for step in range(5):
+            x = rng.standard_normal((2, 6, 6, 3)).astype(np.float16)
+            if step == bad_step and WORLD.rank == WORLD.size - 1:
+                x[0, 1, 1, 1] = np.inf                   # this rank alone overflows
+            before = model.arena.master.copy()
+            counting.calls = []
+            train_step(model, opt, reducer, x, rng.integers(0, 5, 2), lr=0.1, scaler=scaler)
+            if counting.calls != ["allreduce"] * len(reducer.bounds):
+                return f"a step called {counting.calls}, not one sum per bucket"
+            moved = bool(np.any(model.arena.master != before))
+            record.append((moved, scaler.scale, scaler.skipped))
+        reducer.close()
+        expected = [(True, 1024.0, 0), (True, 1024.0, 0), (False, 512.0, 1),
+                    (True, 512.0, 1), (True, 512.0, 1)]
+        if record != expected:
+            return f"steps (moved, scale, skipped) {record}, expected {expected}"
+        if len(set(counting.allgather(digest(model.arena.master)))) != 1:
+            return "the replicas differ"
+        return None
+    agree(check)
+    counting.free()

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from mpitrain.comm import Communicator
 from mpitrain.comm.replicas import ReplicaMismatch, check_replicas
 from launcher import mpiexec
 from test_data_parallel import agree, small_net
@@ -19,10 +20,12 @@ WORLD = MPI.COMM_WORLD
 
 
 def test_check_replicas_passes_equal_replicas_and_names_the_ones_that_differ():
+    comm = Communicator(WORLD)
+
     def check():
         model = small_net(seed=0)
         try:
-            check_replicas(model.arena, WORLD, step=1)
+            check_replicas(model.arena, comm, step=1)
         except ReplicaMismatch as e:
             return f"equal replicas reported as different: {e}"
         if WORLD.size == 1:
@@ -32,12 +35,13 @@ def test_check_replicas_passes_equal_replicas_and_names_the_ones_that_differ():
             w = model.arena.master
             w[3] = np.nextafter(w[3], np.float32(np.inf))      # one bit of one weight
         try:
-            check_replicas(model.arena, WORLD, step=7)
+            check_replicas(model.arena, comm, step=7)
         except ReplicaMismatch as e:
             expected = f"rank(s) [{bad}] differ"
             return None if expected in str(e) and "step 7" in str(e) else f"message: {e}"
         return "a differing replica was not detected"
     agree(check)
+    comm.free()
 
 
 FAILING = textwrap.dedent("""
@@ -54,7 +58,7 @@ FAILING = textwrap.dedent("""
     comm = Communicator(MPI.COMM_WORLD)
     conv = Conv2d(3, 4, 3, padding=1)
     model = Sequential(conv, GlobalAvgPool2d(), Linear(4, 3)).bind()
-    reducer = Reducer(model, comm, threshold=16)
+    reducer = Reducer(model.arena, comm, threshold=16)
     if comm.rank == 1:                       # fails after the first buckets went out
         def broken(dy):
             raise RuntimeError("rank 1 fails in backward")

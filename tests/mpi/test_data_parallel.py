@@ -1,24 +1,28 @@
-"""Data parallelism under `mpirun -np N` (any N): the gradient all-reduce sums, and N
-ranks with B/N images each take the same steps as one process with the whole batch B.
+"""Data parallelism under `mpirun -np N` (any N): the gradient sum of the training path,
+and N ranks with B/N images each take the same steps as one process with the whole batch B.
 
 Every rank computes its own verdict, the verdicts are gathered, and every rank asserts
 on all of them: a failure on one rank fails the test everywhere instead of leaving the
 others waiting in a collective. An unexpected exception may strike while other ranks
 sit in a collective, so it aborts the whole job (after printing its traceback).
 """
+import hashlib
 import sys
 import traceback
 
 import numpy as np
+import pytest
 from mpi4py import MPI
 
+from mpitrain.comm import ALGORITHMS, Communicator
+from mpitrain.comm.buckets import Reducer, share_gradients
 from mpitrain.nets.activation import ReLU
 from mpitrain.nets.conv import Conv2d
 from mpitrain.nets.linear import Linear
 from mpitrain.nets.module import Sequential
 from mpitrain.nets.pool import GlobalAvgPool2d
 from mpitrain.optim import SGD
-from mpitrain.train import allreduce_sum, broadcast_model, train_step
+from mpitrain.train import broadcast_model, train_step
 
 WORLD = MPI.COMM_WORLD
 
@@ -36,30 +40,43 @@ def agree(check):
     assert not failures, "\n".join(failures)
 
 
-def small_net(seed=0):
+def digest(a):
+    return hashlib.sha1(np.ascontiguousarray(a).view(np.uint8)).hexdigest()
+
+
+def small_net(seed=0, **bind):
     """No BatchNorm: a rank's gradient then depends on its own images only."""
     return Sequential(Conv2d(3, 6, 3, stride=1, padding=1, bias=True), ReLU(),
                       Conv2d(6, 8, 3, stride=2, padding=1, bias=False), ReLU(),
-                      GlobalAvgPool2d(), Linear(8, 5)).bind(seed=seed)
+                      GlobalAvgPool2d(), Linear(8, 5)).bind(seed=seed, **bind)
 
 
-def test_gradient_allreduce_sums_rank_filled_gradients():
-    def check():
-        model = small_net()
-        arena = model.arena
-        base = np.arange(arena.size, dtype=np.float32) % 97      # exact in fp32 when summed
-        arena.grad[...] = (WORLD.rank + 1) * base
-        allreduce_sum(WORLD, arena.grad)
-        expected = WORLD.size * (WORLD.size + 1) / 2 * base
-        if not np.array_equal(arena.grad, expected):
-            return f"max error {np.abs(arena.grad - expected).max()}"
-        return None
-    agree(check)
+def reducer_for(model, comm, algorithm="hybrid", **options):
+    """The training path's Reducer: the arena's gradients in shared memory where the
+    algorithm may use it, as train() does."""
+    share_gradients(model.arena, comm, algorithm)
+    return Reducer(model.arena, comm, algorithm=algorithm, **options)
 
 
-def test_ranks_sharing_a_batch_match_one_process_with_all_of_it():
+def serial_steps(net, x, y, steps, global_batch, make_optimizer, **step):
+    """The single-process reference: whole global batches on this rank alone."""
+    comm = Communicator(MPI.COMM_SELF)
+    reducer = Reducer(net.arena, comm)
+    opt = make_optimizer(net.arena)
+    for s in range(steps):
+        part = slice(s * global_batch, (s + 1) * global_batch)
+        train_step(net, opt, reducer, x[part], y[part], lr=0.1, **step)
+    reducer.close()
+    comm.free()
+    return net
+
+
+def test_ranks_sharing_a_batch_match_one_process_with_all_of_it(comm):
     local, steps = 2, 5
     global_batch = local * WORLD.size
+
+    def optimizer(arena):
+        return SGD(arena, momentum=0.9, weight_decay=1e-3, nesterov=True)
 
     def check():
         rng = np.random.default_rng(42)     # the same data on every rank
@@ -68,20 +85,17 @@ def test_ranks_sharing_a_batch_match_one_process_with_all_of_it():
 
         # every rank: its slice of each global batch, gradients summed over the world
         parallel = small_net(seed=WORLD.rank)       # different seeds: the broadcast must fix it
-        broadcast_model(parallel, WORLD)
-        opt = SGD(parallel.arena, momentum=0.9, weight_decay=1e-3, nesterov=True)
+        broadcast_model(parallel, comm)
+        reducer = reducer_for(parallel, comm, threshold=100)
+        opt = optimizer(parallel.arena)
         for s in range(steps):
             part = slice(s * global_batch + WORLD.rank * local,
                          s * global_batch + (WORLD.rank + 1) * local)
-            train_step(parallel, opt, WORLD, x[part], y[part], lr=0.1, label_smoothing=0.1)
+            train_step(parallel, opt, reducer, x[part], y[part], lr=0.1, label_smoothing=0.1)
+        reducer.close()
 
-        # the serial reference, on this rank alone: rank 0's initial weights, whole batches
-        serial = small_net(seed=0)
-        opt = SGD(serial.arena, momentum=0.9, weight_decay=1e-3, nesterov=True)
-        for s in range(steps):
-            part = slice(s * global_batch, (s + 1) * global_batch)
-            train_step(serial, opt, MPI.COMM_SELF, x[part], y[part], lr=0.1, label_smoothing=0.1)
-
+        serial = serial_steps(small_net(seed=0), x, y, steps, global_batch, optimizer,
+                              label_smoothing=0.1)
         w, ref = parallel.arena.master, serial.arena.master
         moved = np.abs(ref - small_net(seed=0).arena.master).max()
         if moved < 1e-3:
@@ -93,17 +107,24 @@ def test_ranks_sharing_a_batch_match_one_process_with_all_of_it():
     agree(check)
 
 
-def test_replicas_stay_identical():
+@pytest.mark.parametrize("wire", [None, np.float16], ids=["fp32-wire", "fp16-wire"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_replicas_stay_bitwise_identical_through_the_training_path(comm, algorithm, wire):
+    """The contract: every rank applies the same update to the same weights, bit for bit,
+    whatever the algorithm and the dtype on the wire (different data on every rank)."""
     def check():
         model = small_net(seed=WORLD.rank)
-        broadcast_model(model, WORLD)
+        broadcast_model(model, comm)
+        reducer = reducer_for(model, comm, algorithm, threshold=300, wire_dtype=wire)
         opt = SGD(model.arena, momentum=0.9)
-        rng = np.random.default_rng(WORLD.rank)     # different data on each rank
+        rng = np.random.default_rng(WORLD.rank)
+        start = model.arena.master.copy()
         for _ in range(3):
             x = rng.standard_normal((2, 8, 8, 3)).astype(np.float32)
-            train_step(model, opt, WORLD, x, rng.integers(0, 5, 2), lr=0.05)
-        root = model.arena.master.copy()
-        WORLD.Bcast(root, root=0)
-        error = np.abs(model.arena.master - root).max()
-        return None if error <= 1e-6 * np.abs(root).max() else f"replica differs by {error}"
+            train_step(model, opt, reducer, x, rng.integers(0, 5, 2), lr=0.05)
+        reducer.close()
+        if np.array_equal(model.arena.master, start):
+            return "the weights did not move"
+        digests = comm.allgather(digest(model.arena.master))
+        return None if len(set(digests)) == 1 else f"master weights differ: {digests}"
     agree(check)

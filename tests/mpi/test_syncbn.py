@@ -7,22 +7,22 @@ from mpi4py import MPI
 from mpitrain.comm import syncbn
 from mpitrain.nets.batchnorm import BatchNorm2d
 from mpitrain.nets.module import Sequential
-from test_data_parallel import agree
+from test_data_parallel import agree, reducer_for, serial_steps
 
 WORLD = MPI.COMM_WORLD
 
 
-def bn(group_size=None):
+def bn(comm=None, group_size=None):
     layer = BatchNorm2d(5)
     net = Sequential(layer).bind(dtype=np.float64, seed=0)
     net.arena.master[:] = np.random.default_rng(7).uniform(0.5, 1.5, net.arena.size)
     net.arena.sync_working()
     if group_size is not None:
-        syncbn.attach(net, WORLD, group_size)
+        syncbn.attach(net, comm, group_size)
     return net, layer
 
 
-def test_group_of_all_ranks_equals_one_process_on_the_whole_batch():
+def test_group_of_all_ranks_equals_one_process_on_the_whole_batch(comm):
     n, N = 3, WORLD.size
 
     def check():
@@ -31,7 +31,7 @@ def test_group_of_all_ranks_equals_one_process_on_the_whole_batch():
         dy = rng.standard_normal(x.shape)
         mine = slice(WORLD.rank * n, (WORLD.rank + 1) * n)
 
-        net, layer = bn(group_size=N)
+        net, layer = bn(comm, group_size=N)
         y = net.forward(x[mine], train=True)
         dx = net.backward(dy[mine])
         grads = net.arena.grad.copy()
@@ -55,10 +55,10 @@ def test_group_of_all_ranks_equals_one_process_on_the_whole_batch():
     agree(check)
 
 
-def test_group_of_one_is_per_rank_batchnorm():
+def test_group_of_one_is_per_rank_batchnorm(comm):
     def check():
         x = np.random.default_rng(WORLD.rank).standard_normal((2, 3, 3, 5))
-        net, layer = bn(group_size=1)
+        net, layer = bn(comm, group_size=1)
         ref, _ = bn()
         if layer.group is not None:
             return "a group of one must leave BN per rank"
@@ -66,12 +66,10 @@ def test_group_of_one_is_per_rank_batchnorm():
     agree(check)
 
 
-def test_ranks_with_a_bn_group_of_all_match_one_process_with_the_whole_batch():
+def test_ranks_with_a_bn_group_of_all_match_one_process_with_the_whole_batch(comm):
     """Training with BatchNorm: N ranks x 2 images with --bn-group N and the bucketed,
     overlapped gradient sum reach the weights and running statistics of one process
     training on the concatenated batches."""
-    from mpitrain.comm import Communicator
-    from mpitrain.comm.buckets import Reducer
     from mpitrain.nets.activation import ReLU
     from mpitrain.nets.conv import Conv2d
     from mpitrain.nets.linear import Linear
@@ -83,26 +81,24 @@ def test_ranks_with_a_bn_group_of_all_match_one_process_with_the_whole_batch():
         return Sequential(Conv2d(3, 6, 3, padding=1), BatchNorm2d(6), ReLU(), GlobalAvgPool2d(),
                           Linear(6, 4)).bind(dtype=np.float64, seed=3)
 
+    def optimizer(arena):
+        return SGD(arena, momentum=0.9)
+
     local, steps, N = 2, 3, WORLD.size
-    comm = Communicator(WORLD)
 
     def check():
         rng = np.random.default_rng(5)
         x = rng.standard_normal((steps * local * N, 6, 6, 3))
         y = rng.integers(0, 4, steps * local * N)
         parallel = net()
-        syncbn.attach(parallel, WORLD, N)
-        reducer = Reducer(parallel, comm, threshold=64)
-        opt = SGD(parallel.arena, momentum=0.9)
+        syncbn.attach(parallel, comm, N)
+        reducer = reducer_for(parallel, comm, threshold=64)
+        opt = optimizer(parallel.arena)
         for s in range(steps):
             part = slice((s * N + WORLD.rank) * local, (s * N + WORLD.rank + 1) * local)
-            train_step(parallel, opt, WORLD, x[part], y[part], lr=0.1, reducer=reducer)
+            train_step(parallel, opt, reducer, x[part], y[part], lr=0.1)
         reducer.close()
-        serial = net()
-        opt = SGD(serial.arena, momentum=0.9)
-        for s in range(steps):
-            part = slice(s * N * local, (s + 1) * N * local)
-            train_step(serial, opt, MPI.COMM_SELF, x[part], y[part], lr=0.1)
+        serial = serial_steps(net(), x, y, steps, N * local, optimizer)
         failures = []
         for name, a, b in (("weights", parallel.arena.master, serial.arena.master),
                            ("running stats", parallel.buffer_arena.data, serial.buffer_arena.data)):
@@ -110,7 +106,4 @@ def test_ranks_with_a_bn_group_of_all_match_one_process_with_the_whole_batch():
             if err > 1e-10:
                 failures.append(f"{name} differ from the serial run by {err:.1e}")
         return "; ".join(failures) or None
-    try:
-        agree(check)
-    finally:
-        comm.free()
+    agree(check)

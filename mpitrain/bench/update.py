@@ -20,7 +20,14 @@ arrays: a NumPy copy (8 bytes per element), a NumPy triad a = b + s*c (12
 bytes; NumPy makes it two passes) and a Numba parallel triad (12 bytes).
 Bytes are counted as the program asks for them, for the floor and the kernels
 alike (the cache's extra reads before writes are not counted for either).
-floor_ms = bytes / best bandwidth; the kernels' target is time <= 1.3 x floor_ms.
+floor_ms = bytes / best bandwidth; "x floor" is the kernel's time over floor_ms
+(the target for the kernels, and the figures measured so far: docs/benchmarks.md).
+
+Before the timing, every implementation takes one step from copies of the same
+state, and the report gives how far its master weights, momentum and working copy
+land from the NumPy step's ("max_diff_vs_numpy", relative to each array's largest
+value); a warning is printed when that exceeds DIFF_WARN, as the time of a kernel
+that computes something else means nothing.
 
 With a GPU visible to CuPy, the "cuda" implementation runs on a copy of the
 arena on the device, against a CuPy copy on the device as its floor.
@@ -33,6 +40,7 @@ import numpy as np
 
 STEP = dict(lr=0.1, momentum=0.9, weight_decay=5e-5, inv_scale=1 / 1024, trust=True, eta=0.001)
 BYTES_PER_PARAM = (4 + 4) + (4 + 4 + 4) + (4 + 4 + 2)
+DIFF_WARN = 1e-4    # fp32 rounding and summation order stay far below it
 
 
 def _times(fns, repeats, sync=lambda: None):
@@ -87,6 +95,23 @@ def _step(arrays, segments, impl):
     return lambda: sgd_update(master, working, grad, momentum, segments, impl=impl, **STEP)
 
 
+def _after_one_step(arrays, segments, impl, xp=np):
+    """(master, working, momentum) on the host after one step of `impl` from copies of
+    `arrays` (which stay as they are)."""
+    from mpitrain.backend import to_numpy
+    copies = tuple(xp.array(a, copy=True) for a in arrays)
+    _step(copies, segments, impl)()
+    master, working, _, momentum = copies
+    return tuple(to_numpy(a).astype(np.float32) for a in (master, working, momentum))
+
+
+def _max_diff(state, reference):
+    """The largest difference between two (master, working, momentum) states, relative to
+    each reference array's largest magnitude."""
+    return max(float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+               for a, b in zip(state, reference))
+
+
 def run(model="resnet50", repeats=7, json_out=False):
     """Time one LARS step per implementation; print a table (or one JSON object) and
     return the figures as a dict. Every figure is a median over `repeats`."""
@@ -102,8 +127,12 @@ def run(model="resnet50", repeats=7, json_out=False):
     arrays = (arena.master, arena.working, arena.grad, arena.momentum)
     step_bytes = BYTES_PER_PARAM * n
 
-    copies = _bandwidth_runs(n)
     impls = ("numpy", "numba")
+    reference = _after_one_step(arrays, arena.segments, "numpy")
+    diffs = {impl: _max_diff(_after_one_step(arrays, arena.segments, impl), reference)
+             for impl in impls}
+
+    copies = _bandwidth_runs(n)
     fns = {**{name: fn for name, (fn, _) in copies.items()},
            **{impl: _step(arrays, arena.segments, impl) for impl in impls}}
     times = _times(fns, repeats)
@@ -114,6 +143,9 @@ def run(model="resnet50", repeats=7, json_out=False):
                       "min_ms": 1e3 * min(times[impl]), "floor_gbs": floor_gbs}
                for impl in impls}
     if backend.gpu_available():
+        import cupy
+        diffs["cuda"] = _max_diff(_after_one_step(arrays, arena.segments, "cuda", cupy),
+                                  reference)
         results["cuda"] = _gpu_run(arrays, arena.segments, repeats)
 
     for r in results.values():
@@ -122,6 +154,8 @@ def run(model="resnet50", repeats=7, json_out=False):
         r["floor_ms"] = 1e3 * step_bytes / (r["floor_gbs"] * 1e9)
         r["x_floor"] = r["median_ms"] / r["floor_ms"]
         r["speedup_vs_numpy"] = results["numpy"]["median_ms"] / r["median_ms"]
+    for impl, r in results.items():
+        r["max_diff_vs_numpy"] = diffs[impl]
 
     report = {"model": model, "params": int(n), "segments": int(len(arena.segments)),
               "step": "LARS (norms + fused update), fp32 master, fp16 working",
@@ -169,6 +203,11 @@ def _table(r):
                      f"{x['speedup_vs_numpy']:8.1f}x")
     if "cuda" in r["results"]:
         lines.append("(cuda: against a CuPy copy on the device as its floor)")
+    for name, x in r["results"].items():
+        if x["max_diff_vs_numpy"] > DIFF_WARN:
+            lines.append(f"WARNING: {name}'s step differs from NumPy's by "
+                         f"{x['max_diff_vs_numpy']:.1e} (relative): its time is not that of "
+                         f"the same step")
     return "\n".join(lines)
 
 

@@ -1,4 +1,5 @@
-"""Benchmark of the gradient all-reduce: `mpirun -np N python -m mpitrain.bench_comm`.
+"""Benchmark of the gradient all-reduce: `mpirun -np N python -m mpitrain bench comm`
+(or `python -m mpitrain.bench.comm`).
 
 For ResNet-50's gradient arena (25,557,032 values, 161 tensors) it times one
 step's worth of summing, for each algorithm:
@@ -16,6 +17,7 @@ of single buffers from 4 KiB to 64 MiB per algorithm, the data behind the
 `hybrid` rule. Each time is the slowest rank's, the median of `repeats` runs
 after one warm-up. Bandwidth is the algorithmic bus bandwidth
 2 (p-1)/p * bytes / time (p ranks), the rate each rank's link must sustain.
+The figures measured so far, and the rule they led to: docs/benchmarks.md.
 """
 import argparse
 import json
@@ -61,7 +63,8 @@ def model_tensor_sizes(model):
     except (ImportError, AttributeError):
         if model != "resnet50":
             raise
-        return resnet50_tensor_sizes(), "resnet50 tensor list (bench_comm.resnet50_tensor_sizes)"
+        return (resnet50_tensor_sizes(),
+                "resnet50 tensor list (mpitrain.bench.comm.resnet50_tensor_sizes)")
 
 
 def _time(comm, steps, repeats):
@@ -78,7 +81,7 @@ def _time(comm, steps, repeats):
             comm.barrier()
             t = time.perf_counter()
             steps[name]()
-            times[name].append(comm.allreduce_max(time.perf_counter() - t))
+            times[name].append(comm.world.allreduce(time.perf_counter() - t, op=MPI.MAX))
     return {name: (float(np.median(v)), float(np.min(v))) for name, v in times.items()}
 
 

@@ -3,15 +3,20 @@
 One process, random data, no all-reduce: the step is forward + loss, backward
 and the SGD update, each timed separately (median over the timed steps, after
 untimed warm-up steps). Under mpirun -np N > 1 it times data-parallel steps
-instead, and their scaling against one rank (bench_step_parallel). With `--reference torch` the same network with the same
-weights (mpitrain.reference_torch) takes the same batch through the same step
+instead, and their scaling against one rank (bench_step_parallel). With
+`--reference torch` the same network with the same weights
+(mpitrain.bench.reference_torch) takes the same batch through the same step
 with torch.optim.SGD, in the same run (in a child process with the user's own
 environment), with torch's thread count matched to NumPy's BLAS; the ratio
-ours / torch is what to quote.
+ours / torch is what to quote. Both report the loss of their first step
+(`first_loss`, before any update), which agree when both ran the same network
+on the same batch (not with Dropout, whose masks differ).
 
 OpenBLAS reads OPENBLAS_CORETYPE when it loads. Where a machine forces an older
 core type, `--native-openblas` re-runs the command without it (and without
 OPENBLAS_L2_SIZE) and says so.
+
+The figures measured so far, and how to read them: docs/benchmarks.md.
 """
 import json
 import os
@@ -42,11 +47,16 @@ def _median(values):
     return values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
 
 
-def _summary(batch, phases):
-    """phases: name -> per-step seconds. Medians in ms, and images/s from the median step."""
+def _summary(batch, phases, first_loss=None):
+    """phases: name -> per-step seconds. Medians in ms, and images/s from the median step.
+    first_loss: the loss of the first step, before any update (both frameworks start from
+    the same weights and batch, so it shows that they ran the same network)."""
     step = _median([sum(t) for t in zip(*phases.values())])
-    return {"images_per_s": batch / step, "step_ms": 1e3 * step,
-            **{f"{name}_ms": 1e3 * _median(t) for name, t in phases.items()}}
+    out = {"images_per_s": batch / step, "step_ms": 1e3 * step,
+           **{f"{name}_ms": 1e3 * _median(t) for name, t in phases.items()}}
+    if first_loss is not None:
+        out["first_loss"] = first_loss
+    return out
 
 
 def time_ours(model, x, y, steps, warmup, lr=0.01, momentum=0.9, weight_decay=1e-4):
@@ -55,10 +65,11 @@ def time_ours(model, x, y, steps, warmup, lr=0.01, momentum=0.9, weight_decay=1e
     from mpitrain.optim import SGD
     optimizer = SGD(model.arena, momentum=momentum, weight_decay=weight_decay)
     phases = {"forward_loss": [], "backward": [], "update": []}
+    first_loss = None
     for i in range(warmup + steps):
         t0 = time.perf_counter()
         logits = model.forward(x, train=True)
-        _, dlogits = softmax_cross_entropy(logits, y)
+        loss, dlogits = softmax_cross_entropy(logits, y)
         backend.synchronize()
         t1 = time.perf_counter()
         model.backward(dlogits)
@@ -67,15 +78,17 @@ def time_ours(model, x, y, steps, warmup, lr=0.01, momentum=0.9, weight_decay=1e
         optimizer.step(lr)
         backend.synchronize()
         t3 = time.perf_counter()
+        if i == 0:
+            first_loss = float(loss)
         if i >= warmup:
             for name, t in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
                 phases[name].append(t)
-    return _summary(len(y), phases)
+    return _summary(len(y), phases, first_loss)
 
 
 def time_torch(model, x, y, steps, warmup, threads, lr=0.01, momentum=0.9, weight_decay=1e-4):
     import torch
-    from mpitrain.reference_torch import input_to_torch, to_torch
+    from mpitrain.bench.reference_torch import input_to_torch, to_torch
     torch.set_num_threads(threads)
     tmodel = to_torch(model).train()
     tx, ty = input_to_torch(x), torch.from_numpy(y)
@@ -83,6 +96,7 @@ def time_torch(model, x, y, steps, warmup, threads, lr=0.01, momentum=0.9, weigh
                                 weight_decay=weight_decay)
     loss_fn = torch.nn.CrossEntropyLoss()
     phases = {"forward_loss": [], "backward": [], "update": []}
+    first_loss = None
     for i in range(warmup + steps):
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
@@ -92,11 +106,13 @@ def time_torch(model, x, y, steps, warmup, threads, lr=0.01, momentum=0.9, weigh
         t2 = time.perf_counter()
         optimizer.step()
         t3 = time.perf_counter()
+        if i == 0:
+            first_loss = loss.item()
         if i >= warmup:
             for name, t in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
                 phases[name].append(t)
     return {"version": torch.__version__, "threads": torch.get_num_threads(),
-            **_summary(len(y), phases)}
+            **_summary(len(y), phases, first_loss)}
 
 
 def torch_in_child(spec):
@@ -111,7 +127,7 @@ def torch_in_child(spec):
     env = dict(os.environ)
     if mpitrain.OMP_WAIT_POLICY_SET:
         env.pop("OMP_WAIT_POLICY", None)
-    code = ("import torch, json, sys; from mpitrain.bench import _torch_child; "
+    code = ("import torch, json, sys; from mpitrain.bench.step import _torch_child; "
             "print(json.dumps(_torch_child(json.loads(sys.argv[1]))))")
     out = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env=env,
                          capture_output=True, text=True, check=True)
@@ -160,27 +176,36 @@ class ParallelSteps:
     """Data-parallel training steps (mpitrain.train.train_step with a Reducer), each timed
     on the slowest rank. Phases per step (ms): forward (with loss), backward, comm_wait
     (the wait for the gradient sum after backward: what backward did not hide),
-    comm_total (the buckets' all-reduce time, measured where it runs), update."""
+    comm_total (the buckets' all-reduce time, measured where it runs), update.
+    reducer_args: the mpitrain.comm.buckets.Reducer arguments after the arena (comm,
+    threshold, algorithm, wire dtype, overlap). An arena takes one Reducer at a time, so
+    each step makes its own and closes it after the step (outside the timing)."""
     NAMES = {"forward": "forward", "backward": "backward", "comm": "comm_wait",
              "bucket": "comm_total", "update": "update"}
 
-    def __init__(self, model, reducer, comm, lr=0.01):
+    def __init__(self, model, reducer_args, world, lr=0.01):
         from mpitrain.metrics import Timeline
         from mpitrain.optim import SGD
-        self.model, self.reducer, self.comm, self.lr = model, reducer, comm, lr
+        self.model, self.reducer_args, self.world, self.lr = model, reducer_args, world, lr
         self.optimizer = SGD(model.arena, momentum=0.9, weight_decay=1e-4)
-        self.timeline = reducer.timeline = Timeline()
+        self.timeline = Timeline()
         self.phases = {v: [] for v in self.NAMES.values()}
         self.steps = []
 
     def step(self, x, y, record=True):
         from mpi4py import MPI
+        from mpitrain.comm.buckets import Reducer
         from mpitrain.train import train_step
-        self.comm.Barrier()
+        reducer = Reducer(self.model.arena, *self.reducer_args, timeline=self.timeline)
+        self.world.Barrier()
         t0 = time.perf_counter()
-        train_step(self.model, self.optimizer, self.comm, x, y, self.lr, timeline=self.timeline,
-                   reducer=self.reducer)
-        took = self.comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        try:
+            train_step(self.model, self.optimizer, reducer, x, y, self.lr,
+                       timeline=self.timeline)
+        finally:
+            took = time.perf_counter() - t0
+            reducer.close()
+        took = self.world.allreduce(took, op=MPI.MAX)
         totals = self.timeline.take_totals()
         if record:
             self.steps.append(took)
@@ -216,12 +241,12 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
     from threadpoolctl import threadpool_limits
 
     from mpitrain.comm import Communicator
-    from mpitrain.comm.buckets import Reducer
+    from mpitrain.comm.buckets import bucket_bounds, share_gradients
     from mpitrain.nets import build_model
     from mpitrain.train import limit_threads
     world = MPI.COMM_WORLD
     comm = Communicator(world)
-    limit_threads(comm.local_size)
+    limit_threads(comm.host_size)
     threads = blas_info()["threads"]
     rng = np.random.default_rng(seed + world.rank)
     model = build_model(model_name, num_classes=num_classes, seed=seed)
@@ -232,10 +257,11 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
               "fusion_threshold": threshold, "allreduce": algorithm, "comm_dtype": comm_dtype,
               "blas": blas_info()}
     wire = np.float16 if comm_dtype == "fp16" else None
-    runs = {key: ParallelSteps(model, Reducer(model, comm, threshold, algorithm, wire, overlap),
-                               world) for key, overlap in (("overlap", True), ("no_overlap", False))}
+    share_gradients(model.arena, comm, algorithm)       # as training places them
+    runs = {key: ParallelSteps(model, (comm, threshold, algorithm, wire, overlap), world)
+            for key, overlap in (("overlap", True), ("no_overlap", False))}
     one = build_model(model_name, num_classes=num_classes, seed=seed) if world.rank == 0 else None
-    one_threads = threads * comm.local_size
+    one_threads = threads * comm.host_size
     one_times = []
     for i in range(warmup + steps):
         if world.rank == 0:      # one rank with the threads of all its node's ranks
@@ -248,8 +274,7 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
             runs[key].step(x, y, record=i >= warmup)
     for key, run in runs.items():
         result[key] = run.summary(world.size * batch)
-        run.reducer.close()
-    result["buckets"] = len(runs["overlap"].reducer.bounds)
+    result["buckets"] = len(bucket_bounds(model.arena, threshold))
     if world.rank == 0:
         step = _median(one_times)
         result["one_rank"] = {"threads": one_threads, "images_per_s": 1e3 * batch / step,
