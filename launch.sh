@@ -5,13 +5,22 @@
 #                               digits with 2 MPI ranks (ends with the validation accuracy)
 #   ./launch.sh test            set up, then every test: single-process, then the MPI tests
 #                               under mpirun -np 1, 2, 3 and 4
+#   ./launch.sh test-mpi        the tests that start MPI jobs, then the MPI tests (CI runs
+#                               them again under a second MPI)
 #   ./launch.sh train ARGS...   set up, then `python -m mpitrain train ARGS...` launched with
 #                               srun inside a Slurm allocation, else mpirun -np ${NP:-2}
 #                               (with --hostfile $HOSTFILE when HOSTFILE is set)
-#   ./launch.sh setup           set up only: .venv, editable install, Cython kernels
+#   ./launch.sh setup           set up only: the venv, editable install, Cython kernels
+#   ./launch.sh gpu-check       on a GPU machine without network: prove the GPU path and
+#                               write a JSON report (WHEELS=DIR installs from a folder of
+#                               wheels first; README: On a GPU)
 #
-# On a Slurm cluster: `sbatch launch.sh train --epochs 10`; the #SBATCH lines below
-# are its defaults (override them on the sbatch command line).
+# The venv is .venv (MPITRAIN_VENV=DIR for another); its MPI is chosen once, when it is
+# made: the system's when `mpicc` and `mpiexec` are on PATH, else the `mpich` wheel
+# (MPITRAIN_MPI=system|wheel to choose), and recorded in it. Inside a Slurm job nothing
+# is installed: run `./launch.sh setup` first, on a login node.
+# On a Slurm cluster: `sbatch launch.sh train --epochs 10` from the checkout; the
+# #SBATCH lines below are its defaults (override them on the sbatch command line).
 #SBATCH --job-name=mpitrain
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=2
@@ -19,48 +28,200 @@
 #SBATCH --output=mpitrain-%j.out
 set -euo pipefail
 
-# sbatch runs a copy of this script from a spool directory: find the checkout
-here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-if [[ -f "$here/setup.py" ]]; then ROOT=$here; else ROOT=${SLURM_SUBMIT_DIR:?cannot find the mpitrain checkout}; fi
-cd "$ROOT"
-VENV=$ROOT/.venv
-PY=$VENV/bin/python
-NP=${NP:-2}
+die() { echo "launch.sh: $*" >&2; exit 2; }
+case ${1:-} in -h|--help|help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 
-# An MPI installed on the system (not the mpich wheel inside our own venv).
+# The checkout. sbatch runs a copy of this script from slurmd's spool directory, so inside
+# a batch job the script's own directory is not the checkout: take the path that was
+# submitted (scontrol's Command=), else the directory sbatch was called from.
+find_root() {
+    local here cmd
+    if [[ -n "${MPITRAIN_ROOT:-}" ]]; then
+        [[ -f "$MPITRAIN_ROOT/setup.py" ]] || die "MPITRAIN_ROOT=$MPITRAIN_ROOT is not an mpitrain checkout"
+        cd "$MPITRAIN_ROOT" && pwd; return
+    fi
+    here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+    if [[ -f "$here/setup.py" && -f "$here/mpitrain/__init__.py" ]]; then echo "$here"; return; fi
+    if [[ -n "${SLURM_JOB_ID:-}" ]] && command -v scontrol >/dev/null; then
+        cmd=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -Eo 'Command=[^ ]+' | head -n 1 || true)
+        cmd=${cmd#Command=}
+        [[ "$cmd" == /* || -z "${SLURM_SUBMIT_DIR:-}" ]] || cmd=$SLURM_SUBMIT_DIR/$cmd
+        if [[ "$cmd" == /* && -f "$(dirname "$cmd")/setup.py" ]]; then
+            cd "$(dirname "$cmd")" && pwd; return
+        fi
+    fi
+    if [[ -n "${SLURM_SUBMIT_DIR:-}" && -f "$SLURM_SUBMIT_DIR/setup.py" ]]; then
+        echo "$SLURM_SUBMIT_DIR"; return
+    fi
+    die "cannot find the mpitrain checkout (this script runs from ${here}); submit it by its" \
+        "path in the checkout (sbatch /path/to/mpitrain/launch.sh ...), or set MPITRAIN_ROOT"
+}
+
+ROOT=$(find_root)
+cd "$ROOT"
+VENV=${MPITRAIN_VENV:-$ROOT/.venv}
+[[ "$VENV" == /* ]] || VENV=$ROOT/$VENV
+PY=$VENV/bin/python
+STAMP=$VENV/.mpitrain-installed     # hash of what was installed (setup.py, pyproject.toml, kind)
+RECORD=$VENV/.mpitrain-mpi          # the venv's MPI: kind=, impl=, mpiexec=, library=
+NP=${NP:-2}
+IN_JOB=${SLURM_JOB_ID:+1}           # inside a Slurm allocation: never install
+
+# ----- the venv's MPI, decided once -----
+MPI_KIND="" MPI_IMPL="" MPI_EXEC="" MPI_LIBRARY=""
+
+read_record() {
+    local key value
+    [[ -f "$RECORD" ]] || return 1
+    while IFS='=' read -r key value; do
+        case $key in
+            kind) MPI_KIND=$value ;;
+            impl) MPI_IMPL=$value ;;
+            mpiexec) MPI_EXEC=$value ;;
+            library) MPI_LIBRARY=$value ;;
+        esac
+    done < "$RECORD"
+    [[ -n "$MPI_KIND" && -n "$MPI_EXEC" ]]
+}
+
+# mpicc and mpiexec of an MPI installed on the system (not the mpich wheel of a venv)
 system_mpi() {
     local cc run
     cc=$(command -v mpicc || true)
     run=$(command -v mpiexec || true)
-    [[ -n "$cc" && -n "$run" && "$cc" != "$VENV"/* && "$run" != "$VENV"/* ]]
+    [[ -n "$cc" && -n "$run" && "$cc" != "$VENV"/* && "$run" != "$VENV"/* ]] || return 1
+    echo "$cc $run"
 }
 
-setup() {
-    [[ -x "$PY" ]] || python3 -m venv "$VENV"
-    local mpi=wheel
-    system_mpi && mpi=system
-    local stamp=$VENV/.mpitrain-installed
-    local hash
-    hash=$(cat setup.py pyproject.toml <(echo "$mpi") | sha256sum | cut -d' ' -f1)
-    if [[ "$(cat "$stamp" 2>/dev/null || true)" != "$hash" ]]; then
-        echo "launch.sh: installing mpitrain and its dependencies into $VENV (MPI: $mpi)"
-        "$PY" -m pip install -q cython numpy setuptools wheel
-        if [[ $mpi == system ]]; then
-            "$PY" -m pip install -q --no-binary=mpi4py mpi4py     # built against the system MPI
-        else
-            "$PY" -m pip install -q mpich mpi4py                  # MPICH from PyPI, in the venv
-        fi
-        "$PY" -m pip install -q --no-build-isolation -e ".[test]"
-        echo "$hash" > "$stamp"
+# The first line of the MPI library's version string, asked of mpi4py without starting MPI
+mpi_library() {
+    "$PY" -c 'import mpi4py; mpi4py.rc.initialize = False
+from mpi4py import MPI; print(MPI.Get_library_version().replace("\0", "").strip().splitlines()[0])' 2>/dev/null || true
+}
+
+# mpich or openmpi (the family srun's --mpi type depends on), from the library mpi4py is
+# linked with (MPI_LIBRARY), else from the tools beside mpiexec (mpichversion, ompi_info)
+mpi_impl() {   # mpiexec
+    local dir
+    case $MPI_LIBRARY in
+        *"Open MPI"*) echo openmpi; return ;;
+        *MPICH*|*"Intel(R) MPI"*|*MVAPICH*) echo mpich; return ;;
+    esac
+    dir=$(dirname "$1")
+    if [[ -x "$dir/ompi_info" ]]; then echo openmpi
+    elif [[ -x "$dir/mpichversion" ]]; then echo mpich
+    else echo unknown; fi
+}
+
+write_record() {
+    printf 'kind=%s\nimpl=%s\nmpiexec=%s\nlibrary=%s\n' \
+        "$MPI_KIND" "$MPI_IMPL" "$MPI_EXEC" "$MPI_LIBRARY" > "$RECORD.tmp"
+    mv "$RECORD.tmp" "$RECORD"
+}
+
+# The MPI of a venv made by an older launch.sh, which recorded no kind: the mpich wheel
+# leaves its mpiexec in the venv.
+legacy_record() {
+    local found
+    if [[ -x "$VENV/bin/mpiexec" ]]; then
+        MPI_KIND=wheel MPI_EXEC=$VENV/bin/mpiexec
+    else
+        found=$(system_mpi) || return 1
+        MPI_KIND=system MPI_EXEC=${found#* }
     fi
-    "$PY" setup.py build_ext --inplace -q     # cheap when the kernels are up to date
+    MPI_LIBRARY=$(mpi_library)
+    MPI_IMPL=$(mpi_impl "$MPI_EXEC")
 }
 
-mpirun_cmd() {
-    if [[ -x "$VENV/bin/mpiexec" ]]; then echo "$VENV/bin/mpiexec"; else echo mpiexec; fi
+installed_hash() {   # kind
+    cat setup.py pyproject.toml <(echo "$1") | sha256sum | cut -d' ' -f1
 }
 
-# "VAR=n ..." assignments for `env`: each of $1 ranks on this node gets its share of the
+# The Cython kernels are built and newer than their sources
+kernels_built() {
+    local suffix src so
+    suffix=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))') || return 1
+    for src in kernels/*.pyx; do
+        so=${src%.pyx}$suffix
+        [[ -f "$so" ]] || return 1
+        [[ -z "$(find kernels -maxdepth 1 \( -name '*.pyx' -o -name '*.pxi' -o -name '*.pxd' \) \
+                  -newer "$so" -print -quit)" ]] || return 1
+    done
+}
+
+build_kernels() {
+    local log
+    kernels_built && return 0
+    [[ -z "$IN_JOB" ]] || die "the Cython kernels in $ROOT/kernels are not built or older than" \
+        "their sources; run ./launch.sh setup first (outside a Slurm job, e.g. on a login node)"
+    echo "launch.sh: building the Cython kernels"
+    log=$(mktemp)
+    if ! "$PY" setup.py build_ext --inplace -q >"$log" 2>&1; then
+        cat "$log" >&2; rm -f "$log"; die "building the Cython kernels failed"
+    fi
+    rm -f "$log"
+}
+
+install() {
+    local found cc=""
+    if [[ $MPI_KIND == system ]]; then
+        found=$(system_mpi) || die "MPITRAIN_MPI=system, but no mpicc and mpiexec on PATH"
+        cc=${found% *} MPI_EXEC=${found#* }
+    else
+        MPI_EXEC=$VENV/bin/mpiexec
+    fi
+    echo "launch.sh: installing mpitrain and its dependencies into $VENV (MPI: $MPI_KIND${cc:+, $cc})"
+    [[ -x "$PY" ]] || python3 -m venv "$VENV"
+    "$PY" -m pip install -q cython numpy setuptools wheel
+    if [[ $MPI_KIND == system ]]; then     # mpi4py compiled against the system MPI
+        MPICC=$cc "$PY" -m pip install -q --no-binary=mpi4py --no-cache-dir mpi4py
+    else                                   # MPICH from PyPI, in the venv
+        "$PY" -m pip install -q mpich mpi4py
+    fi
+    "$PY" -m pip install -q --no-build-isolation -e ".[test]"
+    MPI_LIBRARY=$(mpi_library)
+    MPI_IMPL=$(mpi_impl "$MPI_EXEC")
+    write_record
+    installed_hash "$MPI_KIND" > "$STAMP"
+}
+
+# Install when the venv is missing or stale, with the MPI it was made with; inside a
+# Slurm job only check. Leaves MPI_KIND, MPI_IMPL, MPI_EXEC set.
+setup() {
+    local wanted=${MPITRAIN_MPI:-} stale=""
+    case $wanted in ""|wheel|system) ;; *) die "MPITRAIN_MPI=$wanted: use wheel or system" ;; esac
+    if [[ -x "$PY" ]] && { read_record || legacy_record; }; then
+        if [[ -n "$wanted" && "$wanted" != "$MPI_KIND" ]]; then
+            die "$VENV was set up with MPI '$MPI_KIND' (recorded in $RECORD), but" \
+                "MPITRAIN_MPI=$wanted; remove $VENV or choose another one with MPITRAIN_VENV"
+        fi
+        [[ "$(cat "$STAMP" 2>/dev/null || true)" == "$(installed_hash "$MPI_KIND")" ]] || stale=1
+        [[ -f "$RECORD" || -n "$IN_JOB" ]] || write_record        # a venv of an older launch.sh
+    elif [[ -n "$IN_JOB" ]]; then
+        die "no set-up venv at $VENV; run ./launch.sh setup first, outside a Slurm job" \
+            "(e.g. on a login node): a batch job never installs"
+    else
+        MPI_KIND=$wanted stale=1
+        [[ -n "$MPI_KIND" ]] || { if system_mpi >/dev/null; then MPI_KIND=system; else MPI_KIND=wheel; fi; }
+    fi
+    if [[ -n "$stale" ]]; then
+        [[ -z "$IN_JOB" ]] || die "$VENV is out of date (setup.py or pyproject.toml changed" \
+            "since it was installed); run ./launch.sh setup first, outside a Slurm job" \
+            "(e.g. on a login node): a batch job never installs"
+        install
+    fi
+    build_kernels
+    if [[ ! -x "$MPI_EXEC" ]]; then
+        die "the venv's mpiexec $MPI_EXEC (recorded in $RECORD) is gone; remove $VENV and" \
+            "run ./launch.sh setup again"
+    fi
+    if [[ $MPI_IMPL == openmpi && $EUID == 0 ]]; then   # Open MPI refuses root without them
+        export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    fi
+}
+
+# ----- launching -----
+# "VAR=n ..." assignments for `env`: each of $1 ranks on this host gets its share of the
 # cores, unless the user chose thread counts already.
 thread_env() {
     [[ -z "${OMP_NUM_THREADS:-}${OPENBLAS_NUM_THREADS:-}${NUMBA_NUM_THREADS:-}" ]] || return 0
@@ -69,16 +230,97 @@ thread_env() {
     echo "OMP_NUM_THREADS=$n OPENBLAS_NUM_THREADS=$n NUMBA_NUM_THREADS=$n"
 }
 
+# mpiexec and its options for $1 ranks on this host (prints one word per line)
+mpiexec_words() {
+    echo "$MPI_EXEC"
+    if [[ $MPI_IMPL == openmpi ]]; then
+        # no binding (each rank's threads share the cores, as under MPICH), and more ranks
+        # than cores allowed on one host (a hostfile's slots say it otherwise)
+        printf '%s\n' --bind-to none
+        [[ -n "${HOSTFILE:-}" ]] || (( $1 <= $(nproc) )) || echo --oversubscribe
+    fi
+    [[ -z "${HOSTFILE:-}" ]] || printf '%s\n' --hostfile "$HOSTFILE"
+    printf '%s\n' -np "$1"
+}
+
+# srun's --mpi type for the venv's MPI: PMI-2 for MPICH, PMIx for Open MPI, when srun
+# offers it; SRUN_FLAGS=--mpi=TYPE overrides it.
+srun_mpi() {
+    local want list alt
+    [[ " ${SRUN_FLAGS:-} " != *" --mpi"* ]] || return 0
+    case $MPI_IMPL in mpich) want=pmi2 alt=pmix ;; openmpi) want=pmix alt=pmi2 ;; *) want="" ;; esac
+    if [[ -z "$want" ]]; then
+        echo "launch.sh: unknown MPI in $VENV ($MPI_LIBRARY); srun starts it with its default" \
+             "--mpi type (set SRUN_FLAGS=--mpi=TYPE if the ranks do not find each other)" >&2
+        return 0
+    fi
+    list=$(srun --mpi=list 2>&1 | tr -s ' \t' '\n' || true)
+    if grep -qx "$want" <<<"$list"; then echo "--mpi=$want"; return 0; fi
+    if grep -qx "$alt" <<<"$list"; then
+        echo "launch.sh: srun offers no --mpi=$want (the type $MPI_IMPL needs); trying" \
+             "--mpi=$alt (srun --mpi=list: $(grep -Ex '[a-z_0-9]+' <<<"$list" | tr '\n' ' '))" >&2
+        echo "--mpi=$alt"; return 0
+    fi
+    echo "launch.sh: srun offers neither --mpi=$want nor --mpi=$alt; starting with srun's" \
+         "default type: if it gives the ranks no PMI, each starts alone and mpitrain refuses" \
+         "to run (set SRUN_FLAGS=--mpi=TYPE)" >&2
+}
+
+# Run the local launcher in the background of a job-controlled shell (its own process
+# group), so that a Ctrl-C reaches this shell alone, which passes each one on once:
+# the first lets the ranks checkpoint and exit (130), a second ends them at once.
+# MPICH's mpiexec forwards SIGINT and SIGTERM to the ranks (a second SIGINT: it kills
+# them, and reports 0 or 255; this returns 130 then, as for any interrupted command).
+# Open MPI's mpirun forwards neither (it kills the job, and reports 1): its ranks on this
+# host, its children, get them straight; the first rank to see one stops every rank.
+# SIGUSR1 both forward.
+run_forwarding() {   # command...
+    local pid rc ints=0
+    set -m
+    "$@" </dev/null &
+    pid=$!
+    set +m
+    trap 'ints=$((ints + 1)); pass_on INT "$pid" "$ints"' INT
+    trap 'pass_on TERM "$pid" 1' TERM
+    trap 'pass_on TERM "$pid" 1' HUP
+    trap 'kill -USR1 "$pid" 2>/dev/null || true' USR1
+    while :; do
+        rc=0
+        wait "$pid" || rc=$?
+        kill -0 "$pid" 2>/dev/null || break       # a trapped signal interrupted the wait
+    done
+    trap - INT TERM HUP USR1
+    if (( ints >= 2 )) && (( rc == 0 || rc == 255 )); then rc=130; fi
+    return "$rc"
+}
+
+pass_on() {   # signal, launcher pid, how many of it so far
+    local ranks
+    if [[ $MPI_IMPL == openmpi ]] && (( $3 <= 2 )); then
+        ranks=$(ps -o pid= --ppid "$2" 2>/dev/null || true)
+        if [[ -n "$ranks" ]]; then
+            # shellcheck disable=SC2086
+            kill -"$1" $ranks 2>/dev/null || true
+            return 0
+        fi
+    fi
+    kill -"$1" "$2" 2>/dev/null || true           # a third Ctrl-C: mpirun kills the job
+}
+
 run_train() {
     if [[ -n "${SLURM_JOB_ID:-}" ]]; then
-        # shellcheck disable=SC2046,SC2086
-        env $(thread_env "${SLURM_NTASKS_PER_NODE:-1}") srun ${SRUN_FLAGS:-} "$PY" -m mpitrain train "$@"
-    else
-        # shellcheck disable=SC2046
-        # HOSTFILE: one host per line, optionally host:slots (MPICH and Open MPI read it alike)
-        env $(thread_env "$NP") "$(mpirun_cmd)" ${HOSTFILE:+--hostfile "$HOSTFILE"} \
-            -np "$NP" "$PY" -m mpitrain train "$@"
+        # exec: srun takes this shell's place, so a signal to the batch shell
+        # (--signal=B:USR1@N) reaches srun, which forwards it to every task. Threads:
+        # the program shares each host's cores among its ranks itself.
+        local mpi
+        mpi=$(srun_mpi)
+        # shellcheck disable=SC2086
+        exec srun --kill-on-bad-exit=1 $mpi ${SRUN_FLAGS:-} "$PY" -m mpitrain train "$@"
     fi
+    local words
+    mapfile -t words < <(mpiexec_words "$NP")
+    # shellcheck disable=SC2046
+    run_forwarding env $(thread_env "$NP") "${words[@]}" "$PY" -m mpitrain train "$@"
 }
 
 # One test phase under `timeout` (a hang cannot stall CI); records a summary line and
@@ -107,30 +349,43 @@ run_phase() {   # name, time limit in seconds, command...
     fi
 }
 
+# $1: all (every test) or mpi (those that start MPI jobs, then the MPI tests)
 run_tests() {
-    local summary=() failed=0 mpirun n
+    local summary=() failed=0 n words select=() what="single-process tests" color=no
     local -A count=([passed]=0 [failed]=0 [skipped]=0 [error]=0)
-    mpirun=$(mpirun_cmd)
+    echo "launch.sh: MPI $MPI_KIND ($MPI_IMPL: $MPI_LIBRARY), $MPI_EXEC"
+    if [[ $1 == mpi ]]; then select=(-m launches) what="tests that start MPI jobs"; fi
+    [[ ! -t 1 ]] || color=yes        # Open MPI gives its ranks a terminal even for a log
     # shellcheck disable=SC2046
-    run_phase "single-process tests" 900 env $(thread_env 1) "$PY" -m pytest tests --ignore=tests/mpi -q
+    run_phase "$what" 900 env $(thread_env 1) "$PY" -m pytest tests --ignore=tests/mpi \
+        -q "${select[@]}"
     # 3 ranks: a world that is not a power of two, and uneven nodes with --ranks-per-node 2
     for n in 1 2 3 4; do
+        mapfile -t words < <(mpiexec_words "$n")
         # shellcheck disable=SC2046
         run_phase "MPI tests, $n rank(s)" 300 env $(thread_env "$n") \
-            "$mpirun" -np "$n" "$PY" -m mpi4py -m pytest tests/mpi -q -p no:cacheprovider
+            "${words[@]}" "$PY" -m mpi4py -m pytest tests/mpi -q -p no:cacheprovider --color=$color
     done
-    echo "=== summary"
+    echo "=== summary ($MPI_IMPL)"
     printf '%s\n' "${summary[@]}"
     echo "total: ${count[passed]} passed, $(( count[failed] + count[error] )) failed, ${count[skipped]} skipped"
     return "$failed"
 }
 
+# The GPU check sees the machine's own CuPy, NCCL and cuDNN wheels: a .venv it makes
+# includes the system's site-packages, and it installs nothing from the network.
+gpu_check() {
+    [[ -x "$PY" ]] || python3 -m venv --system-site-packages "$VENV"
+    "$PY" -m mpitrain.check_gpu ${WHEELS:+--wheels "$WHEELS"} "$@"
+}
+
 command=${1:-default}
 case $command in
-    setup) setup ;;
+    setup) IN_JOB=""; setup ;;   # asked for: installs even inside an allocation
     default) setup; run_train ;;
     train) shift; setup; run_train "$@" ;;
-    test) setup; run_tests ;;
-    -h|--help|help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' ;;
-    *) echo "launch.sh: unknown command '$command' (use: setup, train ARGS..., test, or nothing)" >&2; exit 2 ;;
+    test) setup; run_tests all ;;
+    test-mpi) setup; run_tests mpi ;;
+    gpu-check) shift; gpu_check "$@" ;;
+    *) die "unknown command '$command' (use: setup, train ARGS..., test, test-mpi, gpu-check, or nothing)" ;;
 esac

@@ -29,10 +29,19 @@ setup(
                       "mpi4py>=4.0",
                       "scikit-learn>=1.3", "pyyaml>=6", "threadpoolctl>=3", "tqdm>=4.60"],
     extras_require={
-        "gpu": ["cupy-cuda12x>=13", "numba-cuda>=0.4", "nvidia-nccl-cu12",
-                "nvidia-cudnn-frontend", "nvidia-cudnn-cu12"],
-        "test": ["pytest>=7", "matplotlib"],
+        # CUDA 12 or CUDA 13 (the driver's major version): CuPy with the CUDA libraries it
+        # loads (ctk), NCCL, cuDNN and Numba's CUDA target built for it; cudnn-frontend
+        # serves both. "gpu" is kept as another name for gpu-cu12.
+        **dict.fromkeys(("gpu-cu12", "gpu"), [
+            "cupy-cuda12x[ctk]>=14", "numba-cuda[cu12]>=0.30", "nvidia-nccl-cu12",
+            "nvidia-cudnn-cu12", "nvidia-cudnn-frontend"]),
+        "gpu-cu13": ["cupy-cuda13x[ctk]>=14", "numba-cuda[cu13]>=0.30", "nvidia-nccl-cu13",
+                     "nvidia-cudnn-cu13", "nvidia-cudnn-frontend"],
+        "test": ["pytest>=7", "matplotlib",
+                 "safetensors>=0.4", "onnx>=1.14", "onnxruntime>=1.16"],   # export's tests
         "plot": ["matplotlib"],
+        # `python -m mpitrain export`: one package per format (no torch needed)
+        "export": ["safetensors>=0.4", "onnx>=1.14"],
     },
-    entry_points={"console_scripts": ["mpitrain=mpitrain.cli:main"]},
+    entry_points={"console_scripts": ["mpitrain=mpitrain.cli:run"]},
 )

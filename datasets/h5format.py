@@ -28,6 +28,8 @@ renamed when complete, so an interrupted conversion never leaves a file that
 looks finished.
 """
 import os
+import socket
+import sys
 
 import h5py
 import numpy as np
@@ -37,13 +39,64 @@ VERSION = 1
 STORAGES = ("encoded", "pixels")
 
 
+def available_memory():
+    """Bytes of memory this process may still use (the cgroup's limit where one is set,
+    else the kernel's MemAvailable), or None where neither can be read."""
+    have = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    have = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            limit = f.read().strip()
+            if limit.isdigit():
+                room = int(limit) - int(g.read())
+                have = room if have is None else min(have, room)
+    except (OSError, ValueError):
+        pass
+    return have
+
+
 class FormatError(ValueError):
     """A file that is not a valid mpitrain image file; the message names the file."""
 
 
-def _temp_name(path, tag):
+def _temp_name(path, tag, pid=None):
+    """Where a Writer keeps its unfinished file and spool: hidden, beside `path`, named
+    after this host and process so that a later run can tell whether its owner lives."""
     head, tail = os.path.split(os.path.abspath(path))
-    return os.path.join(head, f".{tail}.{tag}-{os.getpid()}")
+    return os.path.join(head, f".{tail}.{tag}-{socket.gethostname()}-{pid or os.getpid()}")
+
+
+def remove_stale(path):
+    """Delete the unfinished files a killed conversion of `path` left on this host (their
+    process is gone); returns their names."""
+    head, tail = os.path.split(os.path.abspath(path))
+    prefix, host = f".{tail}.", socket.gethostname()
+    removed = []
+    for name in os.listdir(head or "."):
+        tag, _, owner = name[len(prefix):].partition("-")
+        if not name.startswith(prefix) or tag not in ("tmp", "spool"):
+            continue
+        owner_host, _, pid = owner.rpartition("-")
+        if owner_host == host and pid.isdigit() and not _alive(int(pid)):
+            os.remove(os.path.join(head, name))
+            removed.append(name)
+    return removed
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:         # another user's process
+        return True
+    return True
 
 
 class Writer:
@@ -68,6 +121,9 @@ class Writer:
         self.pixel_dtype = np.dtype(pixel_dtype)
         self.labels, self.filenames = [], []
         self.sizes, self.pixels = [], []
+        for name in remove_stale(path):
+            print(f"mpitrain: removed {name}, left by a conversion of {path} that was killed",
+                  file=sys.stderr, flush=True)
         self._tmp = _temp_name(path, "tmp")
         self._spool_path = _temp_name(path, "spool")
         self._spool = open(self._spool_path, "wb") if storage == "encoded" else None
@@ -175,6 +231,14 @@ def check_schema(f, path, num_classes=None):
     if labels.dtype.kind not in "iu" or labels.ndim != 1:
         fail(f"labels must be a 1-D integer dataset, found {labels.dtype} {labels.shape}")
     n = labels.shape[0]
+    # a file is not trusted: what it declares must fit in memory before anything is read
+    declared = 8 * (2 * n + 1) + 64 * f["class_names"].size
+    have = available_memory()
+    if have is not None and declared > have // 2:
+        fail(f"declares {n:,} records and {f['class_names'].size:,} classes: their labels, "
+             f"offsets and names alone would need {declared / 2**30:.1f} GiB, more than the "
+             f"memory available ({have / 2**30:.1f} GiB); the file is damaged or not meant "
+             f"for this machine")
     for key in ("mean", "std"):
         if f[key].shape != (3,):
             fail(f"{key} must have shape (3,), found {f[key].shape}")
@@ -266,3 +330,13 @@ class Reader:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def white_level(reader):
+    """The stored value of full intensity of a data file: 255 for 8-bit images, the
+    largest pixel value of a 16-bit pixel file (read in slices of 1,024 records): the
+    format records no white level, and the digits use 1,024 of 65,535."""
+    if reader.storage != "pixels" or reader.images.dtype == np.uint8:
+        return 255.0
+    n = len(reader.labels)
+    return float(max(int(reader.images[i:i + 1024].max()) for i in range(0, n, 1024)))

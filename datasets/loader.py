@@ -323,7 +323,8 @@ class Loader:
             except Exception as e:
                 if not self.skip_bad_records:
                     raise DataError(f"{self.path}: record {r} cannot be decoded "
-                                    f"({type(e).__name__}: {e})") from e
+                                    f"({type(e).__name__}: {e}); train with --skip-bad-records "
+                                    f"to skip such records (they are counted and reported)") from e
                 with self._lock:
                     self._slot_bad[slot] += 1
                     self.bad_indices.add(r)

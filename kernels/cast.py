@@ -37,7 +37,7 @@ from numba.extending import intrinsic, overload
 
 from mpitrain.backend import array_module
 
-from .segments import cuda_shape, pick
+from .segments import cuda_shape, launch, pick
 
 __all__ = ["to_half", "to_float", "float_to_half_bits", "half_bits_to_float", "load", "store",
            "refresh_working"]
@@ -210,13 +210,13 @@ def to_half_cuda(src, dst, scale, parallel=True):
     """Numba CUDA version of to_half_numpy (grid-stride loop: an fp32 multiply, then
     cvt.rn.f16.f32)."""
     if src.size:
-        _scale_cast_cuda[_grid(src.size)](src, dst, scale)
+        launch(_scale_cast_cuda, *_grid(src.size), src, dst, scale)
 
 
 def to_float_cuda(src, dst, parallel=True):
     """Numba CUDA version of to_float_numpy (grid-stride loop)."""
     if src.size:
-        _copy_cast_cuda[_grid(src.size)](src, dst)
+        launch(_copy_cast_cuda, *_grid(src.size), src, dst)
 
 
 _TO_HALF = {"numpy": to_half_numpy, "numba": to_half_numba, "cuda": to_half_cuda}

@@ -1,9 +1,9 @@
 """The thin cuDNN adapter: NHWC convolutions on CuPy arrays through nvidia-cudnn-frontend.
 
 CuPy 14 no longer binds cuDNN, so the frontend's Python graph API (module
-`cudnn`) is used directly on CuPy arrays, which it reads through DLPack.
-cuDNN describes every tensor by NCHW-ordered dims; strides say the memory is
-NHWC (activations) or OHWI (filters, cuDNN's NHWC filter layout):
+`cudnn`) is used directly, on the device pointers of CuPy arrays. cuDNN
+describes every tensor by NCHW-ordered dims; strides say the memory is NHWC
+(activations) or OHWI (filters, cuDNN's NHWC filter layout):
 
     x  (N, H, W, C)   dims [N, C, H, W]   strides [HWC, 1, WC, C]
     w  (O, kh, kw, C) dims [O, C, kh, kw] strides [kh*kw*C, 1, kw*C, C]
@@ -12,41 +12,177 @@ NHWC (activations) or OHWI (filters, cuDNN's NHWC filter layout):
     backward_data   dx = conv_dgrad(dy, w)          (the adjoint in x)
     backward_filter dw = conv_wgrad(x, dy)          (the adjoint in w)
 
-Each graph is built once per (operation, shapes, dtype, stride, padding) and
-cached; fp16 tensors are computed with fp32 accumulation (tensor cores).
-Only float16 and float32 are routed here; float64 stays on the generic path.
+Each graph is built once per (operation, shapes, dtypes, stride, padding) and
+cached; the computation is fp32 whatever the io type (fp16 on tensor cores,
+accumulating in fp32). Only float16 and float32 are routed here; float64 stays
+on the generic path. The weight gradient of fp16 activations is written as
+fp32 straight into the fp32 gradient arena (the graph's dw tensor is FLOAT,
+x and dy HALF): an fp16 dw would overflow at a loss scale of 2^16. cuDNN may
+have no engine for that mix on some device or version; the build then fails
+with `Unsupported`, which is remembered, and the caller takes the generic
+im2col + GEMM path with fp32 output instead (nets/conv.py).
+
+Availability is probed, not assumed: the first `available()` imports CuPy and
+the frontend, builds one tiny convolution in fp32 (and in fp16 where the device
+has fp16 arithmetic), runs it and compares it with a direct computation on the
+host; the outcome is cached for the process. `reason()` says why not,
+`version()` which cuDNN, `report()` all of it for the run's environment record.
+
+Every graph runs on CuPy's current stream (the handle's stream is set before
+each execution) and shares one workspace, grown when a graph needs more: the
+graphs run one after another on that stream, so they never use it at once.
 """
 import numpy as np
 
-_graphs = {}
+_graphs = {}         # key -> (graph, tensor a, tensor b, tensor out), or the Unsupported raised
 _handle = None
-_reason = None       # why cuDNN is unavailable, once known
+_workspace = None    # (bytes,) uint8 CuPy array shared by every graph
+_probe = None        # the probe's outcome (see _probed)
 
 
-def available():
-    """True when CuPy sees a GPU and the cuDNN frontend imports; `reason()` says why not."""
-    global _reason
-    if _reason is None:
-        try:
-            import cupy
-            if not cupy.is_available():
-                _reason = "CuPy sees no GPU"
-            else:
-                import cudnn  # noqa: F401  (nvidia-cudnn-frontend)
-                _reason = ""
-        except Exception as e:     # not installed, or the libraries fail to load
-            _reason = f"{type(e).__name__}: {e}"
-    return _reason == ""
+class Unsupported(RuntimeError):
+    """cuDNN cannot build a graph for this operation, shapes and data types here."""
+
+
+# ----- availability -----
+
+def available(dtype=np.float32):
+    """True when cuDNN convolutions in `dtype` (float32 or float16) passed the probe here.
+
+    The first call probes (see the module docstring; it needs a GPU and takes a moment),
+    later calls read the cached outcome. Any other dtype gives False."""
+    dtype = np.dtype(dtype)
+    if not supports(dtype):
+        return False
+    return _probed()[dtype.name] is None
 
 
 def reason():
-    available()
-    return _reason or "available"
+    """None when available() is True; else one line saying why cuDNN is not used,
+    starting with one of "not installed:", "no GPU:", "graph build failed:",
+    "failed to run:", "wrong result:"."""
+    return _probed()["float32"]
+
+
+def report():
+    """The probe's outcome and the versions, JSON-able, for the run's environment record:
+    available (fp32 convolutions), reason (as reason()), float16 (fp16 convolutions),
+    float16_reason, wgrad_fp16_to_fp32 (whether dw of fp16 x and dy is written in fp32
+    by cuDNN; None when not probed), and version()'s keys."""
+    state = _probed()
+    return dict(available=state["float32"] is None, reason=state["float32"],
+                float16=state["float16"] is None, float16_reason=state["float16"],
+                wgrad_fp16_to_fp32=state["wgrad"], **version())
+
+
+def version():
+    """{"cudnn": cuDNN's backend version (an int such as 91300), "cudnn_frontend": the
+    frontend's version string}; None where not importable."""
+    out = {"cudnn": None, "cudnn_frontend": None}
+    try:
+        import cudnn
+    except Exception:
+        return out
+    out["cudnn_frontend"] = getattr(cudnn, "__version__", None)
+    try:
+        out["cudnn"] = int(cudnn.backend_version())
+    except Exception:
+        pass
+    return out
 
 
 def supports(dtype):
+    """Whether `dtype` is one cuDNN is asked for at all (float16, float32)."""
     return np.dtype(dtype) in (np.float16, np.float32)
 
+
+def _probed():
+    """{"float32": None or why not, "float16": likewise, "wgrad": True/False/None}, once."""
+    global _probe
+    if _probe is None:
+        _probe = {"float32": _check_install(), "float16": None, "wgrad": None}
+        if _probe["float32"] is None:
+            _probe["float32"] = _try_conv(np.float32)
+        if _probe["float32"] is not None:
+            _probe["float16"] = _probe["float32"]
+        else:
+            _probe["float16"] = _try_conv(np.float16) if _has_fp16() else \
+                "no GPU: the device has no fp16 arithmetic (compute capability below 5.3)"
+            if _probe["float16"] is None:
+                _probe["wgrad"] = _try_wgrad_fp16_to_fp32() is None
+    return _probe
+
+
+def _check_install():
+    """None when CuPy sees a GPU and the frontend imports, else why not."""
+    try:
+        import cupy
+    except Exception as e:
+        return f"not installed: CuPy ({type(e).__name__}: {e})"
+    try:
+        if not cupy.is_available():
+            return "no GPU: CuPy sees no CUDA device"
+    except Exception as e:
+        return f"no GPU: {type(e).__name__}: {e}"
+    try:
+        import cudnn  # noqa: F401  (nvidia-cudnn-frontend)
+    except Exception as e:       # not installed, or libcudnn fails to load
+        return f"not installed: nvidia-cudnn-frontend ({type(e).__name__}: {e})"
+    return None
+
+
+def _has_fp16():
+    import cupy
+    return int(cupy.cuda.Device().compute_capability) >= 53
+
+
+def _probe_case():
+    """A tiny 3x3 convolution (padding 1) whose every value is a small integer, so that
+    fp16, fp32 and TF32 compute it exactly: (x, w, dy, y = conv(x, w), dw = wgrad(x, dy))
+    as float64 NumPy arrays."""
+    from .im2col import im2col_generic
+    rng = np.random.default_rng(0)
+    x = rng.integers(-2, 3, (1, 5, 5, 3)).astype(np.float64)
+    w = rng.integers(-2, 3, (4, 3, 3, 3)).astype(np.float64)
+    dy = rng.integers(-2, 3, (1, 5, 5, 4)).astype(np.float64)
+    col = im2col_generic(x, 3, 3, 1, 1)                       # (25, 27)
+    y = (col @ w.reshape(4, -1).T).reshape(1, 5, 5, 4)
+    dw = (dy.reshape(-1, 4).T @ col).reshape(w.shape)
+    return x, w, dy, y, dw
+
+
+def _try_conv(dtype):
+    """None when a tiny fprop in dtype builds, runs and equals the direct result."""
+    import cupy
+    x, w, _, y, _ = _probe_case()
+    name = np.dtype(dtype).name
+    try:
+        got = conv_forward(cupy.asarray(x, dtype), cupy.asarray(w, dtype), 1, 1)
+    except Unsupported as e:
+        return f"graph build failed: {name} convolution: {e}"
+    except Exception as e:
+        return f"failed to run: {name} convolution: {type(e).__name__}: {e}"
+    got = cupy.asnumpy(got).astype(np.float64)
+    if not np.array_equal(got, y):
+        return (f"wrong result: {name} convolution differs from the direct computation "
+                f"by up to {np.nanmax(np.abs(got - y)):.3g}")
+    return None
+
+
+def _try_wgrad_fp16_to_fp32():
+    """None when dw (fp32) = wgrad(x, dy) of fp16 x and dy builds, runs and is exact."""
+    import cupy
+    x, w, dy, _, dw = _probe_case()
+    out = cupy.empty(w.shape, np.float32)
+    try:
+        conv_backward_filter(cupy.asarray(x, np.float16), cupy.asarray(dy, np.float16),
+                             w.shape, 1, 1, out=out)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None if np.array_equal(cupy.asnumpy(out), dw) else "wrong result"
+
+
+# ----- graphs -----
 
 def _nhwc(shape):
     """cuDNN dims and strides of a C-contiguous NHWC (or OHWI) array."""
@@ -54,53 +190,81 @@ def _nhwc(shape):
     return [n, c, h, w], [h * w * c, 1, w * c, c]
 
 
-def _graph(kind, a_shape, b_shape, out_shape, dtype, stride, pad):
-    """The built graph for one convolution kind and geometry, with its two inputs and its output."""
-    global _handle
-    key = (kind, a_shape, b_shape, out_shape, np.dtype(dtype).str, stride, pad)
-    if key in _graphs:
-        return _graphs[key]
+def _data_type(dtype):
     import cudnn
-    import cupy
-    if _handle is None:
-        _handle = cudnn.create_handle()
-    io = cudnn.data_type.HALF if np.dtype(dtype) == np.float16 else cudnn.data_type.FLOAT
-    g = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
+    return cudnn.data_type.HALF if np.dtype(dtype) == np.float16 else cudnn.data_type.FLOAT
+
+
+def _graph(kind, a, b, out, stride, pad):
+    """The built graph for one convolution kind and geometry, with its two inputs and its
+    output (cached; so is a failure to build, raised again as Unsupported)."""
+    global _handle
+    key = (kind, a.shape, b.shape, out.shape, a.dtype.str, b.dtype.str, out.dtype.str,
+           stride, pad)
+    entry = _graphs.get(key)
+    if entry is None:
+        import cudnn
+        if _handle is None:
+            _handle = cudnn.create_handle()
+        try:
+            entry = _build(cudnn, kind, a, b, out, stride, pad)
+        except Exception as e:    # cudnnGraphNotSupportedError, or a refusal in validate()
+            entry = Unsupported(f"{kind} {a.dtype.name} x {b.dtype.name} -> {out.dtype.name}, "
+                                f"{a.shape} {b.shape}: {type(e).__name__}: {e}")
+        _graphs[key] = entry
+    if isinstance(entry, Unsupported):
+        raise entry
+    return entry
+
+
+def _build(cudnn, kind, a, b, out, stride, pad):
+    g = cudnn.pygraph(io_data_type=_data_type(a.dtype),
+                      intermediate_data_type=cudnn.data_type.FLOAT,
                       compute_data_type=cudnn.data_type.FLOAT, handle=_handle)
-    dims, strides = _nhwc(a_shape)
-    a = g.tensor(name="a", dim=dims, stride=strides, data_type=io)
-    dims, strides = _nhwc(b_shape)
-    b = g.tensor(name="b", dim=dims, stride=strides, data_type=io)
+    dims, strides = _nhwc(a.shape)
+    ta = g.tensor(name="a", dim=dims, stride=strides, data_type=_data_type(a.dtype))
+    dims, strides = _nhwc(b.shape)
+    tb = g.tensor(name="b", dim=dims, stride=strides, data_type=_data_type(b.dtype))
     conv = {"padding": [pad, pad], "stride": [stride, stride], "dilation": [1, 1]}
     if kind == "fprop":          # a = x, b = w
-        out = g.conv_fprop(image=a, weight=b, **conv)
+        tout = g.conv_fprop(image=ta, weight=tb, **conv)
     elif kind == "dgrad":        # a = dy, b = w
-        out = g.conv_dgrad(loss=a, filter=b, **conv)
+        tout = g.conv_dgrad(loss=ta, filter=tb, **conv)
     else:                        # "wgrad": a = x, b = dy
-        out = g.conv_wgrad(image=a, loss=b, **conv)
-    dims, strides = _nhwc(out_shape)
-    out.set_output(True).set_dim(dims).set_stride(strides).set_data_type(io)
+        tout = g.conv_wgrad(image=ta, loss=tb, **conv)
+    dims, strides = _nhwc(out.shape)
+    tout.set_output(True).set_dim(dims).set_stride(strides).set_data_type(_data_type(out.dtype))
     g.validate()
     g.build_operation_graph()
     g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     g.check_support()
     g.build_plans()
-    workspace = cupy.empty(max(g.get_workspace_size(), 1), cupy.uint8)
-    _graphs[key] = entry = (g, a, b, out, workspace)
-    return entry
+    return g, ta, tb, tout
+
+
+def _workspace_ptr(nbytes):
+    """The device pointer of the shared workspace, at least nbytes long."""
+    global _workspace
+    import cupy
+    if _workspace is None or _workspace.size < nbytes:
+        _workspace = cupy.empty(max(int(nbytes), 1), cupy.uint8)
+    return _workspace.data.ptr
 
 
 def _run(kind, a, b, out, stride, pad):
+    """out = the convolution `kind` of a and b, queued on CuPy's current stream."""
     import cudnn
     import cupy
-    g, ta, tb, tout, workspace = _graph(kind, a.shape, b.shape, out.shape, a.dtype, stride, pad)
+    g, ta, tb, tout = _graph(kind, a, b, out, stride, pad)
+    workspace = _workspace_ptr(g.get_workspace_size())
     cudnn.set_stream(handle=_handle, stream=cupy.cuda.get_current_stream().ptr)
-    g.execute({ta: a, tb: b, tout: out}, workspace, handle=_handle)
+    # plain device pointers: no DLPack export (and its stream hand-over) per tensor
+    g.execute({ta: a.data.ptr, tb: b.data.ptr, tout: out.data.ptr}, workspace, handle=_handle)
     return out
 
 
 def conv_forward(x, w, stride, pad):
-    """y (N, Ho, Wo, O) = conv(x (N, H, W, C), w (O, kh, kw, C))."""
+    """y (N, Ho, Wo, O) = conv(x (N, H, W, C), w (O, kh, kw, C)), in x's dtype."""
     import cupy
     N, H, W, _ = x.shape
     O, kh, kw, _ = w.shape
@@ -109,15 +273,24 @@ def conv_forward(x, w, stride, pad):
 
 
 def conv_backward_data(dy, w, x_shape, stride, pad):
-    """dx (x_shape) = dL/dx given dy = dL/dy."""
+    """dx (x_shape) = dL/dx given dy = dL/dy, in dy's dtype."""
     import cupy
     dx = cupy.empty(x_shape, dy.dtype)
     return _run("dgrad", cupy.ascontiguousarray(dy), cupy.ascontiguousarray(w), dx, stride, pad)
 
 
 def conv_backward_filter(x, dy, w_shape, stride, pad, out=None):
-    """dw (O, kh, kw, C) = dL/dw, written into `out` (C-contiguous, x's dtype) when given."""
+    """dw (O, kh, kw, C) = dL/dw, written into `out` when given (C-contiguous; x's dtype,
+    or float32 for fp16 x and dy: the fp32 arena view itself); else a new array of x's
+    dtype. Raises Unsupported where cuDNN has no engine for the data types (the probe
+    found fp16 -> fp32 unsupported, or this geometry's build failed)."""
     import cupy
     if out is None:
         out = cupy.empty(w_shape, x.dtype)
+    if out.dtype != x.dtype:
+        if out.dtype != np.float32:
+            raise Unsupported(f"wgrad {x.dtype.name} -> {out.dtype.name}: "
+                              f"only an fp32 output may differ from the inputs")
+        if _probe is not None and _probe["wgrad"] is False:
+            raise Unsupported(f"wgrad {x.dtype.name} -> {out.dtype.name} failed the probe")
     return _run("wgrad", cupy.ascontiguousarray(x), cupy.ascontiguousarray(dy), out, stride, pad)

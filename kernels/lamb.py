@@ -44,7 +44,7 @@ from numba.extending import register_jitable
 from mpitrain.backend import array_module, to_numpy
 
 from .cast import refresh_working
-from .segments import LANES, as_dtype, cuda_shape, device_layout, layout, pick
+from .segments import LANES, as_dtype, cuda_shape, device_layout, launch, layout, pick
 from .update import (segment_norm, square, store_block_sums, store_half, store_working,
                      working_args)
 
@@ -280,14 +280,14 @@ def lamb_update_cuda(master, working, grad, exp_avg, exp_avg_sq, segments, lr, s
     steps = xp.empty(nseg, master.dtype)
     ratio = xp.ones(nseg)
     if pieces:
-        _moments_cuda[pieces, threads](master, grad, exp_avg, exp_avg_sq, lay.piece_seg,
-                                       lay.piece_start, lay.piece_stop, wd, inv, b1, c1, b2, c2,
-                                       bc1, bc2, eps_, part_w, part_r)
-        _lamb_coefficients_cuda[(nseg + threads - 1) // threads, threads](
-            part_w, part_r, lay.seg_first, lay.lars, lr, trust, steps, ratio)
-        _apply_cuda[pieces, threads](master, exp_avg, exp_avg_sq, lay.piece_seg,
-                                     lay.piece_start, lay.piece_stop, steps, wd, bc1, bc2, eps_,
-                                     *working_args(master, working))
+        launch(_moments_cuda, pieces, threads, master, grad, exp_avg, exp_avg_sq, lay.piece_seg,
+               lay.piece_start, lay.piece_stop, wd, inv, b1, c1, b2, c2, bc1, bc2, eps_,
+               part_w, part_r)
+        launch(_lamb_coefficients_cuda, (nseg + threads - 1) // threads, threads,
+               part_w, part_r, lay.seg_first, lay.lars, lr, trust, steps, ratio)
+        launch(_apply_cuda, pieces, threads, master, exp_avg, exp_avg_sq, lay.piece_seg,
+               lay.piece_start, lay.piece_stop, steps, wd, bc1, bc2, eps_,
+               *working_args(master, working))
     return ratio
 
 

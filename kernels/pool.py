@@ -12,14 +12,16 @@ oh*s - p + [0, k) and columns ow*s - p + [0, k).
           pixel receives dy / k^2 from each window that covers it.
 
 PyTorch's rule p <= k // 2 is enforced, so no window lies wholly in the padding.
-float16 runs through float32 on the CPU (exact for max).
+float16 runs through float32 on the CPU (exact for max). On CuPy arrays the fused
+kernels of mpitrain.kernels.gpu run (one thread per output, or per input pixel
+in backward; sums in fp32); the generic versions below are their reference.
 """
 import numpy as np
 
 from mpitrain.backend import array_module
 
 from .im2col import _window, conv_output_size
-from . import _pool
+from . import _pool, gpu
 
 
 def _geometry(x_shape, k, stride, pad):
@@ -37,6 +39,8 @@ def max_pool_forward(x, k, stride, pad=0):
     """-> (y, argmax), both (N, Ho, Wo, C); argmax is int32, an index ih*W + iw into x's plane."""
     N, Ho, Wo, C = _geometry(x.shape, k, stride, pad)
     if not isinstance(x, np.ndarray):
+        if gpu.handles(x):
+            return gpu.pool_forward(x, (N, Ho, Wo, C), k, stride, pad, avg=False)
         return max_pool_forward_generic(x, k, stride, pad)
     xw = np.ascontiguousarray(x, dtype=_work_dtype(x.dtype))
     y = np.empty((N, Ho, Wo, C), xw.dtype)
@@ -49,6 +53,8 @@ def max_pool_backward(dy, argmax, x_shape, k, stride, pad=0):
     """dx (N, H, W, C): each dy element added at its argmax."""
     _geometry(x_shape, k, stride, pad)
     if not isinstance(dy, np.ndarray):
+        if gpu.handles(dy):
+            return gpu.pool_backward(dy, argmax, x_shape, k, stride, pad)
         return max_pool_backward_generic(dy, argmax, x_shape, k, stride, pad)
     dyw = np.ascontiguousarray(dy, dtype=_work_dtype(dy.dtype))
     dx = np.zeros(x_shape, dyw.dtype)
@@ -60,6 +66,8 @@ def avg_pool_forward(x, k, stride, pad=0):
     """y (N, Ho, Wo, C) = window sums / k^2."""
     N, Ho, Wo, C = _geometry(x.shape, k, stride, pad)
     if not isinstance(x, np.ndarray):
+        if gpu.handles(x):
+            return gpu.pool_forward(x, (N, Ho, Wo, C), k, stride, pad, avg=True)
         return avg_pool_forward_generic(x, k, stride, pad)
     xw = np.ascontiguousarray(x, dtype=_work_dtype(x.dtype))
     y = np.empty((N, Ho, Wo, C), xw.dtype)
@@ -71,6 +79,8 @@ def avg_pool_backward(dy, x_shape, k, stride, pad=0):
     """dx (N, H, W, C) = the adjoint of avg_pool_forward applied to dy."""
     _geometry(x_shape, k, stride, pad)
     if not isinstance(dy, np.ndarray):
+        if gpu.handles(dy):
+            return gpu.pool_backward(dy, None, x_shape, k, stride, pad)
         return avg_pool_backward_generic(dy, x_shape, k, stride, pad)
     dyw = np.ascontiguousarray(dy, dtype=_work_dtype(dy.dtype))
     dx = np.zeros(x_shape, dyw.dtype)

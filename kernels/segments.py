@@ -25,6 +25,16 @@ Implementations: every kernel has three with one signature, picked by `pick`:
 "numpy" (the reference, whose docstring states the formula), "numba" (CPU,
 `njit(parallel=True)`), "cuda" (`cuda.jit`, for CuPy arrays; also runs under
 the numba-cuda simulator with NUMBA_ENABLE_CUDASIM=1 on NumPy arrays).
+
+Launching (`launch`). A CUDA kernel on CuPy arrays runs on CuPy's current
+stream (the compute stream: the layers' and cuDNN's work is queued there), not
+on Numba's default stream. Numba imports a CuPy array through
+`__cuda_array_interface__`, whose v3 "stream" entry (CuPy exports its current
+stream) Numba synchronises with the host before the launch, once per array
+argument, unless told not to; `launch` wraps each CuPy array with
+`cuda.as_cuda_array(a, sync=False)`, which is safe because the kernel is
+queued on that very stream, after the work that wrote the array. On NumPy
+arrays (the simulator, or host arrays copied by Numba) it launches as before.
 """
 import importlib
 from functools import lru_cache
@@ -54,6 +64,38 @@ def pick(impl, array):
     if impl == "numba" and on_gpu:
         raise ValueError("the numba CPU kernels need NumPy arrays; use impl='cuda' for CuPy arrays")
     return impl
+
+
+def launch(kernel, blocks, threads, *args):
+    """kernel[blocks, threads](*args), on CuPy's current stream when any argument is a
+    CuPy array, each such array handed to Numba without a host synchronisation (see the
+    module docstring). Returns nothing: the kernel's results are in its arrays."""
+    if not any(_on_device(a) for a in args):
+        kernel[blocks, threads](*args)
+        return
+    from numba import cuda
+    args = tuple(cuda.as_cuda_array(a, sync=False) if _on_device(a) else a for a in args)
+    kernel[blocks, threads, _current_stream()](*args)
+
+
+def _on_device(a):
+    return type(a).__module__.startswith("cupy")
+
+
+_numba_streams = {}     # CuPy stream pointer -> the Numba stream object that wraps it
+
+
+def _current_stream():
+    """CuPy's current stream as a Numba stream (0, the legacy default stream, for CuPy's
+    null stream). Numba's wrapper only holds the handle, so it is made once per pointer."""
+    import cupy
+    ptr = cupy.cuda.get_current_stream().ptr
+    if ptr == 0:
+        return 0
+    if ptr not in _numba_streams:
+        from numba import cuda
+        _numba_streams[ptr] = cuda.external_stream(ptr)
+    return _numba_streams[ptr]
 
 
 def cuda_shape():

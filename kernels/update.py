@@ -22,7 +22,9 @@
    One pass over the whole flat array (padding included: it is zero). On the
    CPU every chunk is reduced to one flag in parallel; on the GPU any thread
    that meets a non-finite value writes 1 to a one-element flag (all writers
-   write the same value, so the race is harmless). With LARS the norm pass
+   write the same value, so the race is harmless). `nonfinite_flag` leaves that
+   flag where it is (on the device, for the caller to all-reduce or read once);
+   `has_overflow` reads it back as a bool. With LARS the norm pass
    already tells the same thing for free: a segment's g_norm is non-finite
    exactly when it holds a non-finite value (squares of fp32 values cannot
    overflow a float64 sum of fewer than 10^200 terms).
@@ -83,7 +85,8 @@ from mpitrain.backend import array_module, to_numpy
 
 from . import segments as _segments
 from .cast import float_to_half_bits, refresh_working
-from .segments import CUDA_MAX_THREADS, LANES, as_dtype, cuda_shape, device_layout, layout, pick
+from .segments import (CUDA_MAX_THREADS, LANES, as_dtype, cuda_shape, device_layout, launch, layout,
+                       pick)
 
 
 # ===== 1. Norms =====
@@ -249,10 +252,10 @@ def segment_norms_cuda(master, grad, segments):
     w_norm = xp.zeros(lay.num_segments)
     g_norm = xp.zeros(lay.num_segments)
     if pieces:
-        _piece_sums_cuda[pieces, threads](master, grad, lay.piece_start, lay.piece_stop,
-                                          part_w, part_g)
-        pieces_to_segments_cuda[(lay.num_segments + threads - 1) // threads, threads](
-            part_w, part_g, lay.seg_first, w_norm, g_norm)
+        launch(_piece_sums_cuda, pieces, threads, master, grad, lay.piece_start,
+               lay.piece_stop, part_w, part_g)
+        launch(pieces_to_segments_cuda, (lay.num_segments + threads - 1) // threads, threads,
+               part_w, part_g, lay.seg_first, w_norm, g_norm)
     return w_norm, g_norm
 
 
@@ -262,13 +265,29 @@ _NORMS = {"numpy": segment_norms_numpy, "numba": segment_norms_numba, "cuda": se
 # ===== 2. The non-finite check =====
 
 def has_overflow(grad, impl=None):
-    """True when the flat float array grad holds an inf or a NaN (anywhere: padding too)."""
-    return _OVERFLOW[pick(impl, grad)](grad)
+    """True when the flat float array grad holds an inf or a NaN (anywhere: padding too).
+
+    On a GPU the answer crosses to the host (a synchronisation of the current stream);
+    `nonfinite_flag` gives the same answer as a device scalar instead."""
+    return bool(nonfinite_flag(grad, impl=impl)[0])
 
 
-def has_overflow_numpy(grad):
-    """Reference: not all(isfinite(grad))."""
-    return not bool(array_module(grad).isfinite(grad).all())
+def nonfinite_flag(grad, out=None, impl=None):
+    """out[0] = 1 when the flat float array grad holds an inf or a NaN (padding too), else 0.
+
+    out: a one-element int32 array in grad's module (made when None), returned. On a
+    GPU it stays on the device, written by kernels queued on the current stream, so
+    that the caller can all-reduce it, or copy it to the host once, when it needs it."""
+    if out is None:
+        out = array_module(grad).zeros(1, np.int32)
+    _NONFINITE[pick(impl, grad)](grad, out)
+    return out
+
+
+def nonfinite_flag_numpy(grad, out):
+    """Reference: out[0] = not all(isfinite(grad)) (on CuPy arrays: device operations only)."""
+    xp = array_module(grad)
+    out[...] = xp.logical_not(xp.isfinite(grad).all())
 
 
 @njit(cache=True)
@@ -298,9 +317,9 @@ def _overflow_cpu(grad, chunk):
     return flags.any()
 
 
-def has_overflow_numba(grad):
-    """Numba CPU version of has_overflow_numpy: one flag per chunk, in parallel."""
-    return bool(_overflow_cpu(grad, _segments.CPU_CHUNK))
+def nonfinite_flag_numba(grad, out):
+    """Numba CPU version of nonfinite_flag_numpy: one flag per chunk, in parallel."""
+    out[0] = _overflow_cpu(grad, _segments.CPU_CHUNK)
 
 
 @cuda.jit
@@ -311,16 +330,18 @@ def _overflow_cuda(grad, flag):
             flag[0] = 1
 
 
-def has_overflow_cuda(grad):
-    """Numba CUDA version of has_overflow_numpy: a grid-stride loop writing one flag."""
+def nonfinite_flag_cuda(grad, out):
+    """Numba CUDA version of nonfinite_flag_numpy: the flag is cleared, then a grid-stride
+    loop writes 1 into it wherever it meets a non-finite value; nothing is read back."""
     threads, _ = cuda_shape()
-    flag = array_module(grad).zeros(1, np.int32)
+    out[...] = 0
     if grad.size:
-        _overflow_cuda[min((grad.size + threads - 1) // threads, 4096), threads](grad, flag)
-    return bool(flag[0])
+        launch(_overflow_cuda, min((grad.size + threads - 1) // threads, 4096), threads,
+               grad, out)
 
 
-_OVERFLOW = {"numpy": has_overflow_numpy, "numba": has_overflow_numba, "cuda": has_overflow_cuda}
+_NONFINITE = {"numpy": nonfinite_flag_numpy, "numba": nonfinite_flag_numba,
+              "cuda": nonfinite_flag_cuda}
 
 
 # ===== 3. The fused SGD / LARS update =====
@@ -529,14 +550,14 @@ def sgd_update_cuda(master, working, grad, velocity, segments, lr, momentum, wei
     trust, w_norm, g_norm, step, wd, local_lr = _per_segment(master, grad, segments, trust, xp,
                                                              segment_norms_cuda)
     if lay.num_segments:
-        coefficients_cuda[(lay.num_segments + threads - 1) // threads, threads](
-            w_norm, g_norm, lay.decay, lay.lars, lr, weight_decay, inv_scale, trust, eta, eps,
-            step, wd, local_lr)
+        launch(coefficients_cuda, (lay.num_segments + threads - 1) // threads, threads,
+               w_norm, g_norm, lay.decay, lay.lars, lr, weight_decay, inv_scale, trust, eta,
+               eps, step, wd, local_lr)
     if lay.piece_start.size:
-        _sgd_cuda[lay.piece_start.size, threads](
-            master, grad, velocity, lay.piece_seg, lay.piece_start, lay.piece_stop,
-            step, wd, *as_dtype(master, inv_scale, momentum), nesterov,
-            *working_args(master, working))
+        launch(_sgd_cuda, lay.piece_start.size, threads,
+               master, grad, velocity, lay.piece_seg, lay.piece_start, lay.piece_stop,
+               step, wd, *as_dtype(master, inv_scale, momentum), nesterov,
+               *working_args(master, working))
     return local_lr
 
 

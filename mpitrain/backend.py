@@ -1,10 +1,21 @@
-"""The one place that chooses NumPy or CuPy.
+"""The one place that chooses NumPy or CuPy, and the one place that makes CUDA streams.
 
 Layers and kernels never import CuPy themselves: they ask `array_module(x)`
 for the module that owns an array (Chainer's `get_array_module`), so one code
 path serves both devices. `use_device()` is called once per process, before
 the model is built, and decides where new arrays live (`xp`).
+
+Streams. The compute stream is CuPy's current stream (the layers, cuDNN and
+the kernels queue their work there). Communication has a stream of its own,
+`comm_stream()`, made once per device and non-blocking, so that it never waits
+for the legacy default stream, nor that stream for it: the two are ordered
+only by the events the gradient reducer records (mpitrain/comm/buckets.py).
+The reducer reaches them through a small interface, `streams(array)`:
+`CudaStreams` for CuPy arrays, and `HostStreams`, whose every call does
+nothing, for NumPy arrays, whose work runs in program order. That interface is
+also what the tests record, to check the order on a machine without a GPU.
 """
+import contextlib
 import os
 
 import numpy
@@ -12,48 +23,79 @@ import numpy
 xp = numpy          # where new arrays are allocated; numpy until use_device() says otherwise
 device = "cpu"      # "cpu" or "cuda:<id>"
 
+GPU_EXTRAS = "pip install 'mpitrain[gpu-cu12]' or 'mpitrain[gpu-cu13]' (README: On a GPU)"
 
-def _cupy():
-    """CuPy if it is importable *and* sees a GPU; importing alone succeeds without one."""
+
+class DeviceError(RuntimeError):
+    """The device asked for cannot be used; the message says what is missing."""
+
+
+def gpu_problem():
+    """None when CuPy sees a GPU, else a sentence naming what is missing. Importing CuPy
+    succeeds on a machine without a GPU, so that alone proves nothing."""
     try:
         import cupy
-    except ImportError:
-        return None
+    except ImportError as e:
+        return f"CuPy is not installed ({e}); {GPU_EXTRAS}"
     try:
-        return cupy if cupy.is_available() else None
-    except Exception:   # a broken driver is the same as no GPU
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:          # no driver, or a broken one
+        return (f"CuPy {cupy.__version__} finds no usable CUDA driver ({type(e).__name__}: "
+                f"{e}); check nvidia-smi")
+    if count < 1 or not cupy.is_available():
+        return (f"CuPy {cupy.__version__} sees no GPU (nvidia-smi lists none, or "
+                f"CUDA_VISIBLE_DEVICES hides them)")
+    return None
+
+
+def _cupy():
+    """CuPy if it is importable *and* sees a GPU, else None."""
+    if gpu_problem() is not None:
         return None
+    import cupy
+    return cupy
 
 
 def gpu_available():
     return _cupy() is not None
 
 
-def use_device(kind="auto", local_rank=0, local_size=1):
-    """Select the device for this process and return its array module.
+def pick_device(kind, gpus, local_rank=0, local_size=1, env=None):
+    """The GPU index this process takes, or None for the CPU (no side effects).
 
-    kind: "cpu", "gpu" or "auto" (the GPU when one is visible; the environment
-    variable MPITRAIN_DEVICE overrides "auto"). On the GPU, the node-local rank
-    picks the device: local_rank modulo the visible devices. More ranks on a
-    node than GPUs would put two ranks on one GPU, which is refused.
+    kind: "cpu", "gpu" or "auto" ("auto": the GPU when one is visible; the environment
+    variable MPITRAIN_DEVICE, in `env`, overrides it). gpus: the number of GPUs CuPy
+    sees (0 without CuPy). On the GPU, the node-local rank picks the device: local_rank
+    modulo the visible devices; more ranks on a node than GPUs would put two ranks on
+    one GPU, which is refused.
     """
-    global xp, device
+    env = os.environ if env is None else env
     if kind == "auto":
-        kind = os.environ.get("MPITRAIN_DEVICE", "auto")
-    cupy = _cupy() if kind in ("gpu", "auto") else None
-    if kind == "gpu" and cupy is None:
-        raise RuntimeError("--device gpu was asked for, but CuPy sees no GPU "
-                           "(install the 'gpu' extra and check nvidia-smi), or use --device cpu")
-    if cupy is None:
+        kind = env.get("MPITRAIN_DEVICE", "auto")
+    if kind not in ("cpu", "gpu", "auto"):
+        raise DeviceError(f"unknown device {kind!r}; choose cpu, gpu or auto")
+    if kind == "cpu" or (kind == "auto" and gpus < 1):
+        return None
+    if gpus < 1:
+        raise DeviceError("--device gpu was asked for, but no GPU can be used: "
+                          f"{gpu_problem() or 'CuPy sees no GPU'}; or use --device cpu")
+    if local_size > gpus:
+        raise DeviceError(f"{local_size} ranks on this node but only {gpus} visible GPU(s): "
+                          f"two ranks would share a GPU; start at most {gpus} ranks per node")
+    return local_rank % gpus
+
+
+def use_device(kind="auto", local_rank=0, local_size=1):
+    """Select the device for this process (pick_device) and return its array module."""
+    global xp, device
+    cupy = _cupy() if kind != "cpu" else None
+    gpus = cupy.cuda.runtime.getDeviceCount() if cupy is not None else 0
+    index = pick_device(kind, gpus, local_rank, local_size)
+    if index is None:
         xp, device = numpy, "cpu"
         return xp
-    n = cupy.cuda.runtime.getDeviceCount()
-    if local_size > n:
-        raise RuntimeError(f"{local_size} ranks on this node but only {n} visible GPU(s): "
-                           f"two ranks would share a GPU; start at most {n} ranks per node")
-    dev = local_rank % n
-    cupy.cuda.Device(dev).use()
-    xp, device = cupy, f"cuda:{dev}"
+    cupy.cuda.Device(index).use()
+    xp, device = cupy, f"cuda:{index}"
     return xp
 
 
@@ -71,7 +113,92 @@ def to_numpy(a):
     return a.get() if hasattr(a, "get") else numpy.asarray(a)
 
 
-def synchronize():
-    """Wait for queued GPU work (a no-op on the CPU); needed before timing or host-side MPI."""
-    if xp is not numpy:
-        xp.cuda.get_current_stream().synchronize()
+def synchronize(like=None):
+    """Wait for the current stream's queued GPU work (a no-op on the CPU); needed before
+    timing, or before MPI reads device memory. like: an array whose device is meant
+    (default: the device use_device chose)."""
+    module = xp if like is None else array_module(like)
+    if module is not numpy:
+        module.cuda.get_current_stream().synchronize()
+
+
+# ----- streams -----
+_comm_streams = {}      # device id -> its communication stream
+
+
+def comm_stream():
+    """The current device's communication stream, made on first use. Non-blocking: it
+    does not synchronise with the legacy default stream, where the compute work may run."""
+    import cupy
+    dev = cupy.cuda.Device().id
+    if dev not in _comm_streams:
+        _comm_streams[dev] = cupy.cuda.Stream(non_blocking=True)
+    return _comm_streams[dev]
+
+
+class HostStreams:
+    """The stream interface for host (NumPy) arrays: work runs in program order, so
+    there is nothing to record or wait for. Streams and events are None here."""
+
+    def current(self):
+        """The compute stream (the one current in the calling thread)."""
+        return None
+
+    def comm(self):
+        """The communication stream."""
+        return None
+
+    def record(self, stream):
+        """An event marking the work queued on `stream` so far."""
+        return None
+
+    def wait(self, stream, event):
+        """Make later work on `stream` wait for `event`, without blocking the host."""
+
+    def using(self, stream):
+        """A context in which `stream` is the current stream."""
+        return contextlib.nullcontext()
+
+
+class CudaStreams(HostStreams):
+    """The stream interface for CuPy arrays: real CUDA streams and events."""
+
+    def __init__(self):
+        import cupy
+        self._cupy = cupy
+
+    def current(self):
+        return self._cupy.cuda.get_current_stream()
+
+    def comm(self):
+        return comm_stream()
+
+    def record(self, stream):
+        event = self._cupy.cuda.Event(disable_timing=True)
+        event.record(stream)
+        return event
+
+    def wait(self, stream, event):
+        stream.wait_event(event)
+
+    def using(self, stream):
+        return stream           # a CuPy stream is a context manager that makes it current
+
+
+def streams(array):
+    """The stream interface for `array`'s device."""
+    return HostStreams() if array_module(array) is numpy else CudaStreams()
+
+
+def to_host_scalars(*values):
+    """Python floats of 0-d or one-element arrays (None stays None), with one
+    device-to-host copy for all of them on a GPU instead of one each."""
+    present = [v for v in values if v is not None]
+    xp = array_module(*present)
+    if xp is numpy:
+        host = [float(numpy.asarray(v).reshape(-1)[0]) for v in present]
+    else:
+        host = xp.concatenate([xp.asarray(v, numpy.float64).reshape(-1)[:1]
+                               for v in present]).get().tolist()
+    it = iter(host)
+    return tuple(None if v is None else next(it) for v in values)

@@ -16,6 +16,7 @@ File layout (no pickle anywhere; format_version 1):
     attributes of /:   format_version, epoch, step (the loader position of the next batch),
                        global_step, world_size, config (JSON), scaler (JSON), rng (JSON:
                        a list per rank of the bit-generator states of Dropout layers),
+                       progress (JSON: the loss summed since the last log line),
                        complete = True (written last)
 
 Writing: a temporary file `.NAME.tmp` in the same directory is written, flushed
@@ -59,9 +60,12 @@ def set_rng_states(model, states):
         layer.rng.bit_generator.state = state
 
 
-def collect(model, comm, epoch, step, global_step, config, optimizer=None, scaler=None):
+def collect(model, comm, epoch, step, global_step, config, optimizer=None, scaler=None,
+            progress=None):
     """Everything a checkpoint holds, as host arrays and JSON-able values, on rank 0
-    (None on the other ranks). Collective over the Communicator `comm`."""
+    (None on the other ranks). Collective over the Communicator `comm`. progress: the
+    trainer's JSON-able bookkeeping between two log lines (the loss summed since the
+    last one), so that a resumed run logs what the uninterrupted one would."""
     rows = comm.gather(model.buffer_arena.pack(model.buffer_arena.data), root=0)
     rngs = comm.gather(rng_states(model), root=0)
     if comm.rank != 0:
@@ -74,7 +78,8 @@ def collect(model, comm, epoch, step, global_step, config, optimizer=None, scale
                  buffer_names=[b.name for b in model.buffer_arena.buffers],
                  buffer_shapes=[list(b.shape) for b in model.buffer_arena.buffers],
                  epoch=int(epoch), step=int(step), global_step=int(global_step),
-                 world_size=comm.size, config=config, rng=rngs, optimizer={}, scaler=None)
+                 world_size=comm.size, config=config, rng=rngs, optimizer={}, scaler=None,
+                 progress=progress or {})
     if optimizer is not None and hasattr(optimizer, "state_dict"):
         state["optimizer"] = {k: a.pack(v) if hasattr(v, "shape") else v
                               for k, v in optimizer.state_dict().items()}
@@ -117,6 +122,7 @@ def write(path, state, before_rename=None):
             f.attrs["config"] = json.dumps(state["config"], sort_keys=True)
             f.attrs["scaler"] = json.dumps(state["scaler"])
             f.attrs["rng"] = json.dumps(state["rng"])
+            f.attrs["progress"] = json.dumps(state["progress"])
             f.attrs["complete"] = True
         _fsync(tmp)
         if before_rename is not None:
@@ -162,7 +168,8 @@ def read(path):
                 epoch=int(f.attrs["epoch"]), step=int(f.attrs["step"]),
                 global_step=int(f.attrs["global_step"]), world_size=int(f.attrs["world_size"]),
                 config=json.loads(f.attrs["config"]), scaler=json.loads(f.attrs["scaler"]),
-                rng=json.loads(f.attrs["rng"]), path=path)
+                rng=json.loads(f.attrs["rng"]),
+                progress=json.loads(f.attrs.get("progress", "{}")), path=path)
     except (OSError, KeyError) as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
 
@@ -217,7 +224,7 @@ def restore(path, model, comm, optimizer=None, scaler=None):
     meta = None
     if comm.rank == 0:
         meta = {k: state[k] for k in ("epoch", "step", "global_step", "world_size", "config",
-                                      "scaler", "rng", "path")}
+                                      "scaler", "rng", "progress", "path")}
         meta["optimizer"] = {k: v for k, v in state["optimizer"].items()
                              if not isinstance(v, np.ndarray)}
         meta["optimizer_arrays"] = sorted(k for k, v in state["optimizer"].items()
@@ -254,6 +261,12 @@ def _restore_arena(comm, arena, target, packed):
     comm.broadcast(target, root=0)
 
 
+def step_of(name):
+    """The global step in a checkpoint's file name (None for other names)."""
+    m = _NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
 def checkpoints(directory):
     """Complete-looking checkpoint files in `directory`, oldest first (by global step)."""
     found = []
@@ -264,23 +277,29 @@ def checkpoints(directory):
     return [p for _, p in sorted(found)]
 
 
-def latest(directory):
-    """The newest checkpoint in `directory` that reads back complete, or None."""
+def latest(directory, passed_over=None):
+    """The newest checkpoint in `directory` that reads back complete, or None;
+    passed_over(path, why) is called for each newer one that does not."""
+    import h5py
     for path in reversed(checkpoints(directory)):
         try:
             read_config(path)
-            import h5py
             with h5py.File(path, "r") as f:
                 if f.attrs.get("complete", False):
                     return path
-        except (CheckpointError, OSError):
-            continue
+            why = "incomplete (no 'complete' mark)"
+        except (CheckpointError, OSError) as e:
+            why = str(e)
+        if passed_over is not None:
+            passed_over(path, why)
     return None
 
 
-def prune(directory, keep):
-    """Delete all but the newest `keep` checkpoints, and any leftover temporary files."""
+def prune(directory, keep, protect=()):
+    """Delete all but the newest `keep` checkpoints, except those in `protect` (the last
+    one written before a divergence began), and any leftover temporary files."""
     for path in checkpoints(directory)[:-keep] if keep > 0 else []:
-        os.remove(path)
+        if path not in protect:
+            os.remove(path)
     for tmp in glob.glob(os.path.join(directory, ".checkpoint-*.h5.tmp")):
         os.remove(tmp)

@@ -6,7 +6,20 @@ needs them, so `--help` is quick and `bench step --native-openblas` can re-run
 itself with a changed environment.
 """
 import argparse
+import math
 import sys
+import traceback
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, saying a bad command line once: under mpirun every rank parses it, and
+    only the launcher's rank 0 prints the message (all exit with status 2)."""
+
+    def error(self, message):
+        from mpitrain.launcher import launched_rank
+        if launched_rank() != 0:
+            self.exit(2)
+        super().error(message)
 
 
 # ----- argument types: each returns the value or raises ArgumentTypeError -----
@@ -16,6 +29,8 @@ def _number(kind, low=None, high=None, low_open=False, high_open=False):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a valid {kind.__name__}") from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
         if low is not None and (value < low or (low_open and value == low)):
             raise argparse.ArgumentTypeError(f"{text} must be {'>' if low_open else '>='} {low}")
         if high is not None and (value > high or (high_open and value == high)):
@@ -37,7 +52,7 @@ def build_parser():
     from mpitrain.train import DEFAULTS as D
     models = sorted(MODELS)
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m mpitrain",
         description="Parameter-server-free MPI data-parallel training of convolutional networks.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
@@ -115,7 +130,7 @@ def build_parser():
                             "checkpoints go; not given: runs/<timestamp>")
     train.add_argument("--checkpoint-every", type=nonnegative_int, default=D["checkpoint_every"],
                        help="write a checkpoint every N epochs and after the last (0: only on "
-                            "SIGTERM/SIGUSR1)")
+                            "a stop signal: SIGTERM, SIGINT, SIGUSR1)")
     train.add_argument("--keep-checkpoints", type=positive_int, default=D["keep_checkpoints"],
                        help="keep the newest K checkpoints")
     train.add_argument("--resume", metavar="auto|PATH",
@@ -128,6 +143,11 @@ def build_parser():
     train.add_argument("--collective-timeout", type=positive_float, metavar="S",
                        help="end the job (MPI Abort) when no step, evaluation or checkpoint "
                             "completes for S seconds")
+    train.add_argument("--stop-grace", type=positive_float, metavar="S",
+                       help="after a stop signal (SIGTERM, SIGINT, SIGUSR1), end the job at once "
+                            "if this rank has not reached the next step within S seconds (it is "
+                            "blocked, waiting for a rank that is gone); default: 4 x the longest "
+                            "step or epoch end seen, at least 30 s")
     train.add_argument("--log-every", type=positive_int, metavar="N",
                        help="a progress line and a metrics.jsonl record every N steps "
                             "(default: 4 per epoch of 100 steps or more, else 1 per epoch)")
@@ -219,6 +239,12 @@ def build_parser():
     step.add_argument("--seed", type=nonnegative_int, default=0)
     step.add_argument("--reference", choices=["torch"],
                       help="also time the same network and batch in PyTorch, and the ratio")
+    step.add_argument("--device", choices=["cpu", "gpu", "auto"], default="cpu",
+                      help="where the steps run (gpu: CuPy and cuDNN, one GPU per rank under "
+                           "mpirun); PyTorch runs there too, in channels_last on a GPU")
+    step.add_argument("--precision", choices=["fp32", "fp16"], default="fp32",
+                      help="fp16: training's mixed precision (fp16 compute, fp32 master weights, "
+                           "dynamic loss scale); PyTorch on a GPU: autocast + GradScaler")
     step.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     step.add_argument("--fusion-threshold", type=positive_int, default=D["fusion_threshold"],
                       metavar="BYTES", help="under mpirun: gradient bucket size")
@@ -267,6 +293,16 @@ def build_parser():
     comm.add_argument("--ranks-per-node", type=positive_int, metavar="K")
     comm.add_argument("--no-sweep", action="store_true", help="skip the buffer-size sweep")
     comm.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    check = commands.add_parser(
+        "check-gpu", help="prove the GPU path on this machine (tests, CPU-vs-GPU step, NCCL, "
+                          "throughput) and write a JSON report",
+        description="On a machine with an NVIDIA GPU (no network needed): install from a "
+                    "folder of wheels if given, build the kernels, run the gpu-marked tests, "
+                    "compare one training step on the GPU with the CPU (fp32 and fp16), run "
+                    "NCCL on one rank, and time bench step on ResNet-50 against PyTorch. "
+                    "Exit status 0: all passed; 1: something failed; 2: no GPU or bad input.")
+    from mpitrain.check_gpu import add_arguments
+    add_arguments(check)
     evaluate = commands.add_parser(
         "eval", help="top-1/top-5 accuracy of a checkpoint on a data file (distributed)",
         description="Score a checkpoint's model on an HDF5 file made by `convert`; under "
@@ -290,6 +326,44 @@ def build_parser():
     plot.add_argument("run_dir")
     plot.add_argument("--out", help="directory for the PNG files (default: RUN_DIR)")
     plot.set_defaults(command_parser=plot)
+
+    stand_in = ("the training data file (or its validation file) for mean, std and class "
+                "names, when it is not where the checkpoint's config says")
+    export = commands.add_parser(
+        "export", help="write a checkpoint's model as safetensors (PyTorch) or ONNX",
+        description="Write the eval-mode model of a checkpoint for other frameworks, with "
+                    "its preprocessing (image size, crop, mean/std, class names) as metadata. "
+                    "safetensors: torchvision's state_dict names and layouts (OIHW, flatten "
+                    "order), for load_state_dict(strict=True) of the torchvision-shaped "
+                    "model. onnx: input 'images' (batch, 3, H, W) float32 NCHW, output "
+                    "'logits', opset 17, dynamic batch. OUT is written to a temporary file "
+                    "and renamed when complete. Needs the package of the format "
+                    "(pip install 'mpitrain[export]').")
+    export.add_argument("checkpoint", help="a checkpoint-*.h5 file")
+    export.add_argument("--format", required=True, choices=["safetensors", "onnx"],
+                        help="the file format to write")
+    export.add_argument("out", help="the file to write (its directory must exist)")
+    export.add_argument("--data", metavar="FILE", help=stand_in)
+    export.set_defaults(command_parser=export)
+
+    predict = commands.add_parser(
+        "predict", help="top-5 classes of image files under a checkpoint's model (one process)",
+        description="Classify image files with a checkpoint's model, prepared as its run "
+                    "prepared validation images (resize, centre crop at its image size and "
+                    "crop fraction, the training file's mean/std). Prints the most probable "
+                    "classes with their names and probabilities. One process: no mpirun.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    predict.add_argument("--checkpoint", required=True, help="a checkpoint-*.h5 file")
+    predict.add_argument("images", nargs="+", metavar="IMAGE",
+                         help="image files (JPEG, PNG, anything Pillow reads; 16-bit "
+                              "greyscale PNGs are taken in a 16-bit data file's units)")
+    predict.add_argument("--top", type=positive_int, default=5,
+                         help="classes shown per image (at most the model's classes)")
+    predict.add_argument("--batch-size", type=positive_int, default=32,
+                         help="images per forward pass")
+    predict.add_argument("--data", metavar="FILE", help=stand_in)
+    predict.add_argument("--json", action="store_true", help="print one JSON object")
+    predict.set_defaults(command_parser=predict)
     return parser
 
 
@@ -401,25 +475,24 @@ def _config_value(action, value):
 
 def run_train(args, parser=None, argv=()):
     from mpi4py import MPI
-    from mpitrain.control import StopSignals
+    from mpitrain.control import EXIT_STATUS
     from mpitrain.precision import LossScaleError
-    from mpitrain.train import ConfigError, TrainingError, train
+    from mpitrain.checks import ConfigError
+    from mpitrain.train import TrainingError, train
     if getattr(args, "config", None):
         apply_config_file(args, parser, argv)
     options = {k: v for k, v in vars(args).items()
                if k not in ("command", "command_parser", "config")}
     try:
         result = train(**options)
-    except ConfigError as e:
-        if MPI.COMM_WORLD.rank == 0:
-            args.command_parser.error(str(e))    # usage and message on stderr, exit status 2
-        sys.exit(2)
+    except ConfigError as e:                     # raised on every rank alike
+        args.command_parser.error(str(e))        # usage and message on stderr, exit status 2
     except (TrainingError, LossScaleError) as e:   # raised on every rank alike
         if MPI.COMM_WORLD.rank == 0:
             sys.stderr.write(f"mpitrain train: error: {e}\n")
         sys.exit(1)
-    if result["stopped"]:                        # SIGUSR1: 0, SIGTERM: 143, checkpoint written
-        sys.exit(StopSignals.EXIT_STATUS[result["stopped"]])
+    if result["stopped"]:                        # a checkpoint was written
+        sys.exit(EXIT_STATUS[result["stopped"]])
 
 
 def run_eval(args):
@@ -429,9 +502,7 @@ def run_eval(args):
         result = evaluate_checkpoint(args.checkpoint, args.data, args.batch_size, args.workers,
                                      args.device)
     except EvalError as e:
-        if MPI.COMM_WORLD.rank == 0:
-            args.command_parser.error(str(e))
-        sys.exit(2)
+        args.command_parser.error(str(e))
     if MPI.COMM_WORLD.rank == 0:
         if args.json:
             import json
@@ -452,6 +523,32 @@ def run_plot(args):
         print(path)
 
 
+def run(argv=None):
+    """The entry point of both `python -m mpitrain` and the installed `mpitrain` script:
+    main(), and when it fails on any rank, the end of the whole job.
+
+    Without the Abort, one rank dying inside a training step (or stopped by Ctrl-C
+    before the run handles signals) leaves the others waiting forever in their next
+    collective, and MPI_Finalize at exit waits for them too."""
+    try:
+        main(argv)
+    except SystemExit:
+        raise
+    except BaseException as e:
+        MPI = getattr(sys.modules.get("mpi4py"), "MPI", None)
+        world = MPI.COMM_WORLD if MPI is not None and MPI.Is_initialized() \
+            and not MPI.Is_finalized() else None
+        where = f"rank {world.rank} of {world.size}" if world is not None else "mpitrain"
+        interrupted = isinstance(e, KeyboardInterrupt)
+        sys.stderr.write(f"{where}: interrupted, ending the job\n" if interrupted else
+                         f"{where}: uncaught exception, ending the job\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        status = 130 if interrupted else 1
+        if world is not None and world.size > 1:
+            world.Abort(status)
+        sys.exit(status)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
@@ -467,6 +564,15 @@ def main(argv=None):
         print(report(args.model, image_size=args.image_size, num_classes=args.num_classes))
     elif args.command == "convert":
         run_convert(args)
+    elif args.command == "export":
+        from mpitrain.export import run
+        run(args)
+    elif args.command == "predict":
+        from mpitrain.predict import run
+        run(args)
+    elif args.command == "check-gpu":
+        from mpitrain.check_gpu import run
+        sys.exit(run(args))
     elif args.bench == "step":
         from mpitrain.bench.step import main_step
         main_step(args, argv)

@@ -68,25 +68,50 @@ def environment(comm, device):
                mpi_standard=".".join(map(str, MPI.Get_version())), mpi4py=mpi4py.__version__,
                python=platform.python_version(), numpy=numpy.__version__,
                numba=numba.__version__, h5py=h5py.__version__, hdf5=h5py.version.hdf5_version)
-    if device.startswith("cuda"):
+    if device.startswith("cuda"):       # nothing GPU-related is imported on a CPU run
+        env.update(gpu_environment())
+    return env
+
+
+def gpu_environment():
+    """CuPy, the CUDA runtime and driver, the GPU, NCCL and cuDNN: each a version, or None
+    where it is missing, with `cudnn_reason` saying why cuDNN is not used."""
+    env = dict.fromkeys(("cupy", "cuda_runtime", "cuda_driver", "gpu", "nccl", "cudnn",
+                         "cudnn_frontend"))
+    try:
         import cupy
         env["cupy"] = cupy.__version__
-        env["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
-        try:
-            env["gpu"] = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-        except Exception:
-            pass
-        try:
-            from cupy.cuda import nccl
-            env["nccl"] = nccl.get_version()
-        except Exception:
-            env["nccl"] = None
-        try:
-            import cudnn
-            env["cudnn"] = cudnn.backend_version()
-        except Exception:
-            env["cudnn"] = None
+        runtime = cupy.cuda.runtime
+        env["cuda_runtime"] = _cuda_version(runtime.runtimeGetVersion())
+        env["cuda_driver"] = _cuda_version(runtime.driverGetVersion())
+        env["gpu"] = runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    except Exception as e:              # not installed, or no usable GPU
+        env["cupy_error"] = f"{type(e).__name__}: {e}"
+    try:
+        from mpitrain.comm import nccl
+        env["nccl"] = nccl.version()
+    except Exception as e:
+        env["nccl"] = f"unavailable ({type(e).__name__}: {e})"
+    env.update(_cudnn_versions())
     return env
+
+
+def _cudnn_versions():
+    """cuDNN's backend and frontend versions and the reason cuDNN is not used, from the
+    kernels' probe (mpitrain.kernels.cudnn: reason(), and version() where it has one)."""
+    try:
+        from mpitrain.kernels import cudnn as probe
+        out = {"cudnn_reason": probe.reason()}
+        if hasattr(probe, "version"):
+            out.update(probe.version())
+        return out
+    except Exception as e:              # the probe itself failed: say so
+        return {"cudnn_reason": f"the cuDNN probe failed ({type(e).__name__}: {e})"}
+
+
+def _cuda_version(code):
+    """CUDA's integer version (1000 * major + 10 * minor) as "major.minor"."""
+    return f"{code // 1000}.{code % 1000 // 10}"
 
 
 def save_json(path, data):

@@ -1,115 +1,264 @@
-"""Run control: stopping on signals, the stall watchdog and its heartbeat files.
+"""Run control: stopping on signals, the heartbeat files and the stall watchdog.
 
-    StopSignals   SIGTERM and SIGUSR1 set a flag that the training loop reads
-                  between steps; the ranks agree on it, write a checkpoint and exit
-    Watchdog      ends the whole job when no step completes for a while, naming
-                  the ranks that did not arrive (from heartbeat files in the run
-                  directory)
+    StopSignals   SIGTERM, SIGINT and SIGUSR1 ask the run to stop: between steps the
+                  ranks agree on it, write a checkpoint and exit; a second SIGINT, or
+                  a rank that cannot reach the next step, ends the job at once
+    Heartbeats    RUN_DIR/heartbeat/rank<N>: where each rank is (pid, host, position)
+    Watchdog      ends the job when no step completes for a while, naming the ranks
+                  that did not arrive or stopped living
+    LossWatch     finds a run whose loss has exploded without turning inf or NaN
 """
 import os
+import select
 import signal
+import socket
 import sys
 import threading
 import time
 
+import numpy as np
+
+# status of a run that stopped on a signal: 0 after SIGUSR1 (stopped on request, resumable),
+# 128 + the signal's number otherwise, as a shell reports a process ended by it
+EXIT_STATUS = {"SIGUSR1": 0, "SIGTERM": 128 + signal.SIGTERM, "SIGINT": 128 + signal.SIGINT}
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")     # in the order of precedence
+
 
 class StopSignals:
-    """SIGTERM and SIGUSR1 (what Slurm sends before a time limit, with --signal) only set
-    a flag here; the training loop looks at it between steps, the ranks agree on it with
-    an all-reduce (MAX), write a checkpoint and stop. Installed only in the main thread;
-    `restore()` puts the previous handlers back."""
+    """SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 (what Slurm sends before a time limit, with
+    --signal) only record themselves here; after each step the ranks agree on
+    `pending()` (any rank's signal stops every rank), write a checkpoint and exit with
+    EXIT_STATUS.
 
-    EXIT_STATUS = {"SIGUSR1": 0, "SIGTERM": 143}     # 143 = 128 + 15, as a shell reports
+    Python runs signal handlers in the main thread between bytecodes, so a rank whose
+    main thread is blocked inside a collective (waiting for a rank that stalled or
+    died) never gets to see its signal. A watcher thread therefore sees every signal
+    too, the moment it arrives (`signal.set_wakeup_fd`: the C-level handler writes the
+    signal's number to a pipe), and ends the job itself (MPI Abort, the signal's
+    status) when
+      - a second SIGINT arrives: Ctrl-C twice means now, without a checkpoint;
+      - the run has not acted on a stop signal within `grace()` seconds (`acted()`
+        was not called): it cannot reach the next step boundary.
+    The grace is `grace` seconds when given, else four times the longest interval
+    seen between two step boundaries (`mark()`), and at least MIN_GRACE.
 
-    def __init__(self, signals=("SIGTERM", "SIGUSR1")):
-        self.received = 0
+    Installed only in the main thread; `restore()` puts the previous handlers back.
+    """
+
+    MIN_GRACE = 30.0
+
+    def __init__(self, comm, grace=None, stream=None):
+        self.comm, self.fixed_grace = comm, grace
+        self.stream = stream or sys.stderr
+        self.received = set()               # names of the signals the main thread has seen
         self.previous = {}
+        self._longest, self._last_mark = 0.0, time.monotonic()
+        self._acted = threading.Event()
+        self._thread = None
         if threading.current_thread() is not threading.main_thread():
             return
-        for name in signals:
+        for name in STOP_SIGNALS:
             num = getattr(signal, name)
             self.previous[num] = signal.signal(num, self._handle)
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._wakeup = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._watch, name="mpitrain-signals",
+                                        daemon=True)
+        self._thread.start()
 
     def _handle(self, signum, frame):
-        self.received = signum
+        self.received.add(signal.Signals(signum).name)
+
+    def pending(self):
+        """[1 or 0 for each of STOP_SIGNALS]: what this rank has received, for the ranks
+        to agree on (summed over the ranks, a non-zero entry stops them all)."""
+        return [int(name in self.received) for name in STOP_SIGNALS]
+
+    def mark(self):
+        """A step boundary was passed (the ranks agreed): the grace adapts to the longest
+        interval between two of them."""
+        now = time.monotonic()
+        self._longest = max(self._longest, now - self._last_mark)
+        self._last_mark = now
+
+    def grace(self):
+        if self.fixed_grace is not None:
+            return self.fixed_grace
+        return max(self.MIN_GRACE, 4.0 * self._longest)
+
+    def acted(self):
+        """The ranks agreed to stop: the watcher leaves the rest to the run."""
+        self._acted.set()
+
+    def _watch(self):
+        first = deadline = None
+        counts = dict.fromkeys(STOP_SIGNALS, 0)
+        while True:
+            wait = None if deadline is None or self._acted.is_set() \
+                else max(0.0, deadline - time.monotonic())
+            readable, _, _ = select.select([self._read], [], [], wait)
+            if not readable:                         # the grace ran out
+                self._abort(first, f"{first} arrived {self.grace():.0f} s ago, but this rank "
+                                   f"has not reached the next step boundary (its main thread "
+                                   f"is blocked, likely in a collective waiting for a rank "
+                                   f"that stalled or died)")
+            data = os.read(self._read, 64)
+            if not data:                             # restore() closed the pipe
+                return
+            for num in data:
+                name = signal.Signals(num).name if num in signal.valid_signals() else None
+                if name not in counts:
+                    continue
+                counts[name] += 1
+                if name == "SIGINT" and counts[name] == 2:
+                    self._abort(name, "a second SIGINT: stopping now, without a checkpoint")
+                if first is None:
+                    first, deadline = name, time.monotonic() + self.grace()
+
+    def _abort(self, name, why):
+        status = EXIT_STATUS[name] or 128 + getattr(signal, name)
+        self.stream.write(f"rank {self.comm.rank} of {self.comm.size}: {why}. Ending the job "
+                          f"(status {status}).\n")
+        self.stream.flush()
+        self.comm.abort(status)
 
     def restore(self):
+        """Put the previous handlers back and stop the watcher."""
         for num, handler in self.previous.items():
             signal.signal(num, handler)
         self.previous = {}
+        if self._thread is not None:
+            signal.set_wakeup_fd(self._wakeup)
+            os.close(self._write)                    # the watcher reads end-of-file
+            self._thread.join()
+            os.close(self._read)
+            self._thread = None
+
+
+def stop_signal(counts):
+    """The name of the signal that stops the run, from the ranks' summed `pending()`
+    counts (STOP_SIGNALS order decides between several), or None."""
+    for name, n in zip(STOP_SIGNALS, counts):
+        if n:
+            return name
+    return None
+
+
+class Heartbeats:
+    """Where every rank is, in files a person (or the watchdog of another rank) can read:
+    RUN_DIR/heartbeat/rank<N>, one line per rank, overwritten in place:
+
+        pid host count alive position
+
+    pid and host name the process (to signal it, or attach a debugger); count counts
+    the step boundaries and phases the rank has passed, which advances identically on
+    every rank, so a rank with a smaller count is behind; alive is the Unix time at
+    which the rank last showed a sign of life: its watchdog thread (--collective-timeout)
+    renews it every second even while the main thread waits in a collective, so an
+    `alive` that falls behind means the process is frozen, stopped or dead; position is
+    where its main thread is ("in 'all-reduce' after step 12"). A post is one pwrite of
+    a line of fixed width, no message.
+    """
+
+    LINE = 180
+
+    def __init__(self, directory, comm):
+        self.directory, self.comm = directory, comm
+        os.makedirs(directory, exist_ok=True)
+        self.pid, self.host = os.getpid(), socket.gethostname()
+        self.count, self.where = 0, "starting"
+        self._lock = threading.Lock()
+        self._fd = os.open(os.path.join(directory, f"rank{comm.rank}"),
+                           os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.alive()
+
+    def post(self, where):
+        """The main thread passed a step boundary or entered a phase."""
+        with self._lock:
+            self.count += 1
+            self.where = where
+        self.alive()
+
+    def alive(self):
+        with self._lock:
+            line = (f"{self.pid} {self.host} {self.count} {time.time():.3f} "
+                    f"{self.where}")[:self.LINE - 1]
+            os.pwrite(self._fd, f"{line:<{self.LINE - 1}}\n".encode(), 0)
+
+    def close(self):
+        os.close(self._fd)
+
+
+def read_heartbeats(directory, size):
+    """{rank: dict(pid, host, count, alive, where)} of the heartbeat files of `size` ranks;
+    a rank without a readable file maps to None."""
+    board = {}
+    for r in range(size):
+        try:
+            with open(os.path.join(directory, f"rank{r}")) as f:
+                pid, host, count, alive, where = f.read().split(" ", 4)
+            board[r] = dict(pid=int(pid), host=host, count=int(count), alive=float(alive),
+                            where=where.strip())
+        except (OSError, ValueError):
+            board[r] = None
+    return board
 
 
 class Watchdog:
-    """Ends the whole job (MPI Abort, status 3) when no progress is reported for `timeout`
-    seconds: a rank that stalls or dies keeps the others waiting in their next collective,
-    and their watchdogs fire.
+    """Ends the whole job (MPI Abort, status 3) when no step boundary, evaluation or
+    checkpoint is reached for `timeout` seconds: a rank that stalls or dies keeps the
+    others waiting in their next collective, and their watchdogs fire.
 
     The trainer calls `beat(where)` after every step and around evaluations and
     checkpoint writes, so `timeout` must exceed the longest of those. The message names
-    this rank, the last thing it completed and, from `activity()` (Timeline.activity),
-    the phase it is stuck in; the first rank whose watchdog fires ends the job, which
-    is a rank waiting for the late one (typically in 'all-reduce').
-
-    The late ranks are named from a heartbeat board: a directory (in the run directory)
-    with one small file per rank, overwritten in place with the rank's position, a
-    count of beats and phases entered (`entered`, the Timeline's listener) that
-    advances identically on every rank. A stalled rank cannot report, but its file
-    still says where it stopped; the ranks behind the furthest one did not arrive.
-    Posting costs one pwrite of 128 bytes per phase, no message.
+    this rank, the last thing it completed, the phase it is stuck in (`activity()`,
+    Timeline.activity), and, from the heartbeat files, the ranks to blame: those whose
+    count is behind the furthest rank's (they did not arrive) and those whose `alive`
+    time stopped (frozen, stopped or dead: named even when they stopped inside the
+    collective the others wait in). The thread renews this rank's `alive` every second.
     """
 
-    def __init__(self, timeout, comm, stream=None, activity=None, board=None):
-        self.timeout, self.comm = float(timeout), comm
+    def __init__(self, timeout, comm, heartbeats, activity=None, stream=None):
+        self.timeout, self.comm, self.heartbeats = float(timeout), comm, heartbeats
         self.stream = stream or sys.stderr
         self.activity = activity or (lambda: None)
         self.where = "start"
         self.last = time.monotonic()
-        self.count = 0
-        self.board, self._fd = board, None
-        if board:
-            os.makedirs(board, exist_ok=True)
-            self._fd = os.open(os.path.join(board, f"rank{comm.rank}"),
-                               os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.period = min(1.0, self.timeout / 4)
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
+        self.thread = threading.Thread(target=self._watch, name="mpitrain-watchdog", daemon=True)
         self.thread.start()
 
     def beat(self, where):
         self.where, self.last = where, time.monotonic()
-        self._post(f"after {where}")
 
-    def entered(self, phase):
-        """The main thread entered a phase (a Timeline span): post the position."""
-        self._post(f"in '{phase}' after {self.where}")
-
-    def _post(self, where):
-        self.count += 1
-        if self._fd is not None:
-            os.pwrite(self._fd, f"{self.count:>14d} {where[:112]:<112}\n".encode(), 0)
-
-    def late_ranks(self):
-        """[(rank, position)] of the ranks behind the furthest one on the board."""
-        positions = {}
-        for r in range(self.comm.size):
-            try:
-                with open(os.path.join(self.board, f"rank{r}")) as f:
-                    text = f.read()
-                positions[r] = int(text[:14]), text[15:].strip()
-            except (OSError, ValueError):
-                positions[r] = -1, "no heartbeat (is the run directory on a shared file system?)"
-        furthest = max(count for count, _ in positions.values())
-        return [(r, where) for r, (count, where) in positions.items() if count < furthest]
+    def culprits(self):
+        """[(rank, why)] of the ranks to blame for a stall, from the heartbeat files."""
+        board = read_heartbeats(self.heartbeats.directory, self.comm.size)
+        furthest = max((b["count"] for b in board.values() if b), default=0)
+        quiet = max(2.0, 3 * self.period)           # seconds without a sign of life
+        now, blamed = time.time(), []
+        for r, b in board.items():
+            if b is None:
+                blamed.append((r, "no heartbeat file (is the run directory on a file system "
+                                  "every node sees?)"))
+            elif r != self.comm.rank and now - b["alive"] > quiet:
+                blamed.append((r, f"no sign of life for {now - b['alive']:.0f} s, {b['where']}: "
+                                  f"frozen, stopped or dead (pid {b['pid']} on {b['host']})"))
+            elif b["count"] < furthest:
+                blamed.append((r, f"did not arrive: {b['where']}"))
+        return blamed
 
     def _watch(self):
-        period = min(1.0, self.timeout / 4)
-        while not self._stop.wait(period):
+        while not self._stop.wait(self.period):
+            self.heartbeats.alive()
             idle = time.monotonic() - self.last
             if idle > self.timeout:
                 now = self.activity()
-                late = self.late_ranks() if self.board else []
-                who = ("; ranks that did not arrive: " + ", ".join(
-                    f"rank {r} ({where})" for r, where in late)) if late else \
-                    "; a rank is stalled or has not arrived in the collective"
+                blamed = self.culprits()
+                who = ("; " + "; ".join(f"rank {r}: {why}" for r, why in blamed)) if blamed \
+                    else "; no rank is behind or silent: a rank is stalled inside the collective"
                 self.stream.write(
                     f"rank {self.comm.rank} of {self.comm.size}: no progress for {idle:.0f} s "
                     f"(--collective-timeout {self.timeout:g}) after {self.where}"
@@ -121,5 +270,40 @@ class Watchdog:
     def close(self):
         self._stop.set()
         self.thread.join()
-        if self._fd is not None:
-            os.close(self._fd)
+
+
+class LossWatch:
+    """Divergence that stays finite: the mean training loss of each step against the
+    median of the last WINDOW steps. A loss above FACTOR times that median (and above it
+    by more than MARGIN) for PATIENCE steps in a row has exploded; the first of those
+    steps is where the divergence began. Every rank sees the same losses (summed over the
+    ranks), so every rank reaches the same verdict."""
+
+    WINDOW, FACTOR, MARGIN, PATIENCE, WARMUP = 100, 4.0, 1.0, 5, 20
+
+    def __init__(self):
+        self.history = []
+        self.streak = 0             # steps in a row above the threshold
+        self.since = None           # global step at which the streak began
+
+    def update(self, loss, global_step):
+        """Record one step's mean loss; True when the run has diverged."""
+        recent = self.history[-self.WINDOW:]
+        if len(recent) >= self.WARMUP:
+            median = float(np.median(recent))
+            if loss > self.FACTOR * median and loss > median + self.MARGIN:
+                self.streak += 1
+                self.since = self.since or global_step
+                return self.streak >= self.PATIENCE     # a spike is kept out of the median
+        self.streak, self.since = 0, None
+        self.history.append(loss)
+        return False
+
+    def calm(self):
+        return self.streak == 0
+
+    def state_dict(self):
+        return {"history": self.history[-self.WINDOW:]}
+
+    def load_state_dict(self, state):
+        self.history = list(state.get("history", []))

@@ -26,36 +26,45 @@ def evaluate_checkpoint(path, data, batch_size=None, workers=2, device="auto", c
 
 
 def _evaluate(comm, path, data, batch_size, workers, device):
+    from mpitrain.datasets.h5format import FormatError
     from mpitrain.datasets.loader import Loader
     from mpitrain.nets import build_model
 
     from . import checkpoint
-    from .train import (PRESETS, TRANSFORM, ConfigError, average_buffers, check_batch,
-                        describe_file, evaluate)
+    from .checks import PRESETS, TRANSFORM, ConfigError, check_batch, describe_file
+    from .train import average_buffers, evaluate
     info = None
     if comm.rank == 0:
         try:
             cfg = checkpoint.read_config(path)
             info = (cfg, describe_file(data))
-        except checkpoint.CheckpointError as e:
+        except (checkpoint.CheckpointError, FormatError) as e:
             info = str(e)
         except OSError as e:
             info = f"cannot read data file {data}: {e}"
     info = comm.bcast(info, root=0)
     if isinstance(info, str):
         raise EvalError(info)
-    cfg, (num_images, file_classes, stored_size) = info
+    cfg, (num_images, names, stored_size) = info
     classes = cfg.get("num_classes")
-    if classes != file_classes:
-        raise EvalError(f"{data} has {file_classes} classes, but the checkpoint's model "
+    if classes != len(names):
+        raise EvalError(f"{data} has {len(names)} classes, but the checkpoint's model "
                         f"{cfg['model']} was trained on {classes}: not the same label set")
+    trained = cfg.get("class_names")        # recorded by checkpoints since names were
+    if trained is not None and trained != names:
+        i = next(i for i, (a, b) in enumerate(zip(trained, names)) if a != b)
+        raise EvalError(f"{data}'s class {i} is {names[i]!r}, the checkpoint's model learnt "
+                        f"{trained[i]!r} there: not the same label set")
     batch = batch_size or cfg["batch_size"]
     try:
         check_batch(batch, comm.size)
     except ConfigError as e:
         raise EvalError(str(e)) from None
 
-    backend.use_device(device, comm.host_rank, comm.host_size)
+    try:
+        backend.use_device(device, comm.host_rank, comm.host_size)
+    except backend.DeviceError as e:
+        raise EvalError(str(e)) from None
     model = build_model(cfg["model"], num_classes=classes, seed=0)
     try:
         checkpoint.restore(path, model, comm)

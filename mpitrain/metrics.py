@@ -11,6 +11,8 @@ import time
 
 from tqdm import tqdm
 
+from .launcher import output_is_terminal
+
 
 class Progress:
     """Call with (done, total) as work advances; `close()` ends it. On a terminal a tqdm
@@ -21,7 +23,7 @@ class Progress:
         self.stream = stream or sys.stderr
         self.every = every
         self.bar = tqdm(desc=what, file=self.stream, dynamic_ncols=True) \
-            if self.stream.isatty() else None
+            if output_is_terminal(self.stream) else None
         self.start = self.last = time.perf_counter()
         self.done = self.total = 0
 
@@ -239,7 +241,7 @@ class StepProgress:
         self.start = time.perf_counter()
         self.bar = tqdm(total=total_steps, initial=done_steps, file=self.stream,
                         dynamic_ncols=True, bar_format="[{bar:24}] {postfix}  ETA {remaining}") \
-            if self.stream.isatty() else None
+            if output_is_terminal(self.stream) else None
 
     @property
     def tty(self):

@@ -28,8 +28,9 @@ epoch: BatchNorm statistics averaged over the ranks, each rank evaluating a
 shard of the validation set with the correct counts summed, a checkpoint.
 Every collective goes through the run's one Communicator (mpitrain.comm).
 Every rank takes the same number of steps, so no rank waits in a collective
-for one that ran out of data. Only rank 0 prints. Stopping on signals and the
-stall watchdog live in mpitrain.control.
+for one that ran out of data. Only rank 0 prints. What is refused before any
+work lives in mpitrain.checks; stopping on signals, heartbeats, the stall
+watchdog and the divergence watch in mpitrain.control.
 """
 import contextlib
 import math
@@ -40,8 +41,10 @@ import time
 import numpy as np
 
 from . import backend, checkpoint
-from .control import StopSignals, Watchdog
-from mpitrain.kernels.update import has_overflow
+from .checks import (ConfigError, check_batch, check_image_size, check_launch, check_threads,
+                     comm_options, describe_data, find_resume, prepare_run_dir, resolve_data)
+from .control import Heartbeats, LossWatch, StopSignals, Watchdog, stop_signal
+from .kernels.update import nonfinite_flag
 from .metrics import MetricsLog, StepProgress, Timeline
 from .optim import learning_rate, make_optimizer, scaled_lr
 from .precision import LossScaler, make_scaler
@@ -58,7 +61,7 @@ DEFAULTS = dict(model="resnet_small", data="digits", val_data=None, data_dir="da
 
 # The run around the loop: run directory, checkpoints, logging, failure handling.
 DEFAULTS.update(run_dir=None, checkpoint_every=1, keep_checkpoints=3, resume=None, trace=None,
-                collective_timeout=None, log_every=None)
+                collective_timeout=None, stop_grace=None, log_every=None)
 
 # Communication: topology, all-reduce algorithm, fusion buckets and their overlap
 # with backward ("auto": on for a GPU arena, off for a host one, see comm/buckets.py), the
@@ -66,99 +69,32 @@ DEFAULTS.update(run_dir=None, checkpoint_every=1, keep_checkpoints=3, resume=Non
 DEFAULTS.update(ranks_per_node=None, allreduce="hybrid", fusion_threshold=4 << 20, overlap="auto",
                 comm_dtype="fp32", check_replicas=0, bn_group=1)
 
-# Data sets known by name: files under data_dir, made by `convert` on first use.
-# The digits are centred 32x32 glyphs: random crops and flips would only hurt.
-PRESETS = {"digits": dict(train="digits_train.h5", val="digits_val.h5", convert="convert_digits",
-                          transform=dict(augment=False, crop_fraction=1.0))}
-# Anything else: random-resized-crop and flip for training, centre crop of 87.5% for validation.
-TRANSFORM = dict(augment=True, crop_fraction=0.875)
-
 NO_TIMELINE = Timeline.off()      # train_step's default: no timing
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                     "NUMBA_NUM_THREADS")
 
 
-class ConfigError(ValueError):
-    """A training option that cannot work, found before any work is done."""
-
-
-def check_batch(global_batch, world_size, num_train=None):
-    """Refuse a global batch that the ranks cannot share evenly (or that exceeds the data)."""
-    if global_batch < 1:
-        raise ConfigError(f"the global batch size must be positive, got {global_batch}")
-    if global_batch % world_size:
-        raise ConfigError(f"global batch size {global_batch} does not divide by the {world_size} "
-                         f"MPI ranks; use a multiple of {world_size} "
-                         f"(each rank takes batch_size / ranks images per step)")
-    if num_train is not None and global_batch > num_train:
-        raise ConfigError(f"global batch size {global_batch} exceeds the {num_train} training "
-                         f"images: an epoch would have no step")
-
-
-def comm_options(cfg, world_size):
-    """Refuse communication options that cannot work."""
-    from .comm import ALGORITHMS
-    if cfg["allreduce"] not in ALGORITHMS:
-        raise ConfigError(f"unknown all-reduce {cfg['allreduce']!r}; choose one of "
-                          f"{', '.join(ALGORITHMS)}")
-    if cfg["comm_dtype"] not in ("fp32", "fp16"):
-        raise ConfigError(f"unknown --comm-dtype {cfg['comm_dtype']!r}; choose fp32 or fp16")
-    for key in ("fusion_threshold", "bn_group", "ranks_per_node"):
-        if cfg[key] is not None and cfg[key] < 1:
-            raise ConfigError(f"--{key.replace('_', '-')} must be positive, got {cfg[key]}")
-    if cfg["bn_group"] > world_size:
-        raise ConfigError(f"--bn-group {cfg['bn_group']} exceeds the {world_size} rank(s)")
-
-
-def resolve_data(cfg, comm):
-    """(train file, validation file, loader transform options) for the run's --data.
-
-    A preset name (digits) means files under data_dir, converted by rank 0 when
-    missing while the other ranks wait; anything else is a training file, with
-    --val-data or else the converter's FILE_val.h5 beside it as validation.
-    """
-    from mpitrain.datasets import convert
-    preset = PRESETS.get(cfg["data"])
-    if preset:
-        train_file, val_file = (os.path.join(cfg["data_dir"], preset[k]) for k in ("train", "val"))
-        if comm.rank == 0 and not (os.path.exists(train_file) and os.path.exists(val_file)):
-            print(f"mpitrain: converting {cfg['data']} into {cfg['data_dir']}/", flush=True)
-            getattr(convert, preset["convert"])(cfg["data_dir"])
-        comm.barrier()
-        transform = dict(preset["transform"])
-    else:
-        train_file, transform = cfg["data"], dict(TRANSFORM)
-        val_file = cfg["val_data"] or convert.val_path(train_file)
-        for what, path in (("training", train_file), ("validation", val_file)):
-            if not os.path.exists(path):
-                raise ConfigError(f"{what} file {path} does not exist; make it with "
-                                  f"`python -m mpitrain convert ...`"
-                                  + (" or name it with --val-data" if what == "validation" else ""))
-    if cfg["augment"] is not None:
-        transform["augment"] = cfg["augment"]
-    return train_file, val_file, transform
-
-
-def describe_file(path):
-    """(number of images, number of classes, stored image size or None) of a data file."""
-    from mpitrain.datasets.h5format import Reader
-    with Reader(path) as reader:
-        return len(reader.labels), len(reader.class_names), \
-            reader.image_shape[0] if reader.image_shape else None
-
-
-def limit_threads(local_size):
-    """Share the cores of a node among its ranks (nproc / local ranks threads each),
-    unless the user chose a thread count through the environment."""
+def limit_threads(comm):
+    """Share a host's cores among its ranks, for BLAS, OpenMP and Numba: each rank gets
+    the cores it may run on (its affinity) divided by the ranks of its host that may
+    run on them too, so ranks a launcher pinned to cores of their own keep all of
+    theirs. Unless the user chose a thread count through the environment. MPI says
+    who shares the host, however the job was launched (a launcher's own variables,
+    such as Slurm's tasks per node, may be unset). Collective."""
+    import socket
+    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else list(range(os.cpu_count()))
+    host = socket.gethostname()
+    everyone = comm.allgather((host, mine))
     if any(v in os.environ for v in THREAD_VARIABLES):
         return
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threadpool_limits(max(1, cores // local_size))
+    import numba
+    from threadpoolctl import threadpool_limits
+    sharing = sum(1 for h, cores in everyone if h == host and set(cores) & set(mine))
+    threads = max(1, len(mine) // sharing)
+    threadpool_limits(threads)
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 
 
 def optimizer_options(cfg):
@@ -222,14 +158,17 @@ def train_step(model, optimizer, reducer, x, y, lr, label_smoothing=0.0, scaler=
             model.backward(dlogits)
     with timeline.span("all-reduce", "comm"):
         reducer.finish()
-    # the summed gradient holds the same bits on every rank, and so does this flag
-    overflow = scaler.check and has_overflow(model.arena.grad)
-    if scaler.update(overflow):
+    # the summed gradient holds the same bits on every rank, and so does this flag; the
+    # loss and the flag come to the host together, the step's one device-to-host copy
+    flag = nonfinite_flag(model.arena.grad) if scaler.check else None
+    loss, overflow = backend.to_host_scalars(loss, flag)
+    inv_scale = reducer.postscale / scaler.scale    # the scale this gradient was made with
+    if scaler.update(bool(overflow)):
         with timeline.span("update", "update"):
-            optimizer.step(lr, inv_scale=reducer.postscale / scaler.scale)
+            optimizer.step(lr, inv_scale=inv_scale)
     else:
         model.buffer_arena.data[...] = saved_stats
-    return float(loss)
+    return loss
 
 
 def evaluate(model, comm, loader, topk=(1, 5)):
@@ -237,60 +176,31 @@ def evaluate(model, comm, loader, topk=(1, 5)):
     (padded) step and the correct counts are summed. Returns {"top1": fraction, ...}."""
     from mpitrain.nets.losses import accuracy_counts
     xp = backend.xp
-    counts = np.zeros(len(topk) + 1)            # correct at each k, then the number scored
+    correct = xp.zeros(len(topk), np.int64)     # at each k, on the device until the end
+    scored = 0
     for x, y in loader:
         n = loader.last_valid                   # the rest of the batch pads the last step
         if n:
             logits = model.forward(xp.asarray(x[:n]), train=False)
-            counts[:-1] += accuracy_counts(logits, xp.asarray(y[:n]), topk=topk)
-            counts[-1] += n
+            correct += accuracy_counts(logits, xp.asarray(y[:n]), topk=topk)
+            scored += n
+    counts = np.append(backend.to_numpy(correct), scored).astype(np.float64)
     comm.allreduce(counts, "flat")
     return {f"top{k}": float(counts[i] / counts[-1]) for i, k in enumerate(topk)}
 
 
 # ----- the run around the steps -----
 def open_run(cfg, comm, say):
-    """Choose the run directory (rank 0 decides, all ranks agree), save and print the
-    resolved configuration and the environment there. Returns the directory."""
-    from .config import default_run_dir, describe, environment, save_json
-    resume = cfg["resume"]
-    if cfg["run_dir"] is None and resume not in (None, "auto"):
-        cfg["run_dir"] = os.path.dirname(os.path.abspath(resume))
-    if cfg["run_dir"] is None and resume == "auto":
-        raise ConfigError("--resume auto needs --run-dir: the directory of the run to continue")
-    run_dir = cfg["run_dir"] = cfg["run_dir"] or default_run_dir(comm)
+    """Save and print the resolved configuration and the environment in the run
+    directory (after every check has passed: a refused run overwrites nothing)."""
+    from .config import describe, environment, save_json
     env = environment(comm, backend.device)
     if comm.rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        save_json(os.path.join(run_dir, "config.json"), cfg)
-        save_json(os.path.join(run_dir, "environment.json"), env)
-        say(describe(f"configuration (saved in {run_dir}/config.json)", cfg), flush=True)
+        save_json(os.path.join(cfg["run_dir"], "config.json"), cfg)
+        save_json(os.path.join(cfg["run_dir"], "environment.json"), env)
+        say(describe(f"configuration (saved in {cfg['run_dir']}/config.json)", cfg), flush=True)
         say(describe("environment", env), flush=True)
     comm.barrier()
-    return run_dir
-
-
-def find_resume(cfg, comm):
-    """The checkpoint to resume from (rank 0 looks; None: start afresh)."""
-    if not cfg["resume"]:
-        return None
-    path = None
-    if comm.rank == 0:
-        if cfg["resume"] == "auto":
-            path = checkpoint.latest(cfg["run_dir"])
-        elif os.path.exists(cfg["resume"]):
-            path = cfg["resume"]
-        else:
-            path = ConfigError(f"--resume {cfg['resume']}: no such checkpoint file")
-    path = comm.bcast(path, root=0)
-    if isinstance(path, ConfigError):
-        raise path
-    return path
-
-
-def signal_name(signum):
-    import signal
-    return signal.Signals(int(signum)).name
 
 
 class Run:
@@ -304,11 +214,13 @@ class Run:
         from mpitrain.datasets.loader import Loader
         from mpitrain.nets import build_model
         self.cfg = cfg
-        self.reducer = self.signals = self.watchdog = self.metrics = self.progress = None
-        self.train_data = self.val_data = self.comm = None
+        self.reducer = self.signals = self.watchdog = self.heartbeats = None
+        self.metrics = self.progress = self.train_data = self.val_data = self.comm = None
         self.timeline = NO_TIMELINE
 
         # ----- options that cannot work are refused before any work -----
+        check_threads()
+        check_launch(mpi_comm.size)
         comm_options(cfg, mpi_comm.size)
         check_batch(cfg["batch_size"], mpi_comm.size)
         if cfg["precision"] not in ("fp32", "fp16"):
@@ -318,19 +230,26 @@ class Run:
         self.comm = comm = Communicator(mpi_comm, cfg["ranks_per_node"])
         rank, size = comm.rank, comm.size
         self.say = say = log if rank == 0 else (lambda *a, **k: None)
-        backend.use_device(cfg["device"], comm.host_rank, comm.host_size)
-        limit_threads(comm.host_size)
+        try:
+            backend.use_device(cfg["device"], comm.host_rank, comm.host_size)
+        except backend.DeviceError as e:
+            raise ConfigError(str(e)) from None
+        limit_threads(comm)
         train_file, val_file, transform = resolve_data(cfg, comm)
-        num_train, num_classes, stored_size = describe_file(train_file)
+        working = np.float16 if cfg["precision"] == "fp16" else None
+        num_train, class_names, size_px, normalise = describe_data(
+            train_file, val_file, cfg["image_size"], cfg["batch_size"] // size, cfg["workers"],
+            cfg["prefetch"], working or np.float32)
         self.batch, self.epochs = batch, epochs = cfg["batch_size"], cfg["epochs"]
         check_batch(batch, size, num_train)
-        size_px = cfg["image_size"] or stored_size or 224
-        self.model = model = build_model(
-            cfg["model"], num_classes=num_classes, seed=cfg["seed"], rank=rank,
-            working_dtype=np.float16 if cfg["precision"] == "fp16" else None)
+        self.model = model = build_model(cfg["model"], num_classes=len(class_names),
+                                         seed=cfg["seed"], rank=rank, working_dtype=working)
+        check_image_size(model, cfg["model"], size_px)
+        self.run_dir = run_dir = prepare_run_dir(cfg, comm)
+        resume_from = find_resume(cfg, comm, say)
         data = dict(rank=rank, size=size, image_size=size_px, workers=cfg["workers"],
                     prefetch=cfg["prefetch"], dtype=model.dtype, seed=cfg["seed"],
-                    num_classes=num_classes, skip_bad_records=cfg["skip_bad_records"],
+                    num_classes=len(class_names), skip_bad_records=cfg["skip_bad_records"],
                     pinned=backend.xp is not np)
         self.train_data = Loader(train_file, batch, train=True, **transform, **data)
         self.val_data = Loader(val_file, batch, train=False,
@@ -350,12 +269,19 @@ class Run:
             f"{cfg['warmup_epochs']:g} warm-up epochs), precision {cfg['precision']}, loss scale "
             f"{'dynamic from ' if scaler.dynamic else ''}{scaler.scale:g}", flush=True)
 
-        # ----- run directory, resume -----
-        self.run_dir = run_dir = open_run(cfg, comm, say)
+        # ----- the run directory's reports, then the checkpoint to continue from -----
+        open_run(cfg, comm, say)
         self.result = dict(run_dir=run_dir, stopped=None, checkpoint=None)
-        self.resume(find_resume(cfg, comm))
+        self.saved_cfg = {**cfg, "num_classes": len(class_names), "class_names": class_names,
+                          "image_size": size_px, **normalise}
+        self.loss_sum = np.zeros(2)             # the ranks' summed losses, and steps, since
+        self.loss_watch = LossWatch()           # the last log line
+        self.saved_step = None                  # global step of the newest checkpoint written
+        self.skipped_logged = 0                 # bad records counted in earlier log lines
+        self.last_good = None                   # the newest written before a divergence began
+        self.resume(resume_from)
 
-        # ----- gradients, timing, metrics, progress, signals, watchdog -----
+        # ----- gradients, timing, metrics, progress, signals, heartbeats, watchdog -----
         self.timeline = timeline = Timeline(cfg["trace"], rank)
         if cfg["trace"]:
             timeline.trace_layer_groups(model)
@@ -375,15 +301,15 @@ class Run:
         self.progress = StepProgress(epochs * steps, position["epoch"] * steps + position["step"],
                                      stream=sys.stdout) if rank == 0 else None
         self.log_every = cfg["log_every"] or (max(1, steps // 4) if steps >= 100 else steps)
-        self.signals = StopSignals()
+        self.signals = StopSignals(comm, grace=cfg["stop_grace"])
+        self.heartbeats = Heartbeats(os.path.join(run_dir, "heartbeat"), comm)
+        self.position = "start"
+        timeline.listener = lambda phase: self.heartbeats.post(f"in '{phase}' after {self.position}")
         if cfg["collective_timeout"]:
-            self.watchdog = Watchdog(cfg["collective_timeout"], comm, activity=timeline.activity,
-                                     board=os.path.join(run_dir, "heartbeat"))
-            timeline.listener = self.watchdog.entered
+            self.watchdog = Watchdog(cfg["collective_timeout"], comm, self.heartbeats,
+                                     activity=timeline.activity)
         self.stop_on_nan = not scaler.check     # under loss scaling an overflow skips the step
-        self.topk = (1, 5) if num_classes >= 5 else (1,)
-        self.saved_cfg = {**cfg, "num_classes": num_classes, "image_size": size_px}
-        self.saved_step = None                  # global step of the newest checkpoint written
+        self.topk = (1, 5) if len(class_names) >= 5 else (1,)
         self.start = time.perf_counter()
 
     def resume(self, path):
@@ -396,17 +322,18 @@ class Run:
             meta = checkpoint.restore(path, self.model, self.comm, self.optimizer, self.scaler)
         except checkpoint.CheckpointError as e:
             raise ConfigError(str(e)) from None
-        saved = meta["config"].get("batch_size")
-        if saved != self.batch:
-            raise ConfigError(f"{path} was trained with global batch {saved}, this run has "
-                              f"{self.batch}: a resumed run keeps the global batch (pass "
-                              f"--batch-size {saved}; any number of ranks that divides it works)")
         self.train_data.load_state_dict({"epoch": meta["epoch"], "step": meta["step"]})
-        self.result["checkpoint"] = path
+        self.loss_sum[:] = meta["progress"].get("loss_sum", (0.0, 0.0))
+        self.loss_watch.load_state_dict(meta["progress"])
+        self.result["checkpoint"] = self.last_good = path
+        self.saved_step = meta["global_step"]
         self.say(f"resumed from {path}: epoch {meta['epoch'] + 1}, step {meta['step']} "
                  f"(written by {meta['world_size']} rank(s))", flush=True)
 
     def beat(self, where):
+        """A step boundary, an evaluation or a checkpoint is behind this rank."""
+        self.position = where
+        self.heartbeats.post(f"after {where}")
         if self.watchdog:
             self.watchdog.beat(where)
 
@@ -417,7 +344,6 @@ class Run:
         cfg, comm, data, steps = self.cfg, self.comm, self.train_data, self.steps
         self.epoch_start = self.last_log = time.perf_counter()
         self.wait_start = data.wait_time
-        self.loss_sum = np.zeros(2)             # summed local losses, steps since the last log
         self.line = ""
         for s, (x, y) in enumerate(data, data.state_dict()["step"]):
             now = time.perf_counter()
@@ -431,36 +357,50 @@ class Run:
             self.beat(f"step {global_step}")
             if cfg["check_replicas"] and global_step % cfg["check_replicas"] == 0:
                 self.check_replicas(global_step)
-            stop, diverged = comm.allmax([self.signals.received,
-                                          self.stop_on_nan and not math.isfinite(loss)])
-            if diverged:
-                raise TrainingError(self.non_finite_message(loss, epoch, s))
-            self.loss_sum += loss, 1
+            # the one agreement of a step: stop signals, non-finite losses, the loss itself,
+            # summed over the ranks (the same bits everywhere, so every rank decides alike)
+            finite = math.isfinite(loss)
+            agreed = np.array([*self.signals.pending(), not finite, loss if finite else 0.0])
+            comm.allreduce(agreed, "flat")
+            self.signals.mark()
+            if self.stop_on_nan and agreed[3]:
+                raise TrainingError(self.diverged(loss, epoch, s, "is not finite",
+                                                  not_finite=not finite))
+            mean_loss = agreed[4] / comm.size
+            if not agreed[3] and self.loss_watch.update(mean_loss, global_step):
+                raise TrainingError(self.diverged(mean_loss, epoch, s, "has exploded", False))
+            self.loss_sum += agreed[4], comm.size
             if (s + 1) % self.log_every == 0 or s + 1 == steps:
                 self.log_step(epoch, s, lr, global_step)
             if self.progress:
                 self.progress.update(global_step, self.line if (s + 1) % self.log_every == 0
                                      and s + 1 < steps else None)
+            stop = stop_signal(agreed[:3])
             if stop:
-                return signal_name(stop)
+                self.signals.acted()
+                return stop
         return None
 
     def log_step(self, epoch, s, lr, global_step):
         """The mean loss over the ranks and the steps since the last log: the progress text
         and a metrics.jsonl record."""
-        self.comm.allreduce(self.loss_sum, "flat")
         self.result["loss"] = loss = float(self.loss_sum[0] / self.loss_sum[1])
         now = time.perf_counter()
-        images_per_s = self.loss_sum[1] * self.batch / (now - self.last_log)
-        phases = {k: v / self.loss_sum[1] for k, v in self.timeline.take_totals().items()}
+        images_per_s = self.loss_sum[1] / self.comm.size * self.batch / (now - self.last_log)
+        steps = self.loss_sum[1] / self.comm.size
+        phases = {k: v / steps for k, v in self.timeline.take_totals().items()}
         wait = (self.train_data.wait_time - self.wait_start) / (now - self.epoch_start)
+        skipped = self.train_data.skipped - self.skipped_logged     # since the last log line
+        self.skipped_logged = self.train_data.skipped
         self.line = (f"epoch {epoch + 1}/{self.epochs}  step {s + 1}/{self.steps}  loss {loss:.4f}"
-                     f"  lr {lr:.4f}  {images_per_s:,.0f} images/s  data wait {wait:.0%}")
+                     f"  lr {lr:.4f}  {images_per_s:,.0f} images/s  data wait {wait:.0%}"
+                     + (f"  {skipped} bad record(s) skipped" if skipped else ""))
         if self.metrics:
             self.metrics.write(dict(kind="step", epoch=epoch + 1, step=s + 1,
                                     global_step=global_step, loss=loss, lr=lr,
                                     loss_scale=self.scaler.scale if self.scaler.check else None,
-                                    images_per_s=images_per_s, time=phases))
+                                    images_per_s=images_per_s, skipped_records=skipped,
+                                    time=phases))
         self.loss_sum[:] = 0
         self.last_log = now
 
@@ -482,6 +422,7 @@ class Run:
             self.save_checkpoint()
             self.beat(f"checkpoint after epoch {epoch + 1}")
         self.timeline.take_totals()             # evaluation and checkpoint time is not a step's
+        self.signals.mark()
         if self.progress:
             self.progress.line(f"{line}  ({time.perf_counter() - self.start:.1f} s)")
 
@@ -493,20 +434,25 @@ class Run:
 
     def save_checkpoint(self):
         """Rank 0 writes the state at the loader's position (keeping the newest
-        --keep-checkpoints); every rank returns once the file is in place. Nothing is
-        written twice for one position."""
+        --keep-checkpoints, and the last one written before a divergence began); every
+        rank returns once the file is in place. Nothing is written twice for one position."""
         pos = self.train_data.state_dict()
         global_step = pos["epoch"] * self.steps + pos["step"]
         if global_step == self.saved_step:
             return
+        progress = {"loss_sum": self.loss_sum.tolist(), **self.loss_watch.state_dict()}
         with self.timeline.span("checkpoint", "checkpoint"):
             state = checkpoint.collect(self.model, self.comm, pos["epoch"], pos["step"],
-                                       global_step, self.saved_cfg, self.optimizer, self.scaler)
+                                       global_step, self.saved_cfg, self.optimizer, self.scaler,
+                                       progress)
             path = None
             if self.comm.rank == 0:
                 path = checkpoint.write(os.path.join(
                     self.run_dir, checkpoint.PATTERN.format(global_step=global_step)), state)
-                checkpoint.prune(self.run_dir, self.cfg["keep_checkpoints"])
+                if self.loss_watch.calm():
+                    self.last_good = path
+                checkpoint.prune(self.run_dir, self.cfg["keep_checkpoints"],
+                                 protect={self.last_good})
             # no rank leaves before the file is complete
             self.result["checkpoint"] = self.comm.bcast(path, root=0)
         self.saved_step = global_step
@@ -527,25 +473,38 @@ class Run:
         except ReplicaMismatch as e:
             raise TrainingError(str(e)) from None
 
-    def non_finite_message(self, loss, epoch, s):
-        """Collective: which ranks saw a non-finite loss, and what to do."""
-        bad = [r for r, b in enumerate(self.comm.allgather(not math.isfinite(loss))) if b]
+    def diverged(self, loss, epoch, s, how, not_finite):
+        """Collective: the message for a diverged run (not_finite: this rank's own loss is
+        not finite). Checkpoints written since the divergence began are renamed
+        diverged-*, so that `--resume auto` takes the last good one."""
+        bad = [r for r, b in enumerate(self.comm.allgather(not_finite)) if b]
+        since = self.loss_watch.since
+        where = (f" on rank(s) {bad}" if bad else
+                 f" (the mean over the ranks; above {self.loss_watch.FACTOR:g} x its running "
+                 f"median since step {since})")
+        if self.comm.rank == 0 and since is not None:
+            for path in checkpoint.checkpoints(self.run_dir):
+                name = os.path.basename(path)
+                if int(checkpoint.step_of(name)) >= since:
+                    os.replace(path, os.path.join(self.run_dir, "diverged-" + name))
         last = checkpoint.latest(self.run_dir) if self.comm.rank == 0 else None
-        return (f"the training loss is not finite ({loss}) at epoch {epoch + 1}, step {s + 1} "
-                f"on rank(s) {bad}: training diverged (try a lower --lr or more "
-                f"--warmup-epochs). Nothing was saved after this step; the last checkpoint "
-                f"is {last or 'none'}")
+        shown = f" ({loss:.4g})" if not bad else ""
+        return (f"the training loss {how}{shown} at epoch {epoch + 1}, step {s + 1}{where}: "
+                f"training diverged (try a lower --lr or more --warmup-epochs). Nothing was "
+                f"saved after the divergence began; the last good checkpoint is "
+                f"{last or 'none'}")
 
     def close(self, collective=True):
         """Release the run. After an error on this rank alone (collective=False) nothing
         may wait for the other ranks: the job is being aborted."""
-        if self.reducer:
-            if collective:
-                self.reducer.close()
+        if self.reducer and collective:
+            self.reducer.close()
         if self.signals:
             self.signals.restore()
         if self.watchdog:
             self.watchdog.close()
+        if self.heartbeats:
+            self.heartbeats.close()
         for loader in (self.train_data, self.val_data):
             if loader:
                 loader.close()
@@ -564,8 +523,8 @@ def train(comm=None, log=print, **options):
 
     Returns a dict with the final validation accuracy ("top1", "top5"), the mean
     training loss since the last progress line ("loss"), the number of steps and the
-    seconds taken, the run directory, the last checkpoint, and the stop signal's name
-    ("stopped") when a signal ended the run early.
+    seconds taken, the run directory, the last checkpoint, the number of bad records
+    skipped, and the stop signal's name ("stopped") when a signal ended the run early.
     """
     from mpi4py import MPI
     cfg = {**DEFAULTS, **options}
@@ -591,7 +550,8 @@ def train(comm=None, log=print, **options):
             run.close(collective=finished)
     result, scaler = run.result, run.scaler
     result.update(steps=run.steps * run.epochs, seconds=time.perf_counter() - run.start,
-                  loss_scale=scaler.scale, skipped_steps=scaler.skipped)
+                  loss_scale=scaler.scale, skipped_steps=scaler.skipped,
+                  skipped_records=run.train_data.skipped)
     top5 = f", {result['top5']:.2%} top-5" if "top5" in result else ""
     run.say(f"final validation accuracy: {result['top1']:.2%} top-1{top5} "
             f"({len(run.val_data.labels)} images, {run.epochs} epochs, "
@@ -599,4 +559,7 @@ def train(comm=None, log=print, **options):
     if scaler.check:
         run.say(f"loss scale {scaler.scale:g} at the end; {scaler.skipped} step(s) skipped on "
                 f"overflow", flush=True)
+    if run.train_data.skipped:
+        run.say(f"{run.train_data.skipped} bad training record(s) skipped "
+                f"(--skip-bad-records)", flush=True)
     return result

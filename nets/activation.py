@@ -2,6 +2,7 @@
 import numpy as np
 
 from mpitrain.backend import array_module
+from mpitrain.kernels import gpu
 
 from .module import Module
 
@@ -25,16 +26,26 @@ class Dropout(Module):
     so the expected value of y is x and eval mode is the identity.
     Backward: dx = dy * m / (1 - p) (the same mask); identity after an eval forward.
 
-    The mask comes from the layer's own NumPy generator, so a run is
-    reproducible; on the GPU it is copied over. `seed` is an integer or a
-    sequence of them: the networks seed each dropout layer from (model seed,
-    rank, layer), so that every rank of a data-parallel run draws its own masks.
+    Every mask comes from the layer's own NumPy generator `rng`, so a run is
+    reproducible. `seed` is an integer or a sequence of them: the networks seed
+    each dropout layer from (model seed, rank, layer), so that every rank of a
+    data-parallel run draws its own masks.
+
+    On the CPU the mask is rng's uniforms >= p. On a GPU (CuPy input) each call
+    takes one 64-bit key from rng and the device draws the mask from it,
+    element i keeping where Philox4x32-10 of (i // 4, key) passes p's threshold
+    (mpitrain.kernels.gpu.dropout; no host-to-device copy of a mask). Backward
+    draws the same mask again from the same key, so no mask is kept. Either
+    way the layer's whole random state is rng's, which checkpoints save and
+    restore (mpitrain.checkpoint.rng_states): a resumed run draws the same masks
+    as the uninterrupted one. The CPU and GPU masks of one seed differ.
     """
 
     def __init__(self, p=0.5, seed=0):
         if not 0 <= p < 1:
             raise ValueError(f"Dropout probability must be in [0, 1), got {p}")
         self.p = p
+        self.mask = self.key = None
         self.seed(seed)
 
     def seed(self, s):
@@ -42,13 +53,18 @@ class Dropout(Module):
         self.rng = np.random.default_rng(s)
 
     def forward(self, x, train=True):
+        self.mask = self.key = None
         if not train or self.p == 0:
-            self.mask = None
             return x
+        if gpu.handles(x):
+            self.key = int(self.rng.integers(1 << 64, dtype=np.uint64))
+            return gpu.dropout(x, self.key, self.p)
         xp = array_module(x)
         keep = self.rng.random(x.shape, dtype=np.float32) >= self.p
         self.mask = xp.asarray(keep.astype(x.dtype) * x.dtype.type(1 / (1 - self.p)))  # x.shape, 0 or 1/(1-p)
         return x * self.mask
 
     def backward(self, dy):
+        if self.key is not None:
+            return gpu.dropout(dy, self.key, self.p)
         return dy if self.mask is None else dy * self.mask

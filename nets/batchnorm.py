@@ -3,6 +3,7 @@ import numpy as np
 
 from mpitrain.arena import Buffer, Param
 from mpitrain.backend import array_module
+from mpitrain.kernels import gpu
 
 from .module import Module, constant
 
@@ -49,6 +50,16 @@ class BatchNorm2d(Module):
     group in forward, and dbeta and dgamma (for dx only) in backward. Each
     rank's weight.grad and bias.grad stay its own share; the gradient all-reduce
     sums them.
+
+    On a GPU (CuPy input) the same formulas run as a few fused kernels
+    (mpitrain.kernels.gpu): forward, per-channel sums, then one kernel for the
+    statistics and running averages, then one elementwise pass; backward, the
+    sums of dy and dy * (x - mean), one kernel for dgamma, dbeta and dx's
+    coefficients, one elementwise pass for dx. The forward sums are taken about a
+    per-channel shift (x[0]), so that one pass over x gives an accurate variance;
+    with a group, the ranks' (sum, centred sum of squares) are combined by Chan et
+    al.'s formula through the same two group sums as above, between the sums
+    kernel and the statistics kernel.
     """
 
     group = None    # ranks whose batches share statistics: an object with .size and .sum(v)
@@ -70,14 +81,16 @@ class BatchNorm2d(Module):
             raise ValueError(f"BatchNorm2d({C}) expects an NHWC batch (N, H, W, {C}), got shape {x.shape}")
         stat = np.float64 if x.dtype == np.float64 else np.float32
         M = x.size // C
+        if train and M < 2:
+            raise ValueError(f"BatchNorm2d needs more than one value per channel in train mode, got shape {x.shape}")
+        if gpu.handles(x):
+            return self._forward_gpu(x, train)
         k = _wide_factor(M, C)
         xw = x.reshape(M // k, k * C).astype(stat, copy=False)
 
         gamma = self.weight.master.astype(stat, copy=False)
         beta = self.bias.master.astype(stat, copy=False)
         if train:
-            if M < 2:
-                raise ValueError(f"BatchNorm2d needs more than one value per channel in train mode, got shape {x.shape}")
             group_sum = self.group.sum if self.group is not None else (lambda v: v)
             Mg = M * (self.group.size if self.group is not None else 1)   # values per channel
             mean = group_sum(_fold(_colsum(xw), k, C)) / Mg
@@ -112,6 +125,8 @@ class BatchNorm2d(Module):
         return y.reshape(x.shape).astype(x.dtype, copy=False)
 
     def backward(self, dy):
+        if gpu.handles(dy):
+            return self._backward_gpu(dy)
         xp = array_module(dy)
         C, k, invstd = self.num_features, self.k, self.invstd
         xc = self.xc if self.xc is not None else self.x - xp.tile(self.mean, k)   # in fp32
@@ -138,6 +153,61 @@ class BatchNorm2d(Module):
             dx += xc
         self.xc = self.x = None
         return dx.reshape(dy.shape).astype(dy.dtype, copy=False)
+
+    # ----- the GPU branch: fused kernels (formulas in the class docstring) -----
+    def _forward_gpu(self, x, train):
+        C = self.num_features
+        x2 = array_module(x).ascontiguousarray(x).reshape(-1, C)     # (M, C)
+        stat = gpu.acc_dtype(x.dtype)
+        gamma = self.weight.master.astype(stat, copy=False)
+        running = [b.data.astype(stat, copy=False) for b in (self.running_mean, self.running_var)]
+        sums, count, mode = None, 0, "eval"
+        if train:
+            sums, count, mode = gpu.batchnorm_sums(x2), x2.shape[0], "shifted"
+            if self.group is not None:
+                sums, count, mode = self._group_moments(sums, x2), count * self.group.size, "group"
+        mean, invstd, scale = gpu.batchnorm_finalize(sums, x2, count, mode, gamma, self.eps,
+                                                     self.momentum, *running)
+        for b, r in zip((self.running_mean, self.running_var), running):
+            if r is not b.data:               # buffers of another dtype than the statistics
+                b.data[...] = r
+        y = gpu.batchnorm_affine(x2, mean, scale, self.bias.master.astype(stat, copy=False))
+        self.train, self.x, self.xc = train, x2, None   # x: (M, C) as given (fp16 stays fp16)
+        self.mean, self.invstd = mean, invstd            # (C,) each, in stat
+        return y.reshape(x.shape)
+
+    def _group_moments(self, sums, x2):
+        """This rank's sums about k = x[0] -> (sum of x, sum of (x - mean)^2) over the
+        group's batches, mean being the group's: the group sums s_r = M k + sums[0], then
+        q_r + M (s_r / M - mean)^2, where q_r = sums[1] - sums[0]^2 / M is rank r's sum of
+        squares about its own mean (Chan et al.'s combination)."""
+        M = x2.shape[0]
+        local = M * x2[0].astype(sums.dtype) + sums[0]
+        total = self.group.sum(local)
+        mean = total / (M * self.group.size)
+        q = sums[1] - sums[0] * sums[0] / M + M * (local / M - mean) ** 2
+        return array_module(x2).stack([total, self.group.sum(q)])
+
+    def _backward_gpu(self, dy):
+        C = self.num_features
+        dy2 = array_module(dy).ascontiguousarray(dy, dtype=self.x.dtype).reshape(-1, C)  # (M, C)
+        local = gpu.batchnorm_sums(self.x, dy2, self.mean)    # (2, C): sum dy, sum dy (x - mean)
+        group, count = local, dy2.shape[0]
+        if self.train and self.group is not None:             # dx sees the whole group's statistics
+            group, count = self.group.sum(local.reshape(-1)).reshape(2, C), count * self.group.size
+        gamma = self.weight.master.astype(local.dtype, copy=False)
+        grads = [p.grad if p.grad.dtype == local.dtype else p.grad.astype(local.dtype)
+                 for p in (self.weight, self.bias)]
+        coef = gpu.batchnorm_backward_coefficients(local, group, gamma, self.invstd, count,
+                                                   self.train, *grads)
+        for p, g in zip((self.weight, self.bias), grads):
+            if g is not p.grad:
+                p.grad[...] = g
+        self.bias.grad_ready()                  # in arena order: bias, then weight
+        self.weight.grad_ready()
+        dx = gpu.batchnorm_dx(dy2, self.x, self.mean, coef)
+        self.x = self.mean = None
+        return dx.reshape(dy.shape)
 
 
 def _wide_factor(M, C):

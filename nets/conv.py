@@ -8,7 +8,9 @@ With k x k kernels, stride s, zero padding p, Ho = (H + 2p - k) // s + 1:
 
 where dy is reshaped to (N*Ho*Wo, O). A 1x1 convolution without padding needs
 no im2col: col is x itself (x[:, ::s, ::s] when strided), reshaped to (-1, C).
-On a GPU with the cuDNN frontend, forward and both gradients go to cuDNN instead.
+On a GPU with the cuDNN frontend, forward and both gradients go to cuDNN instead;
+dW is written straight into the fp32 gradient arena, also from fp16 x and dy
+(where cuDNN cannot do that mix, dW alone takes the GEMM above with fp32 output).
 """
 import numpy as np
 
@@ -60,12 +62,20 @@ class Conv2d(Module):
                 f"stride={self.stride}, padding={self.padding}, bias={self.bias is not None})")
 
     def _use_cudnn(self, x):
-        return array_module(x) is not np and cudnn.supports(x.dtype) and cudnn.available()
+        return array_module(x) is not np and cudnn.available(x.dtype)
+
+    def _columns(self, x, out=None):
+        """col (N*Ho*Wo, k*k*C) of the GEMM form (module docstring): x itself for a
+        pointwise convolution, else im2col(x) (into `out` when given)."""
+        k, s, p = self.k, self.stride, self.padding
+        if self.pointwise:
+            xs = x if s == 1 else x[:, ::s, ::s, :]
+            return array_module(x).ascontiguousarray(xs).reshape(-1, x.shape[3])
+        return im2col(x, k, k, s, p, out=out)
 
     def forward(self, x, train=True):
         if x.ndim != 4 or x.shape[3] != self.in_channels:
             raise ValueError(f"Conv2d expects (N, H, W, {self.in_channels}), got {x.shape}")
-        xp = array_module(x)
         N, H, W, C = x.shape
         k, s, p, O = self.k, self.stride, self.padding, self.out_channels
         Ho, Wo = conv_output_size(H, k, s, p), conv_output_size(W, k, s, p)
@@ -76,14 +86,13 @@ class Conv2d(Module):
             self.x = x if train else None                       # (N, H, W, C)
         else:
             if self.pointwise:
-                xs = x if s == 1 else x[:, ::s, ::s, :]
-                col = xp.ascontiguousarray(xs).reshape(-1, C)
+                col = self._columns(x)
                 self.col = col if train else None               # (N*Ho*Wo, C)
             else:
                 # the previous step's buffer is reused: backward has finished with it
                 reuse = self.col if (self.col is not None and self.col.dtype == x.dtype
                                      and self.col.shape == (N * Ho * Wo, k * k * C)) else None
-                col = im2col(x, k, k, s, p, out=reuse)
+                col = self._columns(x, out=reuse)
                 self.col = col                                  # (N*Ho*Wo, k*k*C), kept as workspace
             y = matmul(col, w.reshape(O, -1).T).reshape(N, Ho, Wo, O)
         if self.bias is not None:
@@ -99,10 +108,12 @@ class Conv2d(Module):
             self.bias.grad_ready()
         if self._use_cudnn(dy):
             x, self.x = self.x, None
-            if gw.dtype == x.dtype:
+            try:
+                # into the arena view itself: fp32 also for fp16 x and dy
                 cudnn.conv_backward_filter(x, dy, gw.shape, s, p, out=gw)
-            else:
-                gw[...] = cudnn.conv_backward_filter(x, dy, gw.shape, s, p)
+            except cudnn.Unsupported:
+                dy2 = dy.reshape(-1, O)                         # (N*Ho*Wo, O), contiguous
+                matmul(dy2.T, self._columns(x), out=gw.reshape(O, -1))
             self.weight.grad_ready()
             return cudnn.conv_backward_data(dy, w, self.x_shape, s, p)
         xp = array_module(dy)

@@ -17,7 +17,9 @@ def softmax_cross_entropy(logits, labels, label_smoothing=0.0, scale=1.0):
     before the cast to the logits' dtype so that fp16 keeps its small values (the loss
     itself is not scaled).
 
-    Returns (loss as a Python float, dlogits with the dtype and shape of logits).
+    Returns (loss, dlogits with the dtype and shape of logits); the loss is a 0-d array
+    of the logits' module, so that on a GPU it stays on the device until the caller
+    reads it (float(loss) copies it to the host).
     """
     xp = array_module(logits)
     N, K, labels = _check(xp, logits, labels)
@@ -32,7 +34,7 @@ def softmax_cross_entropy(logits, labels, label_smoothing=0.0, scale=1.0):
     # sum_k t_k log p_k = (1 - eps) log p_label + (eps / K) sum_k log p_k
     nll = log_sum - z[rows, labels]
     smooth = log_sum - z.mean(axis=1)
-    loss = float(((1 - eps) * nll + eps * smooth).mean())
+    loss = ((1 - eps) * nll + eps * smooth).mean()
 
     p[rows, labels] -= 1 - eps
     if eps:
@@ -45,18 +47,21 @@ def softmax_cross_entropy(logits, labels, label_smoothing=0.0, scale=1.0):
 
 def accuracy_counts(logits, labels, topk=(1, 5)):
     """How many rows have their label among the k largest logits, for each k in topk
-    (k capped at the number of classes). A label counts as within the top k when
-    fewer than k logits are strictly larger than its own (ties favour the label)."""
+    (k capped at the number of classes), as an int64 array of the logits' module (on a
+    GPU it stays there until read). A label counts as within the top k when fewer than
+    k logits are strictly larger than its own (ties favour the label)."""
     xp = array_module(logits)
     N, K, labels = _check(xp, logits, labels)
     own = logits[xp.arange(N), labels]
     rank = (logits > own[:, None]).sum(axis=1)
-    return [int((rank < min(k, K)).sum()) for k in topk]
+    return xp.stack([(rank < min(k, K)).sum() for k in topk]).astype(np.int64)
 
 
 def _check(xp, logits, labels):
     """(N, K, labels as an array) after checking that logits are (N, K) with N > 0
-    and labels are N integers in [0, K)."""
+    and labels are N integers, in [0, K) when they are host arrays (reading device
+    labels back to check them would cost a copy every step; the loader has checked
+    every label of its file against the number of classes)."""
     if getattr(logits, "ndim", None) != 2 or logits.shape[0] == 0:
         raise ValueError(f"logits must be 2-D (N, classes) with N > 0, got shape {getattr(logits, 'shape', None)}")
     N, K = logits.shape
@@ -65,6 +70,8 @@ def _check(xp, logits, labels):
         raise ValueError(f"labels must be 1-D with one entry per row of logits ({N}), got shape {labels.shape}")
     if labels.dtype.kind not in "iu":
         raise ValueError(f"labels must be integers, got dtype {labels.dtype}")
+    if xp is not np:
+        return N, K, labels
     lo, hi = int(labels.min()), int(labels.max())
     if lo < 0 or hi >= K:
         raise ValueError(f"labels must lie in [0, {K}) (there are {K} classes), got values from {lo} to {hi}")

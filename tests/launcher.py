@@ -1,15 +1,90 @@
-"""The MPI launcher for tests that start their own jobs."""
+"""The MPI launcher for tests that start their own jobs, whatever the MPI: the venv's
+mpiexec as launch.sh recorded it (MPICH's hydra or Open MPI's mpirun), with the options
+it needs, in an environment without the launch variables of any job around the test.
+
+    command(ranks, *argv)        [mpiexec, options, -np, ranks, *argv]
+    mpitrain_command(ranks, ...) command(ranks, python, -m, mpitrain, ...)
+    environment(ranks)           the environment for it (pass it: env=environment(n))
+    family()                     "mpich" or "openmpi"
+
+Tests that start MPI jobs are marked `launches` (CI runs them again under a second MPI).
+Find a rank's pid in its run directory's heartbeat files
+(mpitrain.control.read_heartbeats), never in a launcher's process tree; assert the
+statuses mpitrain promises, and what the launchers report for them only as README's
+"On a cluster" documents it.
+"""
+import functools
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from mpitrain.launcher import installed_mpi, mpi_family, outside_environment
 
+
+@functools.lru_cache(maxsize=None)
 def mpiexec():
-    """The mpiexec beside this Python (the virtual environment's MPICH), else the one on PATH."""
+    """The mpiexec launch.sh recorded for this venv, else the one beside this Python (the
+    mpich wheel), else the one on PATH."""
+    record = installed_mpi()
+    if record and os.path.exists(record["mpiexec"]):
+        return record["mpiexec"]
     here = Path(sys.executable).parent / "mpiexec"
     found = str(here) if here.exists() else shutil.which("mpiexec")
     if found is None:
         pytest.fail("no mpiexec: run ./launch.sh setup")
     return found
+
+
+@functools.lru_cache(maxsize=None)
+def family():
+    """"mpich" or "openmpi": the library this Python's mpi4py is built against."""
+    record = installed_mpi()
+    if record and record.get("impl") in ("mpich", "openmpi"):
+        return record["impl"]
+    found = None
+    if "mpi4py.MPI" in sys.modules:              # never import it here: that starts MPI
+        found = mpi_family(sys.modules["mpi4py.MPI"].Get_library_version())
+    if found is None:
+        version = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True)
+        found = "openmpi" if "Open MPI" in version.stdout + version.stderr \
+            or "OpenRTE" in version.stdout + version.stderr else "mpich"
+    return found
+
+
+def cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def options(ranks):
+    """The launcher's options for `ranks` ranks on this host. Open MPI: no binding (each
+    rank's threads share the cores, as under MPICH) and more ranks than cores allowed."""
+    if family() != "openmpi":
+        return []
+    return ["--bind-to", "none"] + (["--oversubscribe"] if ranks > cores() else [])
+
+
+def command(ranks, *argv):
+    return [mpiexec(), *options(ranks), "-np", str(ranks), *argv]
+
+
+def mpitrain_command(ranks, *args):
+    """`mpiexec -np ranks python -m mpitrain args`."""
+    return command(ranks, sys.executable, "-m", "mpitrain", *args)
+
+
+def environment(ranks=None):
+    """The environment for a job: this one without launch variables (a job started from
+    inside another would join it, or be refused), Open MPI's consent to run as root, and,
+    for `ranks` ranks, each rank's share of the cores in threads (as launch.sh gives)."""
+    env = outside_environment()
+    if family() == "openmpi" and os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    if ranks:
+        threads = str(max(1, cores() // ranks))
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
+            env[var] = threads
+    return env

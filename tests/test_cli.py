@@ -111,18 +111,20 @@ def test_bench_update_times_kernels_that_compute_the_numpy_step():
         assert figures["max_diff_vs_numpy"] < 1e-5, impl
 
 
+@pytest.mark.launches
 def test_bench_comm_sums_the_model_arena_as_training_does():
     """bench comm must time the model's own gradient arena (its tensors, in arena order)
     allocated as training allocates it, in the node's shared memory: only then does
     `hybrid` take the path training takes (shm for the arena and its buckets)."""
-    from launcher import mpiexec
+    import launcher
 
     from mpitrain.nets import build_model
     sizes = build_model("resnet_small").arena.segments["size"]
-    r = subprocess.run([mpiexec(), "-np", "2", sys.executable, "-m", "mpitrain", "bench", "comm",
-                        "--model", "resnet_small", "--algorithms", "flat,hybrid",
-                        "--fusion-mib", "4", "--repeats", "1", "--no-sweep", "--json"],
-                       capture_output=True, text=True, timeout=180)
+    r = subprocess.run(launcher.mpitrain_command(2, "bench", "comm",
+                                                 "--model", "resnet_small", "--algorithms",
+                                                 "flat,hybrid", "--fusion-mib", "4", "--repeats",
+                                                 "1", "--no-sweep", "--json"),
+                       capture_output=True, text=True, timeout=180, env=launcher.environment(2))
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout)
     assert result["values"] == int(sizes.sum())

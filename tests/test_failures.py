@@ -4,24 +4,21 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import numpy as np
 import pytest
 
 from mpitrain import checkpoint
-from test_checkpoint import command, environment, solo, wait_for
+import launcher
+from test_checkpoint import command, environment, heartbeats, solo, wait_for
+
+# every test here starts mpitrain as a job (under mpiexec, or as an MPI singleton)
+pytestmark = pytest.mark.launches
 
 # 3 epochs of 22 steps: long enough to interrupt in the middle of epoch 2
 JOB = ("train", "--epochs", "3", "--batch-size", "64")
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    from mpitrain.datasets.convert import convert_digits
-    path = tmp_path_factory.mktemp("digits")
-    convert_digits(str(path))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -45,35 +42,9 @@ def launch(ranks, *args, log):
                             env=environment(ranks))
 
 
-def rank_pid(job, rank, timeout=30):
-    """The pid of MPI rank `rank` among the descendants of `job` (from PMI_RANK)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        parents = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat") as f:
-                        parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-                except OSError:
-                    continue
-        for pid in parents:
-            p = pid
-            while p in parents and p != job.pid:
-                p = parents[p]
-            if p != job.pid or pid == job.pid:
-                continue
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    env = f.read().split(b"\0")
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    is_python = b"mpitrain" in f.read()
-            except OSError:
-                continue
-            if is_python and f"PMI_RANK={rank}".encode() in env:
-                return pid
-        time.sleep(0.1)
-    pytest.fail(f"rank {rank} of the job not found")
+def rank_pid(job, run_dir, rank):
+    """The pid of MPI rank `rank` of `job`, from the run's heartbeat files (any MPI)."""
+    return heartbeats(run_dir, 2, job)[rank]["pid"]
 
 
 def run_quick(*args, timeout=120):
@@ -90,7 +61,7 @@ def test_kill_9_of_rank_1_ends_the_job_and_the_checkpoint_loads(digits, tmp_path
         try:
             wait_for(run_dir / "checkpoint-000000022.h5", job)
             time.sleep(1.0)                                 # into epoch 2
-            os.kill(rank_pid(job, 1), signal.SIGKILL)
+            os.kill(rank_pid(job, run_dir, 1), signal.SIGKILL)
             killed = time.monotonic()
             rc = job.wait(timeout=30)
             took = time.monotonic() - killed
@@ -111,7 +82,7 @@ def test_stall_watchdog_ends_the_job(digits, tmp_path):
         stalled = None
         try:
             wait_for(run_dir / "checkpoint-000000022.h5", job)
-            stalled = rank_pid(job, 1)
+            stalled = rank_pid(job, run_dir, 1)
             os.kill(stalled, signal.SIGSTOP)                # rank 1 stops arriving
             rc = job.wait(timeout=40)
         finally:
@@ -126,7 +97,50 @@ def test_stall_watchdog_ends_the_job(digits, tmp_path):
     assert rc != 0, out
     assert "no progress for" in out and "(--collective-timeout 6)" in out, out
     assert "rank 0 of 2" in out, out                        # the rank left waiting says so
-    assert "ranks that did not arrive: rank 1 (" in out, out  # and names the stalled one
+    assert "; rank 1: no sign of life for" in out, out     # and names the stalled one
+
+
+FAILING = textwrap.dedent("""
+    import numpy as np
+    from mpi4py import MPI
+    from mpitrain.comm import Communicator
+    from mpitrain.comm.buckets import Reducer
+    from mpitrain.nets.conv import Conv2d
+    from mpitrain.nets.linear import Linear
+    from mpitrain.nets.module import Sequential
+    from mpitrain.nets.pool import GlobalAvgPool2d
+    from mpitrain.nets.losses import softmax_cross_entropy
+
+    comm = Communicator(MPI.COMM_WORLD)
+    conv = Conv2d(3, 4, 3, padding=1)
+    model = Sequential(conv, GlobalAvgPool2d(), Linear(4, 3)).bind()
+    reducer = Reducer(model.arena, comm, threshold=16)
+    if comm.rank == 1:                       # fails after the first buckets went out
+        def broken(dy):
+            raise RuntimeError("rank 1 fails in backward")
+        conv.backward = broken
+    x = np.ones((2, 4, 4, 3), np.float32)
+    loss, dlogits = softmax_cross_entropy(model.forward(x), np.array([0, 1]))
+    reducer.begin()
+    model.backward(dlogits)
+    reducer.finish()
+    print("rank", comm.rank, "finished: the failure went unnoticed")
+""")
+
+
+def test_a_rank_that_raises_during_the_gradient_sum_ends_the_job(tmp_path):
+    """A rank that raises during an overlapped gradient sum ends the whole job instead of
+    leaving the others waiting in the collective."""
+    script = tmp_path / "fail.py"
+    script.write_text(FAILING)
+    t = time.perf_counter()
+    done = subprocess.run(launcher.command(2, sys.executable, "-m", "mpi4py", str(script)),
+                          capture_output=True, text=True, timeout=60, env=environment(2))
+    took = time.perf_counter() - t
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "rank 1 fails in backward" in done.stderr
+    assert "unnoticed" not in done.stdout
+    assert took < 30
 
 
 def test_non_finite_loss_stops_and_saves_nothing(digits, tmp_path):
@@ -135,7 +149,7 @@ def test_non_finite_loss_stops_and_saves_nothing(digits, tmp_path):
                   "--warmup-epochs", "0", "--data-dir", str(digits), "--run-dir", str(run_dir))
     assert r.returncode == 1, r.stdout + r.stderr
     assert "the training loss is not finite" in r.stderr and "rank(s) [0]" in r.stderr
-    assert "the last checkpoint is none" in r.stderr
+    assert "the last good checkpoint is none" in r.stderr
     assert not [p for p in os.listdir(run_dir) if "checkpoint" in p]
     assert "Traceback" not in r.stderr
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from gradcheck import assert_close, check_layer
-from mpitrain.kernels import pool
+from mpitrain.kernels import cudnn, pool
 from mpitrain.kernels.im2col import col2im, col2im_generic, im2col, im2col_generic
 from mpitrain.nets.conv import Conv2d
 from mpitrain.nets.pool import AdaptiveAvgPool2d, AvgPool2d, GlobalAvgPool2d, MaxPool2d
@@ -314,3 +314,151 @@ def test_conv2d_on_cupy_matches_numpy(k, s, p, dtype):
     assert_close(cupy.asnumpy(dx_g), dx, tol, 1e-8, "dx")
     assert_close(cupy.asnumpy(gpu.weight.grad), cpu.weight.grad, tol, 1e-8, "dW")
     assert_close(cupy.asnumpy(gpu.bias.grad), cpu.bias.grad, tol, 1e-8, "db")
+
+
+# ----- cuDNN: availability is probed, and fp16 weight gradients land in fp32 -----
+REAL_WGRAD = cudnn.conv_backward_filter             # before any test replaces it
+
+
+def probe_case_conv(x, w, stride, pad):
+    """What cuDNN's fprop computes, on NumPy arrays in their own dtype (for a fake)."""
+    N, H, W, C = x.shape
+    O, k = w.shape[0], w.shape[1]
+    col = im2col_generic(x.astype(np.float64), k, k, stride, pad)
+    return (col @ w.reshape(O, -1).astype(np.float64).T).reshape(N, H, W, O).astype(x.dtype)
+
+
+def probe_case_wgrad(x, dy, w_shape, stride, pad, out=None):
+    O, k = w_shape[0], w_shape[1]
+    col = im2col_generic(x.astype(np.float64), k, k, stride, pad)
+    out[...] = (dy.reshape(-1, O).astype(np.float64).T @ col).reshape(w_shape)
+    return out
+
+
+@pytest.fixture
+def fresh_probe(monkeypatch):
+    """The cuDNN adapter with its probe not yet run and its convolutions computed on the
+    host; returns fake(gpu=..., cc=..., frontend=...), which installs host stand-ins for
+    CuPy and the frontend (frontend=False: the frontend does not import)."""
+    import sys
+    import types
+    monkeypatch.setattr(cudnn, "_probe", None)
+    monkeypatch.setattr(cudnn, "conv_forward", probe_case_conv)
+    monkeypatch.setattr(cudnn, "conv_backward_filter", probe_case_wgrad)
+
+    def fake(gpu=True, cc="90", frontend=True):
+        device = types.SimpleNamespace(compute_capability=cc)
+        monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
+            is_available=lambda: gpu, asarray=lambda a, dtype=None: np.asarray(a, dtype),
+            asnumpy=np.asarray, empty=np.empty, cuda=types.SimpleNamespace(Device=lambda: device)))
+        monkeypatch.setitem(sys.modules, "cudnn", types.SimpleNamespace(
+            __version__="1.23.0", backend_version=lambda: 91300) if frontend else None)
+    return fake
+
+
+def test_cudnn_probe_reasons_when_something_is_missing(fresh_probe, monkeypatch):
+    import sys
+    fake = fresh_probe
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    assert not cudnn.available() and not cudnn.available(np.float16)
+    assert cudnn.reason().startswith("not installed: CuPy")
+    rep = cudnn.report()
+    assert rep["available"] is False and rep["reason"] == cudnn.reason()
+    assert rep["wgrad_fp16_to_fp32"] is None
+    for setup, start in [(dict(gpu=False), "no GPU:"),
+                         (dict(frontend=False), "not installed: nvidia-cudnn-frontend")]:
+        cudnn._probe = None
+        fake(**setup)
+        assert not cudnn.available() and cudnn.reason().startswith(start), cudnn.reason()
+    assert cudnn.version() == {"cudnn": None, "cudnn_frontend": None}
+
+
+@pytest.mark.parametrize("failure,start", [
+    ("build", "graph build failed: float32 convolution"),
+    ("run", "failed to run: float32 convolution: RuntimeError"),
+    ("wrong", "wrong result: float32 convolution")])
+def test_cudnn_probe_reasons_when_the_tiny_convolution_fails(fresh_probe, monkeypatch, failure,
+                                                             start):
+    fake = fresh_probe
+    fake()
+
+    def broken(x, w, stride, pad):
+        if failure == "build":
+            raise cudnn.Unsupported("no engine")
+        if failure == "run":
+            raise RuntimeError("launch failed")
+        return probe_case_conv(x, w, stride, pad) + 1
+    monkeypatch.setattr(cudnn, "conv_forward", broken)
+    assert not cudnn.available()
+    assert cudnn.reason().startswith(start), cudnn.reason()
+    assert not cudnn.available(np.float16) and cudnn.report()["float16_reason"] == cudnn.reason()
+
+
+def test_cudnn_probe_passes_once_and_reports_versions(fresh_probe, monkeypatch):
+    fake = fresh_probe
+    fake()
+    calls = []
+    monkeypatch.setattr(cudnn, "conv_forward",
+                        lambda x, *a: calls.append(x.dtype) or probe_case_conv(x, *a))
+    for _ in range(3):
+        assert cudnn.available() and cudnn.available(np.float16) and cudnn.reason() is None
+    assert calls == [np.float32, np.float16]            # built and run once per dtype
+    assert not cudnn.available(np.float64)
+    assert cudnn.report() == dict(available=True, reason=None, float16=True, float16_reason=None,
+                                  wgrad_fp16_to_fp32=True, cudnn=91300, cudnn_frontend="1.23.0")
+
+
+def test_cudnn_probe_without_fp16_or_without_the_fp32_weight_gradient(fresh_probe, monkeypatch):
+    fake = fresh_probe
+    fake(cc="52")
+    assert cudnn.available() and not cudnn.available(np.float16)
+    assert cudnn.report()["float16_reason"].startswith("no GPU: the device has no fp16")
+
+    cudnn._probe = None
+    fake()
+
+    def unsupported(*a, **k):
+        raise cudnn.Unsupported("no engine")
+    monkeypatch.setattr(cudnn, "conv_backward_filter", unsupported)
+    assert cudnn.available(np.float16) and cudnn.report()["wgrad_fp16_to_fp32"] is False
+    x, dy = np.zeros((1, 5, 5, 3), np.float16), np.zeros((1, 5, 5, 4), np.float16)
+    for out_dtype in (np.float32, np.float64):       # after that probe, and never to float64
+        with pytest.raises(cudnn.Unsupported):
+            REAL_WGRAD(x, dy, (4, 3, 3, 3), 1, 1, out=np.empty((4, 3, 3, 3), out_dtype))
+
+
+@pytest.mark.gpu
+def test_cudnn_probe_on_the_gpu():
+    rep = cudnn.report()
+    if rep["reason"] and rep["reason"].startswith("not installed"):
+        pytest.skip(rep["reason"])
+    assert rep["available"] and rep["reason"] is None and rep["float16"], rep
+    assert isinstance(rep["cudnn"], int) and isinstance(rep["cudnn_frontend"], str)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["cudnn", "cudnn forward, GEMM wgrad", "generic"])
+def test_conv2d_fp16_weight_gradient_lands_in_fp32_at_loss_scale_2_16(path, monkeypatch):
+    """dW of fp16 x and dy (scaled by 2^16) goes straight into the fp32 arena: finite
+    where fp16 would overflow, and equal to the float64 product of the same values."""
+    import cupy
+    if path != "generic" and not cudnn.available(np.float16):
+        pytest.skip(f"cuDNN fp16: {cudnn.report()['float16_reason']}")
+    if path == "generic":
+        monkeypatch.setattr(cudnn, "available", lambda dtype=np.float32: False)
+    elif path != "cudnn":
+        def unsupported(*a, **k):
+            raise cudnn.Unsupported("as if cuDNN had no engine for fp16 -> fp32")
+        monkeypatch.setattr(cudnn, "conv_backward_filter", unsupported)
+    conv = Conv2d(16, 32, 3, padding=1).bind(dtype=np.float32, working_dtype=np.float16, xp=cupy)
+    x = rand((8, 16, 16, 16), np.float16)
+    y = conv.forward(cupy.asarray(x))
+    dy = (2.0 ** 16 * 0.01 * rand(y.shape, seed=1)).astype(np.float16)
+    dx = conv.backward(cupy.asarray(dy))
+    ref = (dy.reshape(-1, 32).astype(np.float64).T
+           @ im2col(x.astype(np.float64), 3, 3, 1, 1)).reshape(32, 3, 3, 16)
+    assert np.abs(ref).max() > 65504                 # an fp16 dW would overflow here
+    gw = cupy.asnumpy(conv.weight.grad)
+    assert gw.dtype == np.float32 and np.isfinite(gw).all()
+    assert_close(gw.astype(np.float64), ref, 1e-4, 1e-6, "dW")
+    assert dx.dtype == np.float16 and bool(cupy.isfinite(dx).all())

@@ -1,9 +1,7 @@
 """Mixed precision: the loss scaler's state machine, skipped steps (weights and BatchNorm
 statistics untouched), fp16 activations in the layers, and fp16 training of the digits."""
-import os
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,7 +13,7 @@ from mpitrain.nets.conv import Conv2d
 from mpitrain.nets.resnet import _Block
 from mpitrain.optim import SGD
 from mpitrain.precision import LossScaleError, LossScaler, make_scaler
-from launcher import mpiexec
+import launcher
 
 
 # ----- the scaler -----
@@ -183,14 +181,9 @@ def test_fp16_model_holds_fp16_activations_and_half_size_working_weights():
 def run_default_job(tmp_path, *args):
     """The default job (resnet_small on the digits, 8 epochs, 2 ranks) with `args`, under
     mpirun with each rank's share of the cores (as launch.sh runs it). Returns stdout."""
-    env = dict(os.environ)
-    threads = str(max(1, len(os.sched_getaffinity(0)) // 2))
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
-        env[var] = threads
-    r = subprocess.run([mpiexec(), "-np", "2",
-                        sys.executable, "-m", "mpitrain", "train", "--data-dir", str(tmp_path),
-                        "--checkpoint-every", "0", *args],
-                       capture_output=True, text=True, timeout=600, env=env)
+    r = subprocess.run(launcher.mpitrain_command(2, "train", "--data-dir", str(tmp_path),
+                                                 "--checkpoint-every", "0", *args),
+                       capture_output=True, text=True, timeout=600, env=launcher.environment(2))
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
 
@@ -204,3 +197,19 @@ def test_fp16_digits_training_reaches_the_default_jobs_accuracy(tmp_path):
     assert float(final[0]) >= 95.0, out
     skipped = re.search(r"loss scale [\d.]+ at the end; (\d+) step", out).group(1)
     assert int(skipped) < 35, out
+
+
+def test_the_step_that_grows_the_scale_is_unscaled_by_the_scale_it_was_made_with():
+    """A dynamic scaler doubles its scale after growth_interval clean steps: that step's
+    gradient was made with the old scale and must be divided by it (in float64: the same
+    update as without loss scaling, to rounding)."""
+    from mpitrain.train import train_step
+    x = np.random.default_rng(0).standard_normal((4, 8, 8, 3))
+    after = []
+    for scaler in (None, LossScaler("dynamic", init_scale=4.0, growth_interval=1)):
+        model = build_model("resnet_small", num_classes=10, dtype=np.float64)
+        opt = SGD(model.arena, momentum=0.9)
+        train_step(model, opt, solo_reducer(model), x, np.arange(4), lr=0.1, scaler=scaler)
+        after.append(model.arena.master.copy())
+    assert scaler.scale == 8.0                    # the step grew the scale
+    np.testing.assert_allclose(after[1], after[0], rtol=1e-12, atol=1e-15)

@@ -1,14 +1,12 @@
 """The training pieces: the batch check, and the default job end to end under mpirun
 (the optimizers and schedules are tested in test_optim.py)."""
-import os
 import re
 import subprocess
-import sys
 
 import pytest
 
-from mpitrain.train import ConfigError, check_batch
-from launcher import mpiexec
+from mpitrain.checks import ConfigError, check_batch
+import launcher
 
 
 def test_check_batch():
@@ -23,14 +21,11 @@ def test_check_batch():
 def run_train(ranks, *args, timeout):
     """`mpirun -np ranks python -m mpitrain train args`, with each rank's share of the cores
     (as launch.sh gives it)."""
-    env = dict(os.environ)
-    threads = str(max(1, len(os.sched_getaffinity(0)) // ranks))
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
-        env[var] = threads
-    return subprocess.run([mpiexec(), "-np", str(ranks), sys.executable, "-m", "mpitrain", "train",
-                           *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(launcher.mpitrain_command(ranks, "train", *args), capture_output=True,
+                          text=True, timeout=timeout, env=launcher.environment(ranks))
 
 
+@pytest.mark.launches
 def test_batch_that_does_not_divide_is_refused_before_any_work():
     r = run_train(2, "--batch-size", "63", timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
@@ -40,6 +35,7 @@ def test_batch_that_does_not_divide_is_refused_before_any_work():
     assert "epoch" not in r.stdout                          # no training happened
 
 
+@pytest.mark.launches
 def test_default_job_reaches_95_percent(tmp_path):
     r = run_train(2, "--data-dir", str(tmp_path), "--run-dir", str(tmp_path / "run"), timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -449,6 +449,63 @@ def test_overflow_check_of_an_empty_array_is_clean():
     assert not update.has_overflow(np.zeros(0, np.float32), impl="numba")
 
 
+@pytest.mark.parametrize("impl", ["numpy", "numba"])
+def test_nonfinite_flag_writes_a_device_style_scalar_and_clears_it(impl):
+    grad = np.ones(2001, np.float32)
+    flag = update.nonfinite_flag(grad, impl=impl)
+    assert flag.dtype == np.int32 and flag.shape == (1,) and flag[0] == 0
+    grad[1999] = np.nan
+    assert update.nonfinite_flag(grad, out=flag, impl=impl) is flag and flag[0] == 1
+    grad[1999] = 1.0                                  # a stale 1 is cleared
+    assert update.nonfinite_flag(grad, out=flag, impl=impl)[0] == 0
+
+
+# ----- launching CUDA kernels on the compute stream -----
+
+class FakeCupyArray:
+    """Stands for a CuPy array: launch() recognises CuPy arrays by their type's module."""
+    def __init__(self, name):
+        self.name = name
+
+
+FakeCupyArray.__module__ = "cupy._core.core"
+
+
+def test_launch_runs_on_cupys_stream_without_a_sync_per_array(monkeypatch):
+    """CuPy arrays reach the kernel wrapped with as_cuda_array(sync=False), the launch goes
+    to the Numba wrapper of CuPy's current stream (made once per stream), scalars and
+    NumPy arrays pass untouched, and kernels on host arrays launch as before."""
+    import sys
+    import types
+    from numba import cuda
+    stream = types.SimpleNamespace(ptr=0xABC)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
+        cuda=types.SimpleNamespace(get_current_stream=lambda: stream)))
+    wrapped, made = [], []
+    monkeypatch.setattr(cuda, "as_cuda_array",
+                        lambda a, sync=True: wrapped.append((a.name, sync)) or ("dev", a.name),
+                        raising=False)
+    monkeypatch.setattr(cuda, "external_stream", lambda ptr: made.append(ptr) or f"numba {ptr:#x}",
+                        raising=False)
+    monkeypatch.setattr(segments, "_numba_streams", {})
+    launches = []
+
+    class Kernel:
+        def __getitem__(self, config):
+            return lambda *args: launches.append((config, args))
+
+    host = np.zeros(3)
+    for _ in range(2):
+        segments.launch(Kernel(), 4, 32, FakeCupyArray("a"), 1.5, host, FakeCupyArray("b"))
+    assert wrapped == [("a", False), ("b", False)] * 2 and made == [0xABC]
+    assert launches[0] == ((4, 32, "numba 0xabc"), (("dev", "a"), 1.5, host, ("dev", "b")))
+    stream.ptr = 0                                    # CuPy's null stream: the legacy default
+    segments.launch(Kernel(), 1, 32, FakeCupyArray("c"))
+    assert launches[-1][0] == (1, 32, 0)
+    segments.launch(Kernel(), 2, 64, host, 3)
+    assert launches[-1] == ((2, 64), (host, 3))
+
+
 # ----- casts -----
 
 def half_inputs():
@@ -603,10 +660,13 @@ def sim_lamb():
 def sim_overflow_and_casts():
     grad = np.random.default_rng(10).standard_normal(50).astype(np.float32)
     assert not update.has_overflow(grad, impl="cuda")
+    flag = np.ones(1, np.int32)                         # a stale 1: cleared by the kernel
+    assert update.nonfinite_flag(grad, out=flag, impl="cuda") is flag and flag[0] == 0
     for where, bad in [(0, np.inf), (25, np.nan), (49, -np.inf)]:
         g = grad.copy()
         g[where] = bad
         assert update.has_overflow(g, impl="cuda")
+        assert update.nonfinite_flag(g, out=flag, impl="cuda")[0] == 1
     x = np.array([0.5, 65520, 2.0 ** -25, 3 * 2.0 ** -25, -1 - 2.0 ** -11, np.nan, -np.inf] +
                  list(grad[:40]), np.float32)
     with np.errstate(over="ignore", invalid="ignore"):

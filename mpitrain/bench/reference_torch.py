@@ -4,7 +4,8 @@ Never imported by the training path. torchvision is not available here, so its
 AlexNet and ResNet (v1.5) are written out below with torchvision's module names;
 the state_dict keys are then exactly mpitrain's parameter and buffer names.
 
-Layouts differ in two places:
+Layouts differ in two places, converted by mpitrain.export (NumPy only, so that
+`export` writes torchvision's layout without torch):
 - convolution weights: mpitrain OHWI, torch OIHW  (torch = ours.transpose(0, 3, 1, 2));
 - a linear layer after a flatten (AlexNet's classifier.1): mpitrain flattens NHWC in
   (H, W, C) order, torch NCHW in (C, H, W) order, so the weight's columns are permuted.
@@ -14,14 +15,12 @@ import torch
 from torch import nn
 
 from mpitrain.backend import to_numpy
+from mpitrain.export import flattened, from_torch_layout, torch_state_dict
 from mpitrain.nets import alexnet as ours_alexnet
 from mpitrain.nets import resnet as ours_resnet
 
 
 class AlexNet(nn.Module):
-    # (H, W, C) of the tensor flattened before each such linear weight
-    flattened = {"classifier.1.weight": (6, 6, 256)}
-
     def __init__(self, num_classes=1000, batch_norm=False, dropout=0.5):
         super().__init__()
         layers, in_ch = [], 3
@@ -86,8 +85,6 @@ class Bottleneck(nn.Module):
 
 
 class ResNet(nn.Module):
-    flattened = {}
-
     def __init__(self, block, layers, num_classes=1000, widths=(64, 128, 256, 512),
                  small_stem=False, stem_stride=1):
         super().__init__()
@@ -134,43 +131,13 @@ def twin(model):
     raise TypeError(f"no torch twin for {type(model).__name__}")
 
 
-def _ours_to_torch(a, flat_hwc=None):
-    if a.ndim == 4:                              # OHWI -> OIHW
-        return a.transpose(0, 3, 1, 2)
-    if flat_hwc is not None:                     # columns (H, W, C) -> (C, H, W)
-        return a.reshape(a.shape[0], *flat_hwc).transpose(0, 3, 1, 2).reshape(a.shape[0], -1)
-    return a
-
-
-def _torch_to_ours(a, flat_hwc=None):
-    if a.ndim == 4:                              # OIHW -> OHWI
-        return a.transpose(0, 2, 3, 1)
-    if flat_hwc is not None:                     # columns (C, H, W) -> (H, W, C)
-        h, w, c = flat_hwc
-        return a.reshape(a.shape[0], c, h, w).transpose(0, 2, 3, 1).reshape(a.shape[0], -1)
-    return a
-
-
 def to_torch(model, dtype=torch.float32):
     """A torch twin of `model` holding its master weights and BN running statistics."""
     with torch.device("meta"):                   # skip torch's own initialisation: all is overwritten
         tmodel = twin(model).to(dtype)
     tmodel = tmodel.to_empty(device="cpu")
-    state = tmodel.state_dict()
-    ours = dict(model.named_params())
-    ours.update(model.named_buffers())
-    theirs = {k for k in state if not k.endswith("num_batches_tracked")}
-    if theirs != set(ours):
-        raise RuntimeError(f"names differ: only in torch {sorted(theirs - set(ours))}, "
-                           f"only in mpitrain {sorted(set(ours) - theirs)}")
-    with torch.no_grad():
-        for name, t in ours.items():
-            a = to_numpy(t.master if hasattr(t, "master") else t.data)
-            a = _ours_to_torch(a, tmodel.flattened.get(name))
-            state[name].copy_(torch.from_numpy(np.ascontiguousarray(a)))
-        for name, t in state.items():
-            if name.endswith("num_batches_tracked"):
-                t.zero_()
+    state = {name: torch.from_numpy(a) for name, a in torch_state_dict(model).items()}
+    tmodel.load_state_dict(state, strict=True)   # names the keys either side lacks
     return tmodel
 
 
@@ -182,8 +149,9 @@ def input_to_torch(x, dtype=torch.float32):
 def grads_to_ours(model, tmodel):
     """name -> the torch gradient of each of `model`'s parameters, as numpy in mpitrain's layout."""
     tparams = dict(tmodel.named_parameters())
-    return {name: np.ascontiguousarray(_torch_to_ours(tparams[name].grad.detach().numpy(),
-                                                      tmodel.flattened.get(name)))
+    flat = flattened(model)
+    return {name: np.ascontiguousarray(from_torch_layout(tparams[name].grad.detach().numpy(),
+                                                         flat.get(name)))
             for name, _ in model.named_params()}
 
 

@@ -12,6 +12,13 @@ ours / torch is what to quote. Both report the loss of their first step
 (`first_loss`, before any update), which agree when both ran the same network
 on the same batch (not with Dropout, whose masks differ).
 
+`--device gpu` runs the same on a GPU (CuPy, cuDNN), the device synchronised
+before every clock read; `--precision fp16` takes the training path's mixed
+precision (fp16 compute, fp32 master weights, dynamic loss scale with its
+overflow check). On a GPU the PyTorch side runs there too, with the twin in
+channels_last (NHWC, as mpitrain) and, for fp16, automatic mixed precision
+(torch.autocast + GradScaler), on the same batch.
+
 OpenBLAS reads OPENBLAS_CORETYPE when it loads. Where a machine forces an older
 core type, `--native-openblas` re-runs the command without it (and without
 OPENBLAS_L2_SIZE) and says so.
@@ -59,25 +66,61 @@ def _summary(batch, phases, first_loss=None):
     return out
 
 
-def time_ours(model, x, y, steps, warmup, lr=0.01, momentum=0.9, weight_decay=1e-4):
+class OneStep:
+    """One process's training step as train_step runs it, without communication:
+    forward + softmax cross-entropy (its gradient times the loss scale), backward,
+    then the overflow check and the SGD update (momentum 0.9, weight decay 1e-4),
+    skipped when the scaled gradient overflowed. precision "fp16" takes the dynamic
+    loss scale of training (mpitrain.precision.make_scaler); "fp32" neither scales
+    nor checks. The model's working dtype says what it computes in."""
+
+    def __init__(self, model, precision="fp32", lr=0.01, momentum=0.9, weight_decay=1e-4):
+        from mpitrain.optim import SGD
+        from mpitrain.precision import make_scaler
+        self.model, self.lr = model, lr
+        self.optimizer = SGD(model.arena, momentum=momentum, weight_decay=weight_decay)
+        self.scaler = make_scaler(None, precision)
+
+    def forward(self, x, y):
+        """(logits, loss) of the batch; keeps the loss gradient for backward."""
+        from mpitrain.nets.losses import softmax_cross_entropy
+        logits = self.model.forward(x, train=True)
+        loss, self.dlogits = softmax_cross_entropy(logits, y, scale=self.scaler.scale)
+        return logits, loss
+
+    def backward(self):
+        self.model.backward(self.dlogits)
+
+    def update(self):
+        """The update unless the gradient overflowed; returns whether it was applied."""
+        from mpitrain.kernels.update import has_overflow
+        scale = self.scaler.scale           # the scale the gradient carries
+        overflow = self.scaler.check and has_overflow(self.model.arena.grad)
+        applied = self.scaler.update(overflow)
+        if applied:
+            self.optimizer.step(self.lr, inv_scale=1.0 / scale)
+        return applied
+
+
+def _clock():
+    """time.perf_counter() once the device's queued work is done."""
     from mpitrain import backend
-    from mpitrain.nets.losses import softmax_cross_entropy
-    from mpitrain.optim import SGD
-    optimizer = SGD(model.arena, momentum=momentum, weight_decay=weight_decay)
+    backend.synchronize()
+    return time.perf_counter()
+
+
+def time_ours(model, x, y, steps, warmup, precision="fp32"):
+    step = OneStep(model, precision)
     phases = {"forward_loss": [], "backward": [], "update": []}
     first_loss = None
     for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        logits = model.forward(x, train=True)
-        loss, dlogits = softmax_cross_entropy(logits, y)
-        backend.synchronize()
-        t1 = time.perf_counter()
-        model.backward(dlogits)
-        backend.synchronize()
-        t2 = time.perf_counter()
-        optimizer.step(lr)
-        backend.synchronize()
-        t3 = time.perf_counter()
+        t0 = _clock()
+        _, loss = step.forward(x, y)
+        t1 = _clock()
+        step.backward()
+        t2 = _clock()
+        step.update()
+        t3 = _clock()
         if i == 0:
             first_loss = float(loss)
         if i >= warmup:
@@ -86,33 +129,61 @@ def time_ours(model, x, y, steps, warmup, lr=0.01, momentum=0.9, weight_decay=1e
     return _summary(len(y), phases, first_loss)
 
 
-def time_torch(model, x, y, steps, warmup, threads, lr=0.01, momentum=0.9, weight_decay=1e-4):
+def time_torch(model, x, y, steps, warmup, threads, lr=0.01, momentum=0.9, weight_decay=1e-4,
+               device="cpu", precision="fp32"):
+    """The same steps in PyTorch. On a GPU: the twin in channels_last and, for fp16,
+    torch.autocast with a GradScaler (PyTorch's own mixed precision; on the CPU the
+    twin runs in fp32 whatever `precision` says)."""
+    import contextlib
+
     import torch
     from mpitrain.bench.reference_torch import input_to_torch, to_torch
     torch.set_num_threads(threads)
-    tmodel = to_torch(model).train()
-    tx, ty = input_to_torch(x), torch.from_numpy(y)
+    gpu = device != "cpu"
+    where = "cuda" if gpu else "cpu"
+    layout = torch.channels_last if gpu else torch.contiguous_format
+    amp = gpu and precision == "fp16"
+    tmodel = to_torch(model).to(where, memory_format=layout).train()
+    tx = input_to_torch(x).to(where).contiguous(memory_format=layout)
+    ty = torch.from_numpy(y).to(where)
     optimizer = torch.optim.SGD(tmodel.parameters(), lr=lr, momentum=momentum,
                                 weight_decay=weight_decay)
+    scaler = torch.amp.GradScaler("cuda") if amp else None
+    autocast = (lambda: torch.autocast(device_type="cuda", dtype=torch.float16)) if amp \
+        else contextlib.nullcontext
     loss_fn = torch.nn.CrossEntropyLoss()
+
+    def clock():
+        if gpu:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     phases = {"forward_loss": [], "backward": [], "update": []}
     first_loss = None
     for i in range(warmup + steps):
-        t0 = time.perf_counter()
+        t0 = clock()
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(tmodel(tx), ty)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        optimizer.step()
-        t3 = time.perf_counter()
+        with autocast():
+            loss = loss_fn(tmodel(tx), ty)
+        t1 = clock()
+        (scaler.scale(loss) if amp else loss).backward()
+        t2 = clock()
+        if amp:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        t3 = clock()
         if i == 0:
             first_loss = loss.item()
         if i >= warmup:
             for name, t in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
                 phases[name].append(t)
-    return {"version": torch.__version__, "threads": torch.get_num_threads(),
-            **_summary(len(y), phases, first_loss)}
+    out = {"version": torch.__version__, "threads": torch.get_num_threads()}
+    if gpu:
+        out.update(device=torch.cuda.get_device_name(), precision="amp fp16" if amp else "fp32",
+                   memory_format="channels_last")
+    return {**out, **_summary(len(y), phases, first_loss)}
 
 
 def torch_in_child(spec):
@@ -130,7 +201,10 @@ def torch_in_child(spec):
     code = ("import torch, json, sys; from mpitrain.bench.step import _torch_child; "
             "print(json.dumps(_torch_child(json.loads(sys.argv[1]))))")
     out = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env=env,
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"the PyTorch reference failed (exit {out.returncode}):\n"
+                           f"{out.stderr.strip()[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -138,7 +212,8 @@ def _torch_child(spec):
     from mpitrain.nets import build_model
     model = build_model(spec["model_name"], num_classes=spec["num_classes"], seed=spec["seed"])
     x, y = random_batch(model, spec["batch"], spec["image_size"], spec["num_classes"], spec["seed"])
-    return time_torch(model, x, y, spec["steps"], spec["warmup"], spec["threads"])
+    return time_torch(model, x, y, spec["steps"], spec["warmup"], spec["threads"],
+                      device=spec.get("device", "cpu"), precision=spec.get("precision", "fp32"))
 
 
 def random_batch(model, batch, image_size, num_classes, seed):
@@ -149,20 +224,59 @@ def random_batch(model, batch, image_size, num_classes, seed):
 
 
 def bench_step(model_name, image_size=64, batch=32, steps=10, warmup=2, num_classes=1000,
-               seed=0, reference=None):
-    """Time training steps of `model_name` on a random batch; returns a dict (see main_step)."""
-    from mpitrain.nets import build_model
-    model = build_model(model_name, num_classes=num_classes, seed=seed)
-    x, y = random_batch(model, batch, image_size, num_classes, seed)
+               seed=0, reference=None, device="cpu", precision="fp32"):
+    """Time training steps of `model_name` on a random batch; returns a dict (see main_step).
+    device: "cpu", "gpu" or "auto" (backend.use_device; a missing GPU raises DeviceError)."""
+    from mpitrain import backend
+    backend.use_device(device)
     result = {"model": model_name, "image_size": image_size, "batch": batch, "steps": steps,
-              "warmup": warmup, "blas": blas_info()}
-    result["mpitrain"] = time_ours(model, x, y, steps, warmup)
+              "warmup": warmup, "device": backend.device, "precision": precision,
+              "blas": blas_info()}
+    if backend.device != "cpu":
+        from mpitrain.config import gpu_environment
+        result["gpu"] = gpu_environment()
+    result["mpitrain"] = _time_fresh(model_name, image_size, batch, num_classes, seed, steps,
+                                     warmup, precision)
     if reference == "torch":
-        result["torch"] = torch_in_child(dict(
-            model_name=model_name, image_size=image_size, batch=batch, num_classes=num_classes,
-            seed=seed, steps=steps, warmup=warmup, threads=result["blas"]["threads"]))
-        result["ratio"] = result["mpitrain"]["images_per_s"] / result["torch"]["images_per_s"]
+        if backend.device != "cpu":     # the child's PyTorch needs the memory CuPy keeps pooled
+            backend.xp.get_default_memory_pool().free_all_blocks()
+        try:
+            result["torch"] = torch_in_child(dict(
+                model_name=model_name, image_size=image_size, batch=batch,
+                num_classes=num_classes, seed=seed, steps=steps, warmup=warmup,
+                threads=result["blas"]["threads"], device=backend.device, precision=precision))
+        except RuntimeError as e:      # mpitrain's figures stand without the reference
+            result["torch_error"] = str(e)
+        else:
+            result["ratio"] = result["mpitrain"]["images_per_s"] / result["torch"]["images_per_s"]
     return result
+
+
+def _time_fresh(model_name, image_size, batch, num_classes, seed, steps, warmup, precision):
+    """time_ours on a model and batch made here on the current device (freed on return)."""
+    model, x, y = build_on_device(model_name, image_size, batch, num_classes, seed, precision)
+    return time_ours(model, x, y, steps, warmup, precision)
+
+
+def new_model(model_name, num_classes, seed, precision="fp32"):
+    """The network from `seed` on backend.xp's device, with fp16 working weights under fp16."""
+    import numpy as np
+
+    from mpitrain.nets import build_model
+    return build_model(model_name, num_classes=num_classes, seed=seed,
+                       working_dtype=np.float16 if precision == "fp16" else None)
+
+
+def build_on_device(model_name, image_size, batch, num_classes, seed, precision="fp32",
+                    batch_seed=None):
+    """(model, x, y) on backend.xp's device: the network from `seed` (fp16 working weights
+    under fp16) and random_batch's batch from `batch_seed` (default: seed), the same on
+    every device for the same seeds."""
+    from mpitrain import backend
+    model = new_model(model_name, num_classes, seed, precision)
+    x, y = random_batch(model, batch, image_size, num_classes,
+                        seed if batch_seed is None else batch_seed)
+    return model, backend.xp.asarray(x), backend.xp.asarray(y)
 
 
 # ----- under mpirun: data-parallel steps, scaling against one rank -----
@@ -179,15 +293,19 @@ class ParallelSteps:
     comm_total (the buckets' all-reduce time, measured where it runs), update.
     reducer_args: the mpitrain.comm.buckets.Reducer arguments after the arena (comm,
     threshold, algorithm, wire dtype, overlap). An arena takes one Reducer at a time, so
-    each step makes its own and closes it after the step (outside the timing)."""
+    each step makes its own and closes it after the step (outside the timing). On a GPU
+    the step ends when the device is done with it; comm_wait is then only the host's
+    wait (the all-reduce is ordered by events), and saved_ms tells what overlap gained."""
     NAMES = {"forward": "forward", "backward": "backward", "comm": "comm_wait",
              "bucket": "comm_total", "update": "update"}
 
-    def __init__(self, model, reducer_args, world, lr=0.01):
+    def __init__(self, model, reducer_args, world, lr=0.01, precision="fp32"):
         from mpitrain.metrics import Timeline
         from mpitrain.optim import SGD
+        from mpitrain.precision import make_scaler
         self.model, self.reducer_args, self.world, self.lr = model, reducer_args, world, lr
         self.optimizer = SGD(model.arena, momentum=0.9, weight_decay=1e-4)
+        self.scaler = make_scaler(None, precision)
         self.timeline = Timeline()
         self.phases = {v: [] for v in self.NAMES.values()}
         self.steps = []
@@ -198,12 +316,12 @@ class ParallelSteps:
         from mpitrain.train import train_step
         reducer = Reducer(self.model.arena, *self.reducer_args, timeline=self.timeline)
         self.world.Barrier()
-        t0 = time.perf_counter()
+        t0 = _clock()
         try:
             train_step(self.model, self.optimizer, reducer, x, y, self.lr,
-                       timeline=self.timeline)
+                       scaler=self.scaler, timeline=self.timeline)
         finally:
-            took = time.perf_counter() - t0
+            took = _clock() - t0
             reducer.close()
         took = self.world.allreduce(took, op=MPI.MAX)
         totals = self.timeline.take_totals()
@@ -227,7 +345,7 @@ def _sleep_until(request):
 
 def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
                         num_classes=1000, seed=0, threshold=4 << 20, algorithm="hybrid",
-                        comm_dtype="fp32"):
+                        comm_dtype="fp32", device="cpu", precision="fp32"):
     """Under mpirun: N ranks x `batch` images each, with the gradient buckets summed during
     backward and after it (--no-overlap), against one rank with the same batch and the
     threads of all the node's ranks (the other ranks sleep meanwhile). The three take
@@ -235,38 +353,40 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
     Scaling efficiency = N-rank images/s / one-rank images/s (the issue's "2 ranks x 1
     thread vs 1 rank x 2 threads"). hidden_fraction: the share of the all-reduce time that
     ran while backward was still running; saved_ms: how much shorter the overlapped step
-    is than the --no-overlap one (medians)."""
+    is than the --no-overlap one (medians). On GPUs each rank takes the GPU of its local
+    rank (backend.use_device), and "one rank" is rank 0 alone on its GPU."""
     import numpy as np
     from mpi4py import MPI
     from threadpoolctl import threadpool_limits
 
+    from mpitrain import backend
     from mpitrain.comm import Communicator
     from mpitrain.comm.buckets import bucket_bounds, share_gradients
-    from mpitrain.nets import build_model
     from mpitrain.train import limit_threads
     world = MPI.COMM_WORLD
     comm = Communicator(world)
-    limit_threads(comm.host_size)
+    backend.use_device(device, comm.host_rank, comm.host_size)
+    limit_threads(comm)
     threads = blas_info()["threads"]
-    rng = np.random.default_rng(seed + world.rank)
-    model = build_model(model_name, num_classes=num_classes, seed=seed)
-    x = rng.standard_normal((batch, image_size, image_size, 3)).astype(model.dtype)
-    y = rng.integers(0, num_classes, batch)
+    # the same weights on every rank, a different batch on each
+    model, x, y = build_on_device(model_name, image_size, batch, num_classes, seed, precision,
+                                  batch_seed=seed + world.rank)
     result = {"model": model_name, "image_size": image_size, "batch_per_rank": batch,
               "ranks": world.size, "threads_per_rank": threads, "steps": steps, "warmup": warmup,
               "fusion_threshold": threshold, "allreduce": algorithm, "comm_dtype": comm_dtype,
-              "blas": blas_info()}
+              "device": backend.device, "precision": precision, "blas": blas_info()}
     wire = np.float16 if comm_dtype == "fp16" else None
     share_gradients(model.arena, comm, algorithm)       # as training places them
-    runs = {key: ParallelSteps(model, (comm, threshold, algorithm, wire, overlap), world)
+    runs = {key: ParallelSteps(model, (comm, threshold, algorithm, wire, overlap), world,
+                               precision=precision)
             for key, overlap in (("overlap", True), ("no_overlap", False))}
-    one = build_model(model_name, num_classes=num_classes, seed=seed) if world.rank == 0 else None
+    one = new_model(model_name, num_classes, seed, precision) if world.rank == 0 else None
     one_threads = threads * comm.host_size
     one_times = []
     for i in range(warmup + steps):
         if world.rank == 0:      # one rank with the threads of all its node's ranks
             with threadpool_limits(one_threads):
-                t = time_ours(one, x, y, 1, 0)["step_ms"]
+                t = time_ours(one, x, y, 1, 0, precision)["step_ms"]
             if i >= warmup:
                 one_times.append(t)
         _sleep_until(world.Ibarrier())
@@ -325,26 +445,42 @@ def _reexec_without_openblas_forcing(argv, to_stderr):
 
 def main_step(args, argv):
     """The `bench step` command: parse result of cli.build_parser, and the raw argv (for the re-run)."""
+    from mpitrain.backend import DeviceError
     if args.native_openblas and REEXEC_MARK not in os.environ \
             and any(k in os.environ for k in OPENBLAS_FORCING):
         _reexec_without_openblas_forcing(argv, to_stderr=args.json)
+    try:
+        result = _run_step(args)
+    except DeviceError as e:            # every rank alike: rank 0 says it
+        from mpitrain.launcher import launched_rank
+        if launched_rank() == 0:
+            sys.stderr.write(f"python -m mpitrain bench step: error: {e}\n")
+        sys.exit(2)
+    if result is None:
+        return
+    if "ranks" in result:
+        print(json.dumps(result) if args.json else format_parallel(result))
+        return
+    if args.native_openblas:
+        result["native_openblas"] = {"removed": os.environ.get(REEXEC_MARK) or "nothing was set"}
+    print(json.dumps(result) if args.json else format_result(result))
+    if "torch_error" in result:         # asked for, and missing: the figures alone, and say so
+        sys.exit(1)
+
+
+def _run_step(args):
+    """bench_step's result in one process; bench_step_parallel's under mpirun -np N > 1
+    (None on the ranks other than 0, which print nothing)."""
     if under_mpirun():
         from mpi4py import MPI
         if MPI.COMM_WORLD.size > 1:
             result = bench_step_parallel(args.model, args.image_size, args.batch, args.steps,
                                          args.warmup, args.num_classes, args.seed,
-                                         args.fusion_threshold, args.allreduce, args.comm_dtype)
-            if MPI.COMM_WORLD.rank == 0:
-                print(json.dumps(result) if args.json else format_parallel(result))
-            return
-    result = bench_step(args.model, args.image_size, args.batch, args.steps, args.warmup,
-                        args.num_classes, args.seed, args.reference)
-    if args.native_openblas:
-        result["native_openblas"] = {"removed": os.environ.get(REEXEC_MARK) or "nothing was set"}
-    if args.json:
-        print(json.dumps(result))
-        return
-    print(format_result(result))
+                                         args.fusion_threshold, args.allreduce, args.comm_dtype,
+                                         args.device, args.precision)
+            return result if MPI.COMM_WORLD.rank == 0 else None
+    return bench_step(args.model, args.image_size, args.batch, args.steps, args.warmup,
+                      args.num_classes, args.seed, args.reference, args.device, args.precision)
 
 
 def format_result(r):
@@ -354,6 +490,12 @@ def format_result(r):
              f"median of {r['steps']} steps after {r['warmup']} warm-up (one process, no all-reduce)",
              f"NumPy BLAS: {b['library']} {b.get('version') or ''} core type "
              f"{b.get('core_type') or '?'}, {b['threads']} threads; forced by environment: {forced}"]
+    if r.get("device", "cpu") != "cpu" or r.get("precision", "fp32") != "fp32":
+        g = r.get("gpu", {})
+        where = (f"{r['device']} ({g.get('gpu')}, CuPy {g.get('cupy')}, CUDA "
+                 f"{g.get('cuda_runtime')}, cuDNN {g.get('cudnn')}: {g.get('cudnn_reason')})"
+                 if "gpu" in r else r["device"])
+        lines.append(f"device {where}, precision {r['precision']}")
     if "native_openblas" in r:
         lines.append(f"--native-openblas: removed from the environment: "
                      f"{r['native_openblas']['removed']}")
@@ -361,9 +503,14 @@ def format_result(r):
         if name in r:
             t = r[name]
             label = f"torch {t['version']} ({t['threads']} threads)" if name == "torch" else name
+            if name == "torch" and "device" in t:
+                label = (f"torch {t['version']} ({t['device']}, {t['precision']}, "
+                         f"{t['memory_format']})")
             lines.append(f"{label}: {t['images_per_s']:.1f} images/s, step {t['step_ms']:.1f} ms "
                          f"(forward+loss {t['forward_loss_ms']:.1f}, backward "
                          f"{t['backward_ms']:.1f}, update {t['update_ms']:.1f})")
     if "ratio" in r:
         lines.append(f"ratio mpitrain / torch: {r['ratio']:.2f}x images/s")
+    if "torch_error" in r:
+        lines.append(r["torch_error"])
     return "\n".join(lines)

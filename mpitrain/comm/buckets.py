@@ -45,13 +45,35 @@ It pays where the transport works without the CPU (NCCL on GPUs, a network
 card). Hence `train`'s default, --overlap auto: overlapped for a GPU arena,
 after backward for a host arena.
 
-On a GPU the listener first waits for the device stream, so the thread never
-reads a gradient still being computed.
+On a GPU nothing here blocks the host. Backward queues its kernels on the
+compute stream (CuPy's current stream); when a bucket is complete the reducer
+records an event there, makes the communication stream (backend.comm_stream)
+wait for it, and queues the bucket's NCCL all-reduce on the communication
+stream. NCCL calls only enqueue work and return, so with NCCL there is no
+communication thread at all: the buckets are queued from the listener, in
+index order, while backward goes on queueing its own kernels. `finish()`
+records an event on the communication stream after the last bucket and makes
+the compute stream wait for it, so the update, queued next on the compute
+stream, runs after every sum without the host ever waiting. The fp16 wire
+casts run there too (mpitrain.kernels launch on CuPy's current stream). Between
+begin() and finish() the buckets' NCCL calls are the only ones queued on the
+Communicator's NCCL communicators, so they cannot interleave with another
+collective in another order on another rank.
+
+Without NCCL, device buckets go through MPI, which reads host memory (or
+device memory, but only once it is written): the communication thread, when
+overlapping, makes the communication stream wait for the bucket's event and
+`Communicator.staged` then synchronises that stream before MPI reads, which
+waits for exactly the kernels that wrote the bucket while the main thread
+goes on. The order of all these calls is written against
+backend.HostStreams / CudaStreams; for host arrays every call is a no-op, so
+a host arena behaves as without streams.
 
 Each bucket's all-reduce is recorded as a span ("bucket i (n bytes)", category
 "bucket") in the timeline: its total is the communication time of the step,
 while the main thread's wait in `finish()` (category "comm" in train_step) is
-the part that backward did not hide.
+the part that backward did not hide. With NCCL the span is only the time to
+queue the bucket; the device time shows where the host next waits.
 
 Averaging. The reducer sums; dividing by the number of ranks is folded into
 the update's inverse loss scale (`postscale`). With float16 on the wire the
@@ -112,11 +134,16 @@ class Reducer:
 
     wire_dtype=np.float16 sends each bucket as float16 (cast into the Communicator's
     reused wire buffer, summed there, cast back). overlap=False sums all buckets
-    after backward, in the caller's thread.
+    after backward, in the caller's thread. On a GPU, "summed" after finish() means
+    "ordered before any later work on the compute stream" (see the module docstring).
+    threaded: run the overlapped sums in a communication thread (default: when the
+    collectives block the host, i.e. unless the arena is on a GPU with NCCL).
+    streams: the backend.HostStreams-like object that orders the work (default: the
+    arena's device's, backend.streams).
     """
 
     def __init__(self, arena, comm, threshold=DEFAULT_THRESHOLD, algorithm="hybrid",
-                 wire_dtype=None, overlap=True, timeline=None):
+                 wire_dtype=None, overlap=True, timeline=None, threaded=None, streams=None):
         if arena.on_grad_ready is not None:
             raise ValueError("this arena already has a Reducer; close() it first")
         self.comm, self.algorithm, self.overlap = comm, algorithm, overlap
@@ -135,6 +162,11 @@ class Reducer:
         self.next = len(self.bounds)        # next bucket to hand over; all handed over: idle
         self.armed = False
         self.error = None
+        on_device = backend.array_module(arena.grad) is not np
+        self.streams = streams or backend.streams(arena.grad)
+        if threaded is None:                # NCCL only queues work: nothing to wait for
+            threaded = not (on_device and comm.nccl() is not None)
+        self.threaded = threaded
         self._queue = self._thread = None
         arena.on_grad_ready = self.ready
 
@@ -143,7 +175,7 @@ class Reducer:
         """Arm the listener for one backward pass."""
         self.pending[:] = self.counts
         self.next, self.error, self.armed = 0, None, True
-        if self.overlap and self._thread is None:
+        if self.overlap and self.threaded and self._thread is None:
             self._queue = queue.Queue()
             self._thread = threading.Thread(target=self._serve, name="mpitrain-allreduce",
                                             daemon=True)
@@ -154,28 +186,26 @@ class Reducer:
         if not (self.armed and self.overlap):
             return
         self.pending[self.bucket_of[id(param)]] -= 1
-        if self.next < len(self.bounds) and self.pending[self.next] == 0:
-            backend.synchronize()           # the gradients must be in memory before MPI reads them
-            while self.next < len(self.bounds) and self.pending[self.next] == 0:
-                self._queue.put(self.next)
-                self.next += 1
+        stop = self.next
+        while stop < len(self.bounds) and self.pending[stop] == 0:
+            stop += 1
+        if stop > self.next:
+            self._hand_over(stop)
 
     def finish(self):
-        """Sum every bucket not yet summed and return once all are (same bits on every rank)."""
+        """Sum every bucket not yet summed and return once all are (same bits on every
+        rank; on a GPU: once the compute stream is ordered after every sum)."""
         self.armed = False
-        if self.overlap:
-            if self.next < len(self.bounds):
-                backend.synchronize()
-            for b in range(self.next, len(self.bounds)):
-                self._queue.put(b)
-            self.next = len(self.bounds)
+        if not self.overlap:
+            self.next = 0
+        if self.next < len(self.bounds):
+            self._hand_over(len(self.bounds))
+        if self._thread is not None:
             self._queue.join()
             if self.error is not None:
                 raise self.error
-        else:
-            backend.synchronize()
-            for b in range(len(self.bounds)):
-                self._reduce(b)
+        s = self.streams
+        s.wait(s.current(), s.record(s.comm()))     # the update comes after the last sum
 
     def close(self):
         """Stop the communication thread (after a finish()) and detach from the arena."""
@@ -186,14 +216,30 @@ class Reducer:
         if self.arena.on_grad_ready == self.ready:
             self.arena.on_grad_ready = None
 
-    # ----- the communication thread -----
-    def _reduce(self, b):
+    # ----- handing buckets to communication -----
+    def _hand_over(self, stop):
+        """Buckets next..stop-1 are complete on the compute stream: sum them after it, in
+        the communication thread if there is one, else queued from here."""
+        done = self.streams.record(self.streams.current())
+        for b in range(self.next, stop):
+            if self._thread is not None:
+                self._queue.put((b, done))
+            else:
+                self._reduce(b, done)
+        self.next = stop
+
+    def _reduce(self, b, written):
+        """Sum bucket b on the communication stream, after the event `written`."""
+        s = self.streams
+        comm_stream = s.comm()
+        s.wait(comm_stream, written)
         start, stop = self.bounds[b]
         t0 = time.perf_counter()
         buf = self.arena.grad[start:stop]
-        polite = self.overlap and POLL and backend.array_module(buf) is np
-        self.comm.allreduce(buf, self.algorithm, self.wire_dtype, self.prescale,
-                            wait=self._wait if polite else None)
+        polite = self._thread is not None and POLL and backend.array_module(buf) is np
+        with s.using(comm_stream):
+            self.comm.allreduce(buf, self.algorithm, self.wire_dtype, self.prescale,
+                                wait=self._wait if polite else None)
         nbytes = (stop - start) * (self.wire_dtype or self.arena.grad.dtype).itemsize
         self.timeline.add(f"bucket {b} ({nbytes} bytes)", "bucket", t0, time.perf_counter())
 
@@ -205,17 +251,18 @@ class Reducer:
                 return
             time.sleep(POLL)
 
+    # ----- the communication thread -----
     def _serve(self):
         if backend.array_module(self.arena.grad) is not np:
             self.arena.grad.device.use()    # CuPy's current device is per thread
         while True:
-            b = self._queue.get()
-            if b is None:
+            item = self._queue.get()
+            if item is None:
                 self._queue.task_done()
                 return
             try:
                 if self.error is None:
-                    self._reduce(b)
+                    self._reduce(*item)
             except BaseException as e:      # re-raised in the main thread by finish()
                 self.error = e
             finally:

@@ -2,26 +2,37 @@
 
 NCCL communicators mirror the MPI ones of the Communicator (world, node,
 same-local-index); each is created from a unique id that its rank 0 draws and
-broadcasts over the matching MPI communicator. Collectives are queued on
-CuPy's current stream, in place, and return at once: the caller synchronises
-(or keeps queueing work on the same stream) before it reads the result on the
-host. NCCL sums float16 natively and, like the MPI path, leaves the same bits
-on every rank: each element is reduced once and then distributed (ring, tree
-and NVLS algorithms alike).
+broadcasts over the matching MPI communicator (CuPy 14 draws it as bytes).
+Collectives are queued on CuPy's current stream, in place, and return at once:
+the gradient Reducer makes its communication stream current around them and
+orders that stream by CUDA events (mpitrain/comm/buckets.py); any other caller
+keeps queueing work on the same stream, or synchronises before it reads the
+result on the host. NCCL sums float16 natively and, like the MPI path, leaves
+the same bits on every rank: each element is reduced once and then distributed
+(ring, tree and NVLS algorithms alike).
 
-Needs cupy with `cupy.cuda.nccl` (the nvidia-nccl-cu12 wheel beside CuPy).
+Needs CuPy with `cupy.cuda.nccl` (the nvidia-nccl-cu12 or -cu13 wheel beside CuPy).
 """
 import numpy as np
 
 
 def available():
-    """Whether CuPy was built with NCCL and sees a GPU."""
+    """Whether CuPy loads NCCL (`cupy.cuda.nccl.available`) and sees a GPU."""
     try:
         import cupy
         from cupy.cuda import nccl
     except ImportError:
         return False
     return bool(getattr(nccl, "available", False)) and cupy.is_available()
+
+
+def version():
+    """The NCCL library's version as "major.minor.patch", or None without NCCL."""
+    if not available():
+        return None
+    from cupy.cuda import nccl
+    code = nccl.get_version()       # major * 10000 + minor * 100 + patch since NCCL 2.9
+    return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
 
 
 def _communicator(nccl, mpi_comm):

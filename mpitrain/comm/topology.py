@@ -228,12 +228,14 @@ class Communicator:
     def staged(self, buf, write_back=True):
         """`buf` in a form MPI takes: itself for host memory, and for device memory when MPI
         is CUDA-aware (float16 excepted: its op runs on the host); else a host copy,
-        written back into `buf` on leaving when `write_back`. The device's queued work
-        is finished first, so MPI reads what the kernels wrote."""
+        written back into `buf` on leaving when `write_back`. The current stream's
+        queued work is finished first, so MPI reads what the kernels wrote (the Reducer
+        makes its communication stream current, after an event of the compute stream);
+        the copy back is queued on that stream too."""
         if array_module(buf) is np:
             yield buf
             return
-        backend.synchronize()
+        backend.synchronize(buf)
         if _cuda_aware() and buf.dtype != np.float16:
             yield buf
             return

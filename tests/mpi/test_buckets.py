@@ -3,10 +3,14 @@
 Every rank computes its verdict, the verdicts are gathered and every rank asserts
 on all of them (test_data_parallel.agree), so no rank is left waiting in a collective.
 """
+import contextlib
+import threading
+
 import numpy as np
 import pytest
 from mpi4py import MPI
 
+from mpitrain.backend import HostStreams
 from mpitrain.comm import Communicator
 from mpitrain.comm.buckets import bucket_bounds, share_gradients
 from mpitrain.nets import build_model
@@ -260,3 +264,121 @@ def test_an_overflow_on_one_rank_is_skipped_everywhere_without_a_vote():
         return None
     agree(check)
     counting.free()
+
+
+# ----- the order of the stream calls (what a GPU runs on CUDA streams and events) -----
+class RecordingStreams(HostStreams):
+    """The host stream interface (backend.HostStreams), with every call written to `log`:
+    streams are named "compute" and "comm", events e1, e2, ... The current stream is per
+    thread, as CuPy's is."""
+
+    def __init__(self, log):
+        self.log, self.events, self.local = log, 0, threading.local()
+        self.lock = threading.Lock()
+
+    def current(self):
+        return getattr(self.local, "stream", "compute")
+
+    def comm(self):
+        return "comm"
+
+    def record(self, stream):
+        with self.lock:
+            self.events += 1
+            event = f"e{self.events}"
+        self.log.append(("record", stream, event))
+        return event
+
+    def wait(self, stream, event):
+        self.log.append(("wait", stream, event))
+
+    @contextlib.contextmanager
+    def using(self, stream):
+        before, self.local.stream = self.current(), stream
+        try:
+            yield
+        finally:
+            self.local.stream = before
+
+
+class StreamLoggingCommunicator(Communicator):
+    """A real Communicator that logs each all-reduce with the bucket it sums (its first
+    element in the arena) and the stream current at the call."""
+    log, streams, arena = [], None, None
+
+    def allreduce(self, buf, *args, **kw):
+        start = (buf.ctypes.data - self.arena.grad.ctypes.data) // buf.itemsize
+        self.log.append(("allreduce", int(start), self.streams.current()))
+        return Communicator.allreduce(self, buf, *args, **kw)
+
+
+def stream_order_problem(log, reducer, overlap):
+    """None if every bucket's all-reduce ran on the communication stream after an event
+    recorded on the compute stream once the bucket's last gradient was written, and the
+    compute stream waits, before finish() returns, on an event recorded on the
+    communication stream after the last all-reduce; else what is wrong."""
+    index = {}
+    for i, entry in enumerate(log):
+        index.setdefault(entry, i)
+    ready = {b: max(i for i, e in enumerate(log) if e == ("ready", b))
+             for b in range(len(reducer.bounds))}
+    finished = log.index(("finished",))
+    sums = [(i, e) for i, e in enumerate(log) if e[0] == "allreduce"]
+    starts = [a for a, _ in reducer.bounds]
+    if [e[1] for _, e in sums] != starts:
+        return f"buckets summed {[e[1] for _, e in sums]}, expected {starts}"
+    for b, (i, (_, _, stream)) in enumerate(sums):
+        if stream != "comm":
+            return f"bucket {b} summed on the {stream} stream"
+        if i < ready[b]:
+            return f"bucket {b} summed before its last gradient was written"
+        waits = [e for j, e in enumerate(log[:i]) if e[:2] == ("wait", "comm")
+                 and index.get(("record", "compute", e[2]), -1) > ready[b]]
+        if not waits:
+            return f"bucket {b}: the communication stream waited for no event recorded after " \
+                   f"its gradients"
+        if overlap and i > finished:
+            return f"bucket {b} summed after backward although overlapped"
+    last = sums[-1][0]
+    tail = [e for e in log[last:finished] if e[0] in ("record", "wait")]
+    if len(tail) != 2 or tail[0][:2] != ("record", "comm") \
+            or tail[1] != ("wait", "compute", tail[0][2]):
+        return f"after the last sum: {tail}, not an event of the communication stream that " \
+               f"the compute stream waits for"
+    return None
+
+
+@pytest.mark.parametrize("overlap,threaded", [(True, False), (True, True), (False, False)],
+                         ids=["queued", "thread", "after-backward"])
+def test_reducer_orders_buckets_by_events_between_streams(overlap, threaded):
+    """The Reducer's stream calls, recorded: "queued" is what a GPU with NCCL runs (no
+    thread: the all-reduce is queued on the communication stream from the listener),
+    "thread" the MPI path, "after-backward" --no-overlap. The sums stay exact."""
+    log = []
+    comm = StreamLoggingCommunicator(WORLD)
+
+    def check():
+        model = small_net(seed=0)
+        streams = RecordingStreams(log)
+        comm.log, comm.streams, comm.arena = log, streams, model.arena
+        reducer = reducer_for(model, comm, threshold=300, overlap=overlap, threaded=threaded,
+                              streams=streams)
+        if len(reducer.bounds) < 3:
+            return f"only {len(reducer.bounds)} bucket(s): the test would prove little"
+        grads = {p.name: (np.arange(p.size).reshape(p.shape) % 5) * (WORLD.rank + 1)
+                 for p in model.arena.params}
+        reducer.begin()
+        for p in model.arena.params:             # as backward would, layer by layer
+            p.grad[...] = grads[p.name]
+            log.append(("ready", reducer.bucket_of[id(p)]))
+            p.grad_ready()
+        reducer.finish()
+        log.append(("finished",))
+        reducer.close()
+        total = WORLD.size * (WORLD.size + 1) // 2
+        if any(not np.array_equal(p.grad, grads[p.name] // (WORLD.rank + 1) * total)
+               for p in model.arena.params):
+            return "the sums are wrong"
+        return stream_order_problem(log, reducer, overlap)
+    agree(check)
+    comm.free()

@@ -1,0 +1,576 @@
+"""Fused CUDA kernels for the GPU branches of batch norm, pooling and dropout (CuPy RawModule).
+
+On CuPy arrays these replace a chain of small array operations by a few
+kernels, all queued on CuPy's current stream. Every kernel is a C++ template
+over the storage type T of the activations and the arithmetic type A:
+
+    float16 activations: T = unsigned short (the fp16 bits, converted with the PTX
+                         cvt instructions, so that no CUDA header is needed), A = float
+    float32:             T = float,  A = float
+    float64:             T = double, A = double
+
+so batch-norm statistics and every sum are fp32 (float64 in float64 checks)
+whatever the activations, and results are rounded to T once. Activations are
+C-contiguous NHWC; batch norm sees them as (M, C), M = N*H*W. The formulas are
+in each kernel's comment in _SOURCE and in the docstrings below.
+
+Reductions are deterministic: fixed chunks of rows, a fixed tree inside each
+block, and a fixed order across blocks (no atomics), so a rerun on the same
+device gives the same bits. Nothing here reads a value back to the host.
+
+`philox4x32` and `dropout_keep` are the NumPy reference of the dropout mask;
+this module imports without CuPy.
+"""
+import math
+
+import numpy as np
+
+TILE_C, TILE_R = 32, 8   # batch-norm partial sums: 32 channels (one warp) x 8 rows of threads
+FOLD = 256               # threads per block that adds the partial sums of one column
+THREADS = 256            # threads per block of the elementwise and pooling kernels
+TARGET_BLOCKS = 1024     # blocks of a partial-sum pass, whatever C: enough to fill a GPU
+
+_SOURCE = r"""
+// ----- element access: T is unsigned short (fp16 bits), float or double -----
+#ifdef __CUDACC__   // NVRTC, nvcc: the PTX conversions (cvt.rn: round to nearest even)
+__device__ __forceinline__ float load(const unsigned short* p, long long i) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(p[i]));
+    return f;
+}
+__device__ __forceinline__ void store(unsigned short* p, long long i, float v) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    p[i] = h;
+}
+#else               // a host compiler (the tests' emulation): its IEEE binary16
+__device__ __forceinline__ float load(const unsigned short* p, long long i) {
+    _Float16 h;
+    __builtin_memcpy(&h, p + i, 2);
+    return (float)h;
+}
+__device__ __forceinline__ void store(unsigned short* p, long long i, float v) {
+    const _Float16 h = (_Float16)v;
+    __builtin_memcpy(p + i, &h, 2);
+}
+#endif
+__device__ __forceinline__ float load(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ double load(const double* p, long long i) { return p[i]; }
+__device__ __forceinline__ void store(float* p, long long i, float v) { p[i] = v; }
+__device__ __forceinline__ void store(double* p, long long i, double v) { p[i] = v; }
+
+__device__ __forceinline__ long long first_index() {
+    return (long long)blockIdx.x * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ long long grid_stride() {
+    return (long long)gridDim.x * blockDim.x;
+}
+
+// ----- batch norm -----
+
+// Partial sums over chunks of rows of the (M, C) activations; chunk p is rows
+// [p*rows, min(M, (p+1)*rows)), blockIdx.y = p, and part is (P, 2, C):
+//   grads == 0:  part[p][0][c] = sum (x[r][c] - k_c),  part[p][1][c] = sum (x[r][c] - k_c)^2,
+//                with the shift k_c = x[0][c] (a sample of the channel, so the squares
+//                do not cancel when |mean| >> std)
+//   grads == 1:  part[p][0][c] = sum dy[r][c],
+//                part[p][1][c] = sum dy[r][c] (x[r][c] - mean_c)
+// A block is TILE_C channels (threadIdx.x: consecutive channels, coalesced) by TILE_R
+// threads that take every TILE_R-th row; a fixed tree in shared memory adds those.
+template <typename T, typename A>
+__global__ void bn_partial_sums(const T* x, const T* dy, const A* mean, int grads,
+                                long long M, int C, long long rows, A* part) {
+    __shared__ A su[TILE_R][TILE_C];
+    __shared__ A sv[TILE_R][TILE_C];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int c = blockIdx.x * TILE_C + tx;
+    const long long r0 = (long long)blockIdx.y * rows;
+    const long long r1 = r0 + rows < M ? r0 + rows : M;
+    A u = 0, v = 0;
+    if (c < C) {
+        const A k = grads ? mean[c] : (A)load(x, c);
+        for (long long r = r0 + ty; r < r1; r += TILE_R) {
+            const long long i = r * C + c;
+            const A xc = (A)load(x, i) - k;
+            if (grads) {
+                const A g = (A)load(dy, i);
+                u += g;
+                v += g * xc;
+            } else {
+                u += xc;
+                v += xc * xc;
+            }
+        }
+    }
+    su[ty][tx] = u;
+    sv[ty][tx] = v;
+    __syncthreads();
+    for (int h = TILE_R / 2; h > 0; h /= 2) {
+        if (ty < h) {
+            su[ty][tx] += su[ty + h][tx];
+            sv[ty][tx] += sv[ty + h][tx];
+        }
+        __syncthreads();
+    }
+    if (ty == 0 && c < C) {
+        part[((long long)blockIdx.y * 2) * C + c] = su[0][tx];
+        part[((long long)blockIdx.y * 2 + 1) * C + c] = sv[0][tx];
+    }
+}
+
+// out[j][c] = sum over p < P of part[p][j][c], added in double; one block per column
+// j*C + c (blockIdx.x), its FOLD threads take every FOLD-th p, then a fixed tree.
+template <typename A>
+__global__ void bn_fold(const A* part, int P, int C, A* out) {
+    __shared__ double s[FOLD];
+    const int col = blockIdx.x;
+    double a = 0;
+    for (int p = threadIdx.x; p < P; p += FOLD)
+        a += part[(long long)p * 2 * C + col];
+    s[threadIdx.x] = a;
+    __syncthreads();
+    for (int h = FOLD / 2; h > 0; h /= 2) {
+        if (threadIdx.x < h)
+            s[threadIdx.x] += s[threadIdx.x + h];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0)
+        out[col] = (A)s[0];
+}
+
+// Per channel c (one thread each), in double, from the mode's statistics:
+//   mode 0 (train, shifted sums s of bn_partial_sums, k_c = x[0][c]):
+//          mean = k_c + s[0][c] / count,  var = s[1][c] / count - (s[0][c] / count)^2
+//   mode 1 (train, s = (sum x, sum (x - mean)^2) over a group):
+//          mean = s[0][c] / count,        var = s[1][c] / count
+//   mode 2 (eval): mean = running_mean[c], var = running_var[c]
+// then invstd = 1 / sqrt(var + eps), scale = gamma * invstd, and in modes 0 and 1
+//   running_mean = (1 - m) running_mean + m mean
+//   running_var  = (1 - m) running_var  + m var count / (count - 1)
+template <typename T, typename A>
+__global__ void bn_finalize(const A* s, const T* x, int mode, double count, int C,
+                            const A* gamma, double eps, double m,
+                            A* running_mean, A* running_var, A* mean_out, A* invstd_out,
+                            A* scale_out) {
+    const int c = (int)first_index();
+    if (c >= C)
+        return;
+    double mean, var;
+    if (mode == 2) {
+        mean = running_mean[c];
+        var = running_var[c];
+    } else {
+        const double a = s[c] / count, b = s[C + c] / count;
+        if (mode == 0) {
+            mean = (double)load(x, c) + a;
+            var = b - a * a;
+        } else {
+            mean = a;
+            var = b;
+        }
+        var = var > 0 ? var : 0;
+        running_mean[c] = (A)((1 - m) * running_mean[c] + m * mean);
+        running_var[c] = (A)((1 - m) * running_var[c] + m * var * (count / (count - 1)));
+    }
+    const double invstd = 1 / sqrt(var + eps);
+    mean_out[c] = (A)mean;
+    invstd_out[c] = (A)invstd;
+    scale_out[c] = (A)(gamma[c] * invstd);
+}
+
+// y[i] = (x[i] - mean[c]) * scale[c] + beta[c],  c = i mod C
+template <typename T, typename A>
+__global__ void bn_affine(const T* x, const A* mean, const A* scale, const A* beta,
+                          long long n, int C, T* y) {
+    for (long long i = first_index(); i < n; i += grid_stride()) {
+        const int c = (int)(i % C);
+        store(y, i, ((A)load(x, i) - mean[c]) * scale[c] + beta[c]);
+    }
+}
+
+// Per channel c, from the local sums sl = (sum dy, sum dy (x - mean)) and the sums sg
+// used for dx (the group's in distributed BN, else sl):
+//   grad_beta = sl[0][c],  grad_gamma = sl[1][c] * invstd    (this rank's own share)
+//   dx = a dy + b (x - mean) + d  with  a = gamma invstd, and in train mode
+//   b = -a invstd (sg[1][c] invstd) / count,  d = -a sg[0][c] / count  (eval: b = d = 0)
+// coef is (3, C): a, b, d.
+template <typename A>
+__global__ void bn_backward_coefficients(const A* sl, const A* sg, const A* gamma,
+                                         const A* invstd, double count, int train, int C,
+                                         A* grad_gamma, A* grad_beta, A* coef) {
+    const int c = (int)first_index();
+    if (c >= C)
+        return;
+    const double is = invstd[c], a = gamma[c] * is;
+    grad_beta[c] = sl[c];
+    grad_gamma[c] = (A)(sl[C + c] * is);
+    coef[c] = (A)a;
+    coef[C + c] = train ? (A)(-a * is * (sg[C + c] * is) / count) : (A)0;
+    coef[2 * C + c] = train ? (A)(-a * sg[c] / count) : (A)0;
+}
+
+// dx[i] = a[c] dy[i] + b[c] (x[i] - mean[c]) + d[c],  c = i mod C,  coef = (a, b, d)
+template <typename T, typename A>
+__global__ void bn_backward_dx(const T* dy, const T* x, const A* mean, const A* coef,
+                               long long n, int C, T* dx) {
+    for (long long i = first_index(); i < n; i += grid_stride()) {
+        const int c = (int)(i % C);
+        store(dx, i, coef[c] * (A)load(dy, i) + coef[C + c] * ((A)load(x, i) - mean[c])
+                     + coef[2 * C + c]);
+    }
+}
+
+// ----- pooling (NHWC; window of output (oh, ow): rows oh*s - p + [0, k), columns
+// ow*s - p + [0, k), clipped to the image; p <= k/2, so never empty) -----
+
+// The (n, h, w, c) of flat index i of an (N, Hd, Wd, C) array.
+__device__ __forceinline__ void split_nhwc(long long i, int Hd, int Wd, int C,
+                                           int* n, int* h, int* w, int* c) {
+    *c = (int)(i % C);
+    i /= C;
+    *w = (int)(i % Wd);
+    i /= Wd;
+    *h = (int)(i % Hd);
+    *n = (int)(i / Hd);
+}
+
+// avg == 0: y[n][oh][ow][c] = max over the window, arg = ih*W + iw of that maximum: the
+//           first in row-major window order, or the last NaN (as the CPU kernel)
+// avg == 1: y[n][oh][ow][c] = (sum of x over the window, padding as zeros) / k^2
+template <typename T>
+__global__ void pool_forward(const T* x, int avg, int N, int H, int W, int C, int Ho, int Wo,
+                             int k, int s, int p, T* y, int* arg) {
+    const long long total = (long long)N * Ho * Wo * C;
+    for (long long o = first_index(); o < total; o += grid_stride()) {
+        int n, oh, ow, c;
+        split_nhwc(o, Ho, Wo, C, &n, &oh, &ow, &c);
+        const int ih0 = oh * s - p, iw0 = ow * s - p;
+        const int i0 = ih0 < 0 ? -ih0 : 0, i1 = H - ih0 < k ? H - ih0 : k;
+        const int j0 = iw0 < 0 ? -iw0 : 0, j1 = W - iw0 < k ? W - iw0 : k;
+        const long long image = (long long)n * H * W;
+        int pos = (ih0 + i0) * W + iw0 + j0;
+        auto acc = avg ? 0 : load(x, (image + pos) * C + c);
+        for (int i = i0; i < i1; ++i) {
+            for (int j = j0; j < j1; ++j) {
+                const int q = (ih0 + i) * W + iw0 + j;
+                const auto v = load(x, (image + q) * C + c);
+                if (avg) {
+                    acc += v;
+                } else if (v > acc || v != v) {
+                    acc = v;
+                    pos = q;
+                }
+            }
+        }
+        if (avg) {
+            store(y, o, acc / (k * k));
+        } else {
+            store(y, o, acc);
+            arg[o] = pos;
+        }
+    }
+}
+
+// The outputs whose windows cover input row ih: oh in [lo, hi] (likewise for columns).
+__device__ __forceinline__ void covering(int ih, int k, int s, int p, int Ho, int* lo, int* hi) {
+    *lo = ih + p < k ? 0 : (ih + p - k) / s + 1;
+    *hi = (ih + p) / s < Ho - 1 ? (ih + p) / s : Ho - 1;
+}
+
+// dx[n][ih][iw][c] = sum of dy[n][oh][ow][c] over the covering windows whose arg is
+// ih*W + iw (or, avg == 1: sum of dy over the covering windows / k^2); one thread per
+// input element, so no two threads add into one value
+template <typename T>
+__global__ void pool_backward(const T* dy, const int* arg, int avg, int N, int H, int W, int C,
+                              int Ho, int Wo, int k, int s, int p, T* dx) {
+    const long long total = (long long)N * H * W * C;
+    for (long long i = first_index(); i < total; i += grid_stride()) {
+        int n, ih, iw, c;
+        split_nhwc(i, H, W, C, &n, &ih, &iw, &c);
+        int oh0, oh1, ow0, ow1;
+        covering(ih, k, s, p, Ho, &oh0, &oh1);
+        covering(iw, k, s, p, Wo, &ow0, &ow1);
+        decltype(load(dy, 0)) acc = 0;
+        for (int oh = oh0; oh <= oh1; ++oh) {
+            for (int ow = ow0; ow <= ow1; ++ow) {
+                const long long o = (((long long)n * Ho + oh) * Wo + ow) * C + c;
+                if (avg || arg[o] == ih * W + iw)
+                    acc += load(dy, o);
+            }
+        }
+        store(dx, i, avg ? acc / (k * k) : acc);
+    }
+}
+
+// ----- dropout -----
+
+// Philox4x32-10 (Salmon et al., SC 2011): ten rounds on the 128-bit counter c under the
+// 64-bit key (k0, k1), the key bumped by the Weyl constants between rounds
+__device__ __forceinline__ void philox4x32(unsigned int c[4], unsigned int k0, unsigned int k1) {
+    for (int r = 0; r < 10; ++r) {
+        if (r) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const unsigned int hi0 = __umulhi(0xD2511F53u, c[0]), lo0 = 0xD2511F53u * c[0];
+        const unsigned int hi1 = __umulhi(0xCD9E8D57u, c[2]), lo1 = 0xCD9E8D57u * c[2];
+        const unsigned int n0 = hi1 ^ c[1] ^ k0, n2 = hi0 ^ c[3] ^ k1;
+        c[0] = n0;
+        c[1] = lo1;
+        c[2] = n2;
+        c[3] = lo0;
+    }
+}
+
+// y[i] = x[i] * scale where word (i mod 4) of philox4x32((i / 4, 0), key), shifted right
+// by 8, is >= threshold (keep), else 0. dropout(x) and its backward are both this map.
+template <typename T, typename A>
+__global__ void dropout(const T* x, long long n, unsigned int k0, unsigned int k1,
+                        unsigned int threshold, A scale, T* y) {
+    for (long long b = first_index(); b * 4 < n; b += grid_stride()) {
+        unsigned int c[4] = {(unsigned int)b, (unsigned int)(b >> 32), 0u, 0u};
+        philox4x32(c, k0, k1);
+        for (int j = 0; j < 4; ++j) {
+            const long long i = b * 4 + j;
+            if (i < n)
+                store(y, i, (c[j] >> 8) >= threshold ? (A)load(x, i) * scale : (A)0);
+        }
+    }
+}
+"""
+
+# dtype -> (the C++ storage type T, the arithmetic type A and its NumPy dtype)
+_TYPES = {np.dtype(np.float16): ("unsigned short", "float", np.float32),
+          np.dtype(np.float32): ("float", "float", np.float32),
+          np.dtype(np.float64): ("double", "double", np.float64)}
+_TEMPLATES_TA = ("bn_partial_sums", "bn_finalize", "bn_affine", "bn_backward_dx", "dropout")
+_TEMPLATES_T = ("pool_forward", "pool_backward")
+_TEMPLATES_A = ("bn_fold", "bn_backward_coefficients")
+_module = None
+
+
+def name_expressions():
+    """Every template instance the module compiles, as RawModule names them."""
+    names = []
+    for T, A, _ in _TYPES.values():
+        names += [f"{f}<{T}, {A}>" for f in _TEMPLATES_TA] + [f"{f}<{T}>" for f in _TEMPLATES_T]
+    for A in ("float", "double"):
+        names += [f"{f}<{A}>" for f in _TEMPLATES_A]
+    return names
+
+
+def source():
+    """The CUDA C++ source with the block-shape constants defined."""
+    return (f"#define TILE_C {TILE_C}\n#define TILE_R {TILE_R}\n#define FOLD {FOLD}\n" + _SOURCE)
+
+
+def _kernel(name, dtype=None, acc=None):
+    """The compiled kernel `name` for activations of `dtype` (T and A), or for the
+    arithmetic dtype `acc` alone (A); the module compiles once (CuPy caches it on disk)."""
+    global _module
+    import cupy
+    if _module is None:
+        _module = cupy.RawModule(code=source(), options=("--std=c++17",),
+                                 name_expressions=name_expressions())
+    if dtype is not None:
+        T, A, _ = _TYPES[np.dtype(dtype)]
+        args = f"{T}, {A}" if name in _TEMPLATES_TA else T
+    else:
+        args = "double" if np.dtype(acc) == np.float64 else "float"
+    return _module.get_function(f"{name}<{args}>")
+
+
+def handles(x):
+    """Whether x is a CuPy array of a dtype these kernels take (float16/32/64)."""
+    return type(x).__module__.startswith("cupy") and x.dtype in _TYPES
+
+
+def acc_dtype(dtype):
+    """The arithmetic (statistics) dtype of activations of `dtype`: float64 for float64,
+    else float32."""
+    return np.dtype(_TYPES[np.dtype(dtype)][2])
+
+
+def _blocks(n):
+    """Blocks of THREADS for a grid-stride loop over n items."""
+    return (max(1, min(-(-n // THREADS), 8192)),)
+
+
+# ----- batch norm -----
+
+def batchnorm_sums(x, dy=None, mean=None):
+    """Per-channel sums of the (M, C) activations x, (2, C) in acc_dtype:
+    forward (dy None): (sum_m (x_mc - x_0c), sum_m (x_mc - x_0c)^2), about the shift x[0];
+    backward: (sum_m dy_mc, sum_m dy_mc (x_mc - mean_c)), mean (C,) in acc_dtype.
+    Two kernels: partial sums over TARGET_BLOCKS blocks of rows and channels, then a fold."""
+    import cupy
+    M, C = x.shape
+    acc = acc_dtype(x.dtype)
+    ctiles = -(-C // TILE_C)
+    rows = -(-M // max(1, min(-(-M // TILE_R), TARGET_BLOCKS // ctiles)))
+    P = -(-M // rows)                                 # chunks of `rows` rows, none empty
+    part = cupy.empty((P, 2, C), acc)                 # (P, 2, C) partial sums
+    grads = dy is not None
+    _kernel("bn_partial_sums", x.dtype)(
+        (ctiles, P), (TILE_C, TILE_R),
+        (x, dy if grads else x, mean if grads else part, np.int32(grads), np.int64(M),
+         np.int32(C), np.int64(rows), part))
+    sums = cupy.empty((2, C), acc)
+    _kernel("bn_fold", acc=acc)((2 * C,), (FOLD,), (part, np.int32(P), np.int32(C), sums))
+    return sums
+
+
+FINALIZE_MODES = {"shifted": 0, "group": 1, "eval": 2}
+
+
+def batchnorm_finalize(sums, x, count, mode, gamma, eps, momentum, running_mean, running_var):
+    """(mean, invstd, scale), each (C,) in acc_dtype, from one kernel (one thread per channel):
+
+        mode "shifted": sums from batchnorm_sums(x):  mean = x_0 + sums[0] / count,
+                        var = sums[1] / count - (sums[0] / count)^2
+        mode "group":   sums = (sum x, sum (x - mean)^2) over a group: mean = sums[0] / count,
+                        var = sums[1] / count
+        mode "eval":    mean, var = running_mean, running_var (sums unused)
+        invstd = 1 / sqrt(var + eps),  scale = gamma * invstd
+
+    and, in the train modes, running_mean += momentum (mean - running_mean), running_var
+    += momentum (var count / (count - 1) - running_var), in place (acc_dtype arrays)."""
+    import cupy
+    M, C = x.shape
+    acc = acc_dtype(x.dtype)
+    mean, invstd, scale = (cupy.empty(C, acc) for _ in range(3))
+    _kernel("bn_finalize", x.dtype)(
+        _blocks(C), (THREADS,),
+        (sums if sums is not None else mean, x, np.int32(FINALIZE_MODES[mode]),
+         np.float64(count), np.int32(C), gamma, np.float64(eps), np.float64(momentum),
+         running_mean, running_var, mean, invstd, scale))
+    return mean, invstd, scale
+
+
+def batchnorm_affine(x, mean, scale, beta):
+    """y (M, C) = (x - mean) * scale + beta per channel, computed in acc_dtype, rounded
+    to x's dtype once."""
+    import cupy
+    M, C = x.shape
+    y = cupy.empty_like(x)
+    _kernel("bn_affine", x.dtype)(_blocks(x.size), (THREADS,),
+                                  (x, mean, scale, beta, np.int64(x.size), np.int32(C), y))
+    return y
+
+
+def batchnorm_backward_coefficients(local, group, gamma, invstd, count, train, grad_gamma,
+                                    grad_beta):
+    """coef (3, C) = (a, b, d) of dx = a dy + b (x - mean) + d, with a = gamma invstd and,
+    in train mode, b = -a invstd (group[1] invstd) / count, d = -a group[0] / count (eval:
+    0, 0); also grad_beta = local[0], grad_gamma = local[1] invstd, written in place.
+    local, group: (2, C) sums (sum dy, sum dy (x - mean)): this rank's, and those for dx
+    (the group's, or local again). One kernel, one thread per channel."""
+    import cupy
+    C = local.shape[1]
+    coef = cupy.empty((3, C), local.dtype)
+    _kernel("bn_backward_coefficients", acc=local.dtype)(
+        _blocks(C), (THREADS,),
+        (local, group, gamma, invstd, np.float64(count), np.int32(bool(train)), np.int32(C),
+         grad_gamma, grad_beta, coef))
+    return coef
+
+
+def batchnorm_dx(dy, x, mean, coef):
+    """dx (M, C) = a dy + b (x - mean) + d per channel, (a, b, d) = coef."""
+    import cupy
+    M, C = x.shape
+    dx = cupy.empty_like(dy)
+    _kernel("bn_backward_dx", dy.dtype)(_blocks(dy.size), (THREADS,),
+                                        (dy, x, mean, coef, np.int64(dy.size), np.int32(C), dx))
+    return dx
+
+
+# ----- pooling -----
+
+def _pool_args(x_shape, y_shape, k, stride, pad):
+    N, H, W, C = x_shape
+    return tuple(np.int32(v) for v in (N, H, W, C, y_shape[1], y_shape[2], k, stride, pad))
+
+
+def pool_forward(x, y_shape, k, stride, pad, avg):
+    """Max pooling (avg False): (y, argmax), both y_shape (N, Ho, Wo, C), the window maxima
+    and ih*W + iw of each (int32; the first maximum in row-major window order, or the last
+    NaN). Average pooling (avg True): y = window sums (padding as zeros) / k^2, summed in
+    acc_dtype. One thread per output element."""
+    import cupy
+    x = cupy.ascontiguousarray(x)
+    y = cupy.empty(y_shape, x.dtype)
+    arg = None if avg else cupy.empty(y_shape, np.int32)
+    _kernel("pool_forward", x.dtype)(
+        _blocks(y.size), (THREADS,),
+        (x, np.int32(avg), *_pool_args(x.shape, y_shape, k, stride, pad), y,
+         y if avg else arg))                                  # arg unwritten when avg
+    return y if avg else (y, arg)
+
+
+def pool_backward(dy, argmax, x_shape, k, stride, pad):
+    """dx (x_shape): for max pooling (argmax given) the sum of dy over the windows whose
+    maximum is that pixel; for average pooling (argmax None) the sum of dy / k^2 over the
+    windows that cover it. One thread per input pixel and channel (no atomics)."""
+    import cupy
+    dy = cupy.ascontiguousarray(dy)
+    dx = cupy.empty(x_shape, dy.dtype)
+    avg = argmax is None
+    arg = dy if avg else cupy.ascontiguousarray(argmax, dtype=np.int32)   # unread when avg
+    _kernel("pool_backward", dy.dtype)(
+        _blocks(dx.size), (THREADS,),
+        (dy, arg, np.int32(avg), *_pool_args(x_shape, dy.shape, k, stride, pad), dx))
+    return dx
+
+
+# ----- dropout -----
+
+def dropout_threshold(p):
+    """The 24-bit threshold t of drop probability p: keep where (word >> 8) >= t, which
+    happens with probability 1 - t / 2^24 (t = ceil(p 2^24), so p itself when p 2^24
+    is an integer)."""
+    return math.ceil(p * (1 << 24))
+
+
+def dropout(x, key, p):
+    """x * keep / (1 - p) (1 / (1 - p) rounded to x's dtype, as on the CPU), keep drawn by
+    Philox4x32-10 from the 64-bit key and each element's index (dropout_keep); the same
+    call with the same key is the backward."""
+    import cupy
+    x = cupy.ascontiguousarray(x)
+    y = cupy.empty_like(x)
+    acc = acc_dtype(x.dtype)
+    scale = acc.type(x.dtype.type(1 / (1 - p)))
+    blocks = _blocks(-(-x.size // 4))
+    _kernel("dropout", x.dtype)(blocks, (THREADS,),
+                                (x, np.int64(x.size), np.uint32(key & 0xFFFFFFFF),
+                                 np.uint32(key >> 32), np.uint32(dropout_threshold(p)), scale, y))
+    return y
+
+
+_M0, _M1, _W0, _W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
+
+
+def philox4x32(counter, key):
+    """NumPy Philox4x32-10: counter (n, 4) uint32, key (2,) uint32 -> (n, 4) uint32 words."""
+    c = [np.asarray(counter, np.uint32)[:, j].astype(np.uint64) for j in range(4)]
+    k0, k1 = np.uint64(key[0]), np.uint64(key[1])
+    mask = np.uint64(0xFFFFFFFF)
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + np.uint64(_W0)) & mask, (k1 + np.uint64(_W1)) & mask
+        p0, p1 = np.uint64(_M0) * c[0], np.uint64(_M1) * c[2]       # exact 64-bit products
+        c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & mask, (p0 >> np.uint64(32)) ^ c[3] ^ k1,
+             p0 & mask]
+    return np.stack(c, axis=1).astype(np.uint32)
+
+
+def dropout_keep(key, n, p):
+    """The keep mask (n,) bool that `dropout` draws from the 64-bit key: element i keeps
+    when word i mod 4 of philox4x32((i // 4, i // 4 >> 32, 0, 0), key) >> 8 >= threshold."""
+    blocks = np.arange(-(-n // 4), dtype=np.uint64)
+    counter = np.zeros((blocks.size, 4), np.uint32)
+    counter[:, 0] = blocks & np.uint64(0xFFFFFFFF)
+    counter[:, 1] = blocks >> np.uint64(32)
+    words = philox4x32(counter, (key & 0xFFFFFFFF, key >> 32)).reshape(-1)[:n]
+    return (words >> 8) >= dropout_threshold(p)

@@ -1,0 +1,439 @@
+"""`./launch.sh gpu-check` and `python -m mpitrain check-gpu`: prove the GPU path on a GPU machine.
+
+For a machine with an NVIDIA GPU and no network. The steps, each recorded in
+the JSON report (`--out`), and each run in a fresh interpreter, so that what
+the install step put in place is what the later steps import:
+
+    preflight    an NVIDIA driver and GPU are present, else exit 2 at once,
+                 naming what is missing
+    install      with --wheels DIR (or WHEELS=DIR): the packages of DIR's
+                 wheels that are not installed yet, then mpitrain itself
+                 (editable), all with `pip install --no-index --find-links DIR`;
+                 without it, mpitrain is installed offline only if it does not
+                 import yet
+    build        the Cython kernels (setup.py build_ext --inplace)
+    environment  CuPy sees the GPU and mpi4py loads an MPI library (else exit
+                 2, naming what is missing); the run's environment report
+                 (mpitrain.config.gpu_environment)
+    tests        `pytest -m gpu` over tests/, every test's outcome
+    compare      one training step on the GPU against the same step on the
+                 CPU, fp32 and fp16 (compare_step): logits, loss, every
+                 gradient, the update and the updated master weights
+    nccl         a one-rank Communicator's all-reduce and broadcast of CuPy
+                 arrays through NCCL, and the Reducer's stream path (nccl_check)
+    bench        `bench step --device gpu` on ResNet-50 at 224x224, fp16 batch
+                 256 and fp32 batch 128, against PyTorch where it sees the GPU
+
+Exit status: 0 every step passed, 1 a step failed, 2 no GPU (or CuPy does not
+see it, or no MPI library) or bad arguments. This module imports only the
+standard library at its top, so `python -m mpitrain.check_gpu` runs from a
+checkout before mpitrain is installed (launch.sh gpu-check does that).
+"""
+import argparse
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = ("install", "build", "tests", "compare", "nccl", "bench")
+
+# The largest |gpu - cpu| / max |cpu| each quantity may show. cuDNN may run fp32
+# convolutions on TF32 tensor cores (10-bit products, fp32 sums), so fp32 agrees to
+# about 1e-3, not to fp32 rounding; fp16 rounds every activation to 11 bits on both
+# sides, in different orders. "update" is the change of the master weights, relative to
+# its own largest value; "master" the updated weights, relative to their largest value.
+TOLERANCE = {"fp32": {"logits": 5e-3, "loss": 1e-3, "grad": 2e-2, "update": 2e-2, "master": 1e-4},
+             "fp16": {"logits": 3e-2, "loss": 1e-2, "grad": 1e-1, "update": 1e-1, "master": 1e-3}}
+
+# (precision, batch) of the throughput runs: ResNet-50 at 224x224
+BENCH = (("fp16", 256), ("fp32", 128))
+
+
+class CheckError(Exception):
+    """Cannot go on: the message names what is missing (exit status 2)."""
+
+
+def add_arguments(parser):
+    """The options of check-gpu (shared by the CLI and `python -m mpitrain.check_gpu`)."""
+    from mpitrain.cli import nonnegative_int, positive_int
+    parser.add_argument("--wheels", metavar="DIR", default=os.environ.get("WHEELS") or None,
+                        help="install from this folder of wheels first, without network "
+                             "(default: $WHEELS)")
+    parser.add_argument("--out", metavar="FILE",
+                        help="the JSON report (default: gpu-check-<time>.json here)")
+    parser.add_argument("--skip", nargs="+", choices=STEPS, default=[], metavar="STEP",
+                        help=f"steps to leave out: {', '.join(STEPS)}")
+    parser.add_argument("--steps", type=positive_int, default=20,
+                        help="timed steps per throughput run (default: 20)")
+    parser.add_argument("--warmup", type=nonnegative_int, default=5,
+                        help="untimed steps before them (default: 5)")
+
+
+def run(args):
+    """The whole check; returns the exit status."""
+    try:
+        wheels = _wheel_files(args.wheels) if args.wheels else None
+        problem = preflight()
+        if problem:
+            raise CheckError(problem)
+        report = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0],
+                  "root": ROOT, "steps": {}}
+        out = args.out or f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        try:
+            _all_steps(args, wheels, report)
+        finally:
+            report["passed"] = all(s.get("passed", True) for s in report["steps"].values())
+            with open(out, "w") as f:
+                json.dump(report, f, indent=2)
+                f.write("\n")
+    except CheckError as e:
+        sys.stderr.write(f"gpu-check: {e}\n")
+        return 2
+    print(summary(report))
+    print(f"gpu-check: report written to {out}")
+    return 0 if report["passed"] else 1
+
+
+def _all_steps(args, wheels, report):
+    steps = report["steps"]
+    skip = set(args.skip)
+
+    def step(name, function, *a, group=None):
+        if (group or name) in skip:
+            steps[name] = {"skipped": True}
+            return
+        print(f"gpu-check: {name} ...", flush=True)
+        t0 = time.perf_counter()
+        steps[name] = function(*a)
+        steps[name].pop("stdout", None)     # its tail is kept; what it meant is parsed
+        steps[name]["seconds"] = round(time.perf_counter() - t0, 1)
+        if not steps[name].get("passed", True):
+            print(f"gpu-check: {name} FAILED: {'; '.join(steps[name].get('failures', []))}",
+                  flush=True)
+
+    step("install", install, wheels)
+    if not steps["install"].get("passed", True):
+        return                              # nothing below can import what it needs
+    step("build", _command_step, [sys.executable, "setup.py", "build_ext", "--inplace", "-q"], 600)
+    env = steps["environment"] = _call("environment", timeout=300)
+    if not env.get("passed"):               # no GPU for CuPy, no MPI, or mpitrain broken
+        raise CheckError(env.get("missing") or "; ".join(env.get("failures", [])))
+    step("tests", run_tests)
+    for precision in ("fp32", "fp16"):
+        step(f"compare {precision}", _call, "compare_step", precision, group="compare")
+    step("nccl", _call, "nccl_check")
+    for precision, batch in BENCH:
+        step(f"bench {precision}", bench, precision, batch, env["torch_cuda"], args.steps,
+             args.warmup, group="bench")
+
+
+# ----- the steps -----
+def preflight():
+    """None when this machine shows an NVIDIA driver and GPU, else what is missing
+    (standard library only: it runs before anything is installed)."""
+    if os.path.exists("/proc/driver/nvidia/version") or glob.glob("/dev/nvidia[0-9]*"):
+        return None
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return ("no NVIDIA GPU here: no NVIDIA driver (/proc/driver/nvidia/version is "
+                "missing), no /dev/nvidia* device and no nvidia-smi; gpu-check needs a "
+                "machine with an NVIDIA GPU and its driver")
+    r = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60)
+    if r.returncode or "GPU" not in r.stdout:
+        return f"nvidia-smi -L lists no GPU: {(r.stderr or r.stdout).strip()[:300]}"
+    return None
+
+
+def _wheel_files(folder):
+    if not os.path.isdir(folder):
+        raise CheckError(f"--wheels / WHEELS={folder}: no such folder")
+    files = sorted(glob.glob(os.path.join(folder, "*.whl")))
+    if not files:
+        raise CheckError(f"--wheels / WHEELS={folder}: no .whl file in it (README, On a GPU, "
+                         f"says how to fetch them)")
+    return folder, files
+
+
+def install(wheels):
+    """The folder's packages, then mpitrain (editable), without network."""
+    if wheels is None:
+        if _command_step([sys.executable, "-c", "import mpitrain.kernels, mpitrain.nets"],
+                         120)["passed"]:
+            return {"passed": True, "note": "mpitrain imports; nothing installed"}
+        pip = [sys.executable, "-m", "pip", "install", "--no-index"]
+        return _command_step(pip + ["--no-build-isolation", "-e", ROOT], 1200)
+    folder, files = wheels
+    # by name, not by file: what is installed already (the machine's CuPy, NumPy) stays
+    names = sorted({os.path.basename(f).split("-")[0] for f in files})
+    pip = [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", folder]
+    first = _command_step(pip + names, 1800)
+    if not first["passed"]:
+        return first
+    done = _command_step(pip + ["--no-build-isolation", "-e", ROOT], 1200)
+    return {**done, "wheels": [os.path.basename(f) for f in files]}
+
+
+def run_tests():
+    """pytest -m gpu over tests/, then tests/mpi (one rank), as launch.sh test runs them;
+    each test's outcome from the JUnit XML reports."""
+    import tempfile
+    import xml.etree.ElementTree as ET
+    if not os.path.isdir(os.path.join(ROOT, "tests")):
+        return {"passed": False, "failures": [f"no tests/ folder in {ROOT}: run from a checkout"]}
+    tests, failures, tails, ran = {}, [], [], True
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, where in enumerate((["tests", "--ignore=tests/mpi"], ["tests/mpi"])):
+            xml = os.path.join(tmp, f"phase{i}.xml")
+            r = _command_step([sys.executable, "-m", "pytest", "-m", "gpu", *where, "-q",
+                               "-p", "no:cacheprovider", f"--junitxml={xml}"], 1800)
+            ran = ran and r["passed"]
+            failures += r.get("failures", [])
+            tails.append(r.get("output_tail", ""))
+            if os.path.exists(xml):
+                for case in ET.parse(xml).getroot().iter("testcase"):
+                    tags = {child.tag for child in case}
+                    tests[f"{case.get('classname')}::{case.get('name')}"] = (
+                        "failed" if tags & {"failure", "error"} else
+                        "skipped" if "skipped" in tags else "passed")
+    counts = {k: sum(v == k for v in tests.values()) for k in ("passed", "failed", "skipped")}
+    failures = [name for name, v in tests.items() if v == "failed"] or failures or \
+        ([] if counts["passed"] else [f"no gpu test ran ({counts['skipped']} skipped)"])
+    return {"passed": ran and counts["passed"] > 0, "counts": counts, "tests": tests,
+            "failures": failures, "output_tail": "\n".join(tails)[-4000:]}
+
+
+def bench(precision, batch, torch, steps, warmup):
+    """bench step --device gpu on ResNet-50 at 224x224 (with --reference torch when PyTorch
+    sees the GPU); its JSON result."""
+    argv = [sys.executable, "-m", "mpitrain", "bench", "step", "--device", "gpu", "--model",
+            "resnet50", "--image-size", "224", "--batch", str(batch), "--precision", precision,
+            "--steps", str(steps), "--warmup", str(warmup), "--json"]
+    if torch:
+        argv += ["--reference", "torch"]
+    r = _command_step(argv, 1800)
+    try:                                # its figures, even when the PyTorch side failed
+        figures = json.loads(r["stdout"].strip().splitlines()[-1])
+    except (KeyError, IndexError, ValueError):
+        return r
+    return {**figures, "passed": r["passed"], "failures": r.get("failures", [])}
+
+
+def _command_step(argv, timeout):
+    """Run argv in the checkout; {"passed", "stdout", "output_tail", "failures"}."""
+    try:
+        r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"passed": False, "failures": [f"{' '.join(argv[:6])} ... ran past {timeout} s"]}
+    out = {"passed": not r.returncode, "stdout": r.stdout,
+           "output_tail": (r.stdout + r.stderr)[-4000:]}
+    if r.returncode:
+        out["failures"] = [f"{' '.join(argv[:6])} ... exited {r.returncode}: "
+                           f"{r.stderr.strip()[-600:]}"]
+    return out
+
+
+def _call(function, *args, timeout=1200):
+    """This module's `function(*args)` in a fresh interpreter; its JSON result."""
+    code = ("import json, sys; from mpitrain import check_gpu; "
+            "print(json.dumps(getattr(check_gpu, sys.argv[1])(*json.loads(sys.argv[2]))))")
+    r = _command_step([sys.executable, "-c", code, function, json.dumps(args)], timeout)
+    if not r["passed"]:
+        return r
+    return json.loads(r["stdout"].strip().splitlines()[-1])
+
+
+# ----- what runs in the children (after the install) -----
+def environment():
+    """What is missing for the other steps (None when nothing), and the environment report."""
+    out = {"missing": None, "passed": False, "torch_cuda": False}
+    try:
+        from mpi4py import MPI
+        out["mpi"] = MPI.Get_library_version().strip().splitlines()[0]
+    except Exception as e:      # mpi4py without a library to load: no MPI on this machine
+        out["missing"] = (f"no MPI library for mpi4py ({type(e).__name__}: {e}); add the "
+                          f"`mpich` wheel to the wheels folder")
+    from mpitrain import backend
+    out["missing"] = backend.gpu_problem() or out["missing"]
+    if out["missing"]:
+        return out
+    from mpitrain.config import gpu_environment
+    backend.use_device("gpu")
+    out["report"] = gpu_environment()
+    out["passed"] = True
+    try:
+        import torch
+        out["torch"] = torch.__version__
+        out["torch_cuda"] = bool(torch.cuda.is_available())
+    except ImportError:
+        out["torch"] = None
+    return out
+
+
+def compare_step(precision, model_name="resnet_small", image_size=32, batch=32, num_classes=10,
+                 seed=0, lr=0.1, devices=("cpu", "gpu")):
+    """One training step (mpitrain.bench.step.OneStep: forward and loss, backward, overflow
+    check, SGD update) of the same model, seed and batch on the two `devices` (the
+    reference first); the largest relative differences against TOLERANCE."""
+    import numpy as np
+
+    from mpitrain import backend
+    from mpitrain.bench.step import OneStep, build_on_device
+    host = backend.to_numpy
+
+    def one_step(device):
+        backend.use_device(device)
+        model, x, y = build_on_device(model_name, image_size, batch, num_classes, seed, precision)
+        step = OneStep(model, precision, lr=lr)
+        before = host(model.arena.master).astype(np.float64)
+        for attempt in range(1, 25):        # as training: halve the loss scale until no overflow
+            with np.errstate(over="ignore", invalid="ignore"):
+                logits, loss = step.forward(x, y)
+                step.backward()
+            grads = {name: host(p.grad).astype(np.float64) for name, p in model.named_params()}
+            if step.update():
+                break
+        master = host(model.arena.master).astype(np.float64)
+        return dict(logits=host(logits).astype(np.float64), loss=np.float64(float(loss)),
+                    grads=grads, attempts=attempt, scale=step.scaler.scale, master=master,
+                    update=master - before)
+
+    previous = backend.device
+    try:
+        cpu, gpu = (one_step(device) for device in devices)
+    finally:
+        backend.use_device("cpu" if previous == "cpu" else "gpu")
+    per_param = {name: _relative(gpu["grads"][name], g) for name, g in cpu["grads"].items()}
+    worst = max(per_param, key=per_param.get)
+    diffs = {"logits": _relative(gpu["logits"], cpu["logits"]),
+             "loss": _relative(gpu["loss"], cpu["loss"]), "grad": per_param[worst],
+             "update": _relative(gpu["update"], cpu["update"]),
+             "master": _relative(gpu["master"], cpu["master"])}
+    limits = TOLERANCE[precision]
+    failures = [f"{k}: {v:.2e} > {limits[k]:.0e}" for k, v in diffs.items() if not v <= limits[k]]
+    if cpu["attempts"] != gpu["attempts"]:
+        failures.append(f"the step overflowed {cpu['attempts'] - 1} time(s) on {devices[0]}, "
+                        f"{gpu['attempts'] - 1} on {devices[1]} before one was applied")
+    return {"passed": not failures, "failures": failures, "precision": precision,
+            "model": model_name, "image_size": image_size, "batch": batch, "seed": seed,
+            "devices": list(devices), "attempts": cpu["attempts"], "loss_scale": cpu["scale"],
+            "loss": {"cpu": float(cpu["loss"]), "gpu": float(gpu["loss"])},
+            "max_relative": diffs, "worst_gradient": worst, "tolerance": limits,
+            "gradients": per_param}
+
+
+def _relative(a, b):
+    """max |a - b| / max |b| (inf when a differs where b is all zeros, or is not finite)."""
+    import numpy as np
+    diff = float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+    scale = float(np.max(np.abs(b)))
+    if not np.isfinite(diff):
+        return float("inf")
+    return diff / scale if scale else (0.0 if diff == 0 else float("inf"))
+
+
+def nccl_check():
+    """A one-rank Communicator on the GPU: all-reduce (fp32, fp16) and broadcast of CuPy
+    arrays through NCCL, and a Reducer summing a model's gradient buckets on the
+    communication stream (no thread: NCCL only queues)."""
+    import cupy
+    import numpy as np
+    from mpi4py import MPI
+
+    from mpitrain import backend
+    from mpitrain.comm import Communicator, nccl
+    from mpitrain.comm.buckets import Reducer
+    from mpitrain.nets import build_model
+    backend.use_device("gpu")
+    comm = Communicator(MPI.COMM_WORLD)
+    failures, out = [], {"ranks": comm.size, "nccl": nccl.version()}
+    try:
+        if comm.nccl() is None:
+            return {**out, "passed": False,
+                    "failures": ["cupy.cuda.nccl is unavailable: install nvidia-nccl-cu12/-cu13"]}
+        for dtype in (np.float32, np.float16):
+            a = cupy.arange(1 << 16, dtype=dtype) % 7
+            expected = a.get() * comm.size
+            comm.allreduce(a, "flat")
+            backend.synchronize()
+            if not np.array_equal(a.get(), expected):
+                failures.append(f"all-reduce of {np.dtype(dtype).name} differs")
+        b = cupy.arange(1000, dtype=cupy.float32) * (comm.rank + 1)
+        comm.broadcast(b, root=0)
+        backend.synchronize()
+        if not np.array_equal(b.get(), np.arange(1000, dtype=np.float32)):
+            failures.append("broadcast differs from rank 0's array")
+        model = build_model("resnet_small", num_classes=10)
+        reducer = Reducer(model.arena, comm, threshold=64 << 10, overlap=True)
+        out["reducer_threaded"] = reducer.threaded
+        if reducer.threaded:
+            failures.append("the Reducer runs a thread although NCCL is there")
+        reducer.begin()
+        for p in model.arena.params:        # as backward writes them, on the compute stream
+            p.grad[...] = cupy.arange(p.size, dtype=p.grad.dtype).reshape(p.shape) % 5
+            p.grad_ready()
+        reducer.finish()
+        got = model.arena.grad.get()        # queued after the event finish() waits on
+        reducer.close()
+        expected = np.zeros_like(got)
+        for p in model.arena.params:
+            expected[p.offset:p.offset + p.size] = np.arange(p.size) % 5 * comm.size
+        if not np.array_equal(got, expected):
+            failures.append("the Reducer's bucket sums differ")
+        out["buckets"] = len(reducer.bounds)
+    finally:
+        comm.free()
+    return {**out, "passed": not failures, "failures": failures}
+
+
+# ----- the report -----
+def summary(report):
+    """A line per step, then the throughput table."""
+    lines = []
+    for name, s in report["steps"].items():
+        if s.get("skipped"):
+            lines.append(f"SKIP  {name}")
+            continue
+        state = "PASS" if s.get("passed", True) else "FAIL"
+        lines.append(f"{state}  {name}{_detail(name, s)}")
+    lines.append(f"gpu-check: {'all passed' if report['passed'] else 'FAILED'}")
+    return "\n".join(lines)
+
+
+def _detail(name, s):
+    if name == "environment" and "report" in s:
+        r = s["report"]
+        return (f": {r.get('gpu')}, CuPy {r.get('cupy')}, CUDA {r.get('cuda_runtime')} "
+                f"(driver {r.get('cuda_driver')}), NCCL {r.get('nccl')}, cuDNN {r.get('cudnn')} "
+                f"(frontend {r.get('cudnn_frontend')}: {r.get('cudnn_reason')}), "
+                f"MPI {s.get('mpi')}, torch {s.get('torch')}")
+    if name == "tests" and "counts" in s:
+        c = s["counts"]
+        return f": {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped"
+    if name.startswith("compare") and "max_relative" in s:
+        return ": " + ", ".join(f"{k} {v:.1e} (<= {s['tolerance'][k]:.0e})"
+                                for k, v in s["max_relative"].items())
+    if name.startswith("bench") and "mpitrain" in s:
+        text = (f": ResNet-50 224x224 {s['precision']} batch {s['batch']}: mpitrain "
+                f"{s['mpitrain']['images_per_s']:.0f} images/s")
+        if "torch" in s:
+            text += (f", PyTorch {s['torch']['images_per_s']:.0f} images/s, "
+                     f"ratio {s['ratio']:.2f}x")
+        return text
+    if name == "nccl" and "nccl" in s:
+        return f": NCCL {s['nccl']}, {s.get('buckets')} buckets through the Reducer"
+    return ""
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m mpitrain.check_gpu",
+                                     description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

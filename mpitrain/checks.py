@@ -1,0 +1,252 @@
+"""What a training run checks before any work, so that an option or an input that
+cannot work is refused at once (ConfigError: exit status 2, a message that names the
+problem and the fix), with nothing written and no rank left waiting.
+
+    options       the global batch against the ranks (check_batch), the communication
+                  options (comm_options)
+    MPI           the thread level the run's threads need (check_threads), a world the
+                  size the launcher started (check_launch)
+    data          the named data sets and files (resolve_data), both files readable, of
+                  this format, with the same two or more classes, images the run's
+                  buffers can hold (describe_data), an image size the network takes
+                  (check_image_size)
+    run directory writable (prepare_run_dir); a checkpoint to resume that continues
+                  this run (find_resume, check_resume)
+
+Checks that read files are made by every rank alike, or by rank 0 with the verdict
+broadcast, so every rank raises the same error.
+"""
+import os
+
+import numpy as np
+
+from . import backend, checkpoint
+
+# Data sets known by name: files under data_dir, made by `convert` on first use.
+# The digits are centred 32x32 glyphs: random crops and flips would only hurt.
+PRESETS = {"digits": dict(train="digits_train.h5", val="digits_val.h5", convert="convert_digits",
+                          transform=dict(augment=False, crop_fraction=1.0))}
+# Anything else: random-resized-crop and flip for training, centre crop of 87.5% for validation.
+TRANSFORM = dict(augment=True, crop_fraction=0.875)
+
+
+class ConfigError(ValueError):
+    """A training option that cannot work, found before any work is done."""
+
+
+def check_batch(global_batch, world_size, num_train=None):
+    """Refuse a global batch that the ranks cannot share evenly (or that exceeds the data)."""
+    if global_batch < 1:
+        raise ConfigError(f"the global batch size must be positive, got {global_batch}")
+    if global_batch % world_size:
+        raise ConfigError(f"global batch size {global_batch} does not divide by the {world_size} "
+                         f"MPI ranks; use a multiple of {world_size} "
+                         f"(each rank takes batch_size / ranks images per step)")
+    if num_train is not None and global_batch > num_train:
+        raise ConfigError(f"global batch size {global_batch} exceeds the {num_train} training "
+                         f"images: an epoch would have no step")
+
+
+def comm_options(cfg, world_size):
+    """Refuse communication options that cannot work."""
+    from .comm import ALGORITHMS
+    if cfg["allreduce"] not in ALGORITHMS:
+        raise ConfigError(f"unknown all-reduce {cfg['allreduce']!r}; choose one of "
+                          f"{', '.join(ALGORITHMS)}")
+    if cfg["comm_dtype"] not in ("fp32", "fp16"):
+        raise ConfigError(f"unknown --comm-dtype {cfg['comm_dtype']!r}; choose fp32 or fp16")
+    for key in ("fusion_threshold", "bn_group", "ranks_per_node"):
+        if cfg[key] is not None and cfg[key] < 1:
+            raise ConfigError(f"--{key.replace('_', '-')} must be positive, got {cfg[key]}")
+    if cfg["bn_group"] > world_size:
+        raise ConfigError(f"--bn-group {cfg['bn_group']} exceeds the {world_size} rank(s)")
+
+
+def resolve_data(cfg, comm):
+    """(train file, validation file, loader transform options) for the run's --data.
+
+    A preset name (digits) means files under data_dir, converted by rank 0 when
+    missing while the other ranks wait; anything else is a training file, with
+    --val-data or else the converter's FILE_val.h5 beside it as validation.
+    """
+    from mpitrain.datasets import convert
+    preset = PRESETS.get(cfg["data"])
+    if preset:
+        train_file, val_file = (os.path.join(cfg["data_dir"], preset[k]) for k in ("train", "val"))
+        if comm.rank == 0 and not (os.path.exists(train_file) and os.path.exists(val_file)):
+            print(f"mpitrain: converting {cfg['data']} into {cfg['data_dir']}/", flush=True)
+            getattr(convert, preset["convert"])(cfg["data_dir"])
+        comm.barrier()
+        transform = dict(preset["transform"])
+    else:
+        train_file, transform = cfg["data"], dict(TRANSFORM)
+        val_file = cfg["val_data"] or convert.val_path(train_file)
+        for what, path in (("training", train_file), ("validation", val_file)):
+            if not os.path.exists(path):
+                raise ConfigError(f"{what} file {path} does not exist; make it with "
+                                  f"`python -m mpitrain convert ...`"
+                                  + (" or name it with --val-data" if what == "validation" else ""))
+    if cfg["augment"] is not None:
+        transform["augment"] = cfg["augment"]
+    return train_file, val_file, transform
+
+
+def describe_file(path):
+    """(number of images, class names, stored image size or None) of a data file."""
+    from mpitrain.datasets.h5format import Reader
+    with Reader(path) as reader:
+        return len(reader.labels), reader.class_names, \
+            reader.image_shape[0] if reader.image_shape else None
+
+
+def check_threads():
+    """The communication thread and the watchers call MPI while the main thread does."""
+    from mpi4py import MPI
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED",
+                 MPI.THREAD_SERIALIZED: "SERIALIZED"}
+        raise ConfigError(f"the MPI library gives thread level "
+                          f"{names.get(MPI.Query_thread(), MPI.Query_thread())}; mpitrain needs "
+                          f"MPI_THREAD_MULTIPLE (its communication, signal and watchdog threads "
+                          f"call MPI): use an MPI built with thread support (MPICH and Open MPI "
+                          f"are by default) and do not lower mpi4py.rc.thread_level")
+
+
+def check_launch(world_size):
+    """Refuse a world that is not what the launcher started: srun without the right --mpi
+    starts N separate one-rank jobs, which would train N times into one run directory."""
+    from .launcher import launched_size
+    launched = launched_size()
+    if launched and launched[0] != world_size:
+        raise ConfigError(f"the launcher started {launched[0]} process(es) ({launched[1]}) but "
+                          f"MPI sees a world of {world_size}: the MPI library does not talk to "
+                          f"the launcher. Under Slurm pass srun the --mpi type of your MPI "
+                          f"(--mpi=pmi2 for MPICH, --mpi=pmix for Open MPI; launch.sh does), or "
+                          f"start the job with that MPI's own mpirun")
+
+
+def describe_data(train_file, val_file, image_size, batch, workers, prefetch, dtype):
+    """(number of training images, class names, image size, the training file's
+    normalisation {mean, std, pixel_max}) of the run's two data files,
+    refusing (ConfigError) files that are not this format, a single class, validation
+    classes other than the training file's, and images the run's buffers cannot hold."""
+    from mpitrain.datasets.h5format import FormatError, Reader, available_memory, white_level
+    try:
+        with Reader(train_file) as train, Reader(val_file) as val:
+            names, val_names = train.class_names, val.class_names
+            num_train, stored = len(train.labels), train.image_shape
+            normalise = dict(mean=train.mean.tolist(), std=train.std.tolist(),
+                             pixel_max=white_level(train))
+    except FormatError as e:
+        raise ConfigError(str(e)) from None
+    if len(names) < 2:
+        raise ConfigError(f"{train_file} has {len(names)} class ({names}): a classifier needs "
+                          f"two or more; convert a folder with a sub-folder per class")
+    if val_names != names:
+        differ = (f"{len(val_names)} classes against {len(names)}" if len(val_names) != len(names)
+                  else "class {} is {!r} against {!r}".format(
+                      *next((i, v, t) for i, (v, t) in enumerate(zip(val_names, names)) if v != t)))
+        raise ConfigError(f"validation file {val_file} does not have the classes of training "
+                          f"file {train_file} ({differ}): convert both from the same folders "
+                          f"(convert imagefolder --val-fraction splits one)")
+    size = image_size or (stored[0] if stored else 224)
+    # the loader's ring of batches, for both loaders, plus one stored record per worker
+    need = 2 * (prefetch + 1) * batch * size * size * 3 * np.dtype(dtype).itemsize
+    if stored:
+        need += (workers + 1) * int(np.prod(stored))
+    have = available_memory()
+    if have is not None and need > have:
+        raise ConfigError(f"{train_file}: {size}x{size} images in batches of {batch} need "
+                          f"{need / 2**30:.1f} GiB of buffers, more than the {have / 2**30:.1f} GiB "
+                          f"of memory available: give a smaller --image-size or --batch-size "
+                          f"(or check the file: it declares images of {stored or 'encoded'})")
+    return num_train, names, size, normalise
+
+
+def check_image_size(model, name, size):
+    """Refuse an image size the network cannot take (its feature maps would vanish): one
+    eval forward of a single image, before any work."""
+    try:
+        model.forward(backend.xp.zeros((1, size, size, 3), model.dtype), train=False)
+    except ValueError:
+        smallest = next((s for s in range(size + 1, 513) if _takes(model, s)), None)
+        raise ConfigError(f"--image-size {size} is too small for {name}: its feature maps "
+                          f"shrink to nothing" + (f"; the smallest size it takes is {smallest}"
+                                                  if smallest else "")) from None
+
+
+def _takes(model, size):
+    try:
+        model.forward(backend.xp.zeros((1, size, size, 3), model.dtype), train=False)
+        return True
+    except ValueError:
+        return False
+
+
+def prepare_run_dir(cfg, comm):
+    """Choose the run directory (rank 0 decides, all ranks agree) and make sure it can
+    be written, before any work. Returns it."""
+    from .config import default_run_dir
+    resume = cfg["resume"]
+    if cfg["run_dir"] is None and resume not in (None, "auto"):
+        cfg["run_dir"] = os.path.dirname(os.path.abspath(resume))
+    if cfg["run_dir"] is None and resume == "auto":
+        raise ConfigError("--resume auto needs --run-dir: the directory of the run to continue")
+    run_dir = cfg["run_dir"] = cfg["run_dir"] or default_run_dir(comm)
+    problem = None
+    if comm.rank == 0:
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+            if not os.access(run_dir, os.W_OK | os.X_OK):
+                problem = f"--run-dir {run_dir} is not writable; choose another directory"
+        except FileExistsError:
+            problem = f"--run-dir {run_dir} is a file, not a directory; choose another name"
+        except OSError as e:
+            problem = f"--run-dir {run_dir} cannot be created ({e.strerror}); choose another"
+    problem = comm.bcast(problem, root=0)
+    if problem:
+        raise ConfigError(problem)
+    return run_dir
+
+
+def find_resume(cfg, comm, say):
+    """The checkpoint to resume from (rank 0 looks; None: start afresh), after checking
+    that its run is this one continued; refuses, before any work, one that is not."""
+    if not cfg["resume"]:
+        return None
+    found = None
+    if comm.rank == 0:
+        def passed_over(path, why):
+            say(f"--resume auto: passing over {path}: {why}", flush=True)
+        try:
+            if cfg["resume"] == "auto":
+                found = checkpoint.latest(cfg["run_dir"], passed_over)
+            elif os.path.exists(cfg["resume"]):
+                found = cfg["resume"]
+            else:
+                raise ConfigError(f"--resume {cfg['resume']}: no such checkpoint file")
+            if found:
+                check_resume(cfg, found, checkpoint.read_config(found))
+        except (ConfigError, checkpoint.CheckpointError) as e:
+            found = ConfigError(str(e))
+    found = comm.bcast(found, root=0)
+    if isinstance(found, ConfigError):
+        raise found
+    return found
+
+
+# what a resumed run must keep: changing them would not continue the same training
+RESUME_KEEPS = {"model": "--model", "optimizer": "--optimizer", "precision": "--precision"}
+
+
+def check_resume(cfg, path, saved):
+    if saved.get("batch_size", cfg["batch_size"]) != cfg["batch_size"]:
+        raise ConfigError(f"{path} was trained with global batch {saved['batch_size']}, this "
+                          f"run has {cfg['batch_size']}: a resumed run keeps the global batch "
+                          f"(pass --batch-size {saved['batch_size']}; any number of ranks that "
+                          f"divides it works)")
+    for key, flag in RESUME_KEEPS.items():
+        if saved.get(key, cfg[key]) != cfg[key]:
+            raise ConfigError(f"{path} was trained with {flag} {saved[key]}, this run asks for "
+                              f"{cfg[key]}: a resumed run keeps it; pass {flag} {saved[key]}, "
+                              f"or start a new run in another --run-dir")

@@ -1,0 +1,89 @@
+"""What the launcher (mpirun, mpiexec, srun) tells a process through its environment.
+
+Read before MPI starts, or to check MPI against it:
+
+    launched_rank()        this process's rank as the launcher numbered it (0 when not
+                           launched by one): rank 0 alone prints argument errors
+    launched_size()        (size, variable): how many ranks the launcher started, and the
+                           variable that says so; None when nothing says
+    output_is_terminal()   whether a progress bar may be drawn on `stream`
+
+and for what starts jobs (launch.sh, the tests):
+
+    outside_environment()  an environment without the variables a launch sets, for a
+                           job started from inside a launched process (or from a
+                           singleton: Open MPI's puts its own in the C environment)
+    mpi_family()           "mpich" or "openmpi" from MPI's library version string
+    installed_mpi()        what launch.sh recorded of a venv's MPI (kind, impl, mpiexec)
+"""
+import os
+import sys
+
+# (rank variable, size variable) of each launcher, in order of precedence: MPICH's
+# hydra and other PMI launchers, Open MPI's mpirun, PMIx launchers, Slurm's srun (a
+# job step's own size: a batch script's SLURM_NTASKS counts tasks it has not started)
+LAUNCHERS = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+             ("PMIX_RANK", None), ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS"))
+
+
+def launched_rank():
+    for rank, _ in LAUNCHERS:
+        if os.environ.get(rank, "").isdigit():
+            return int(os.environ[rank])
+    return 0
+
+
+def launched_size():
+    for _, size in LAUNCHERS:
+        if size and os.environ.get(size, "").isdigit():
+            return int(os.environ[size]), size
+    return None
+
+
+def output_is_terminal(stream):
+    """A terminal a person watches: Open MPI hands its ranks a pseudo-terminal whatever
+    mpirun's own output is (a log file, a pipe), so under Open MPI it never is."""
+    return stream.isatty() and "OMPI_COMM_WORLD_SIZE" not in os.environ
+
+
+# What mpirun/mpiexec (MPICH's hydra, Open MPI's orterun and PMIx) put in the environment
+# of the processes they start. A job started from such a process with these in its
+# environment takes itself for part of the outer job (Open MPI refuses to start it).
+LAUNCH_VARIABLES = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID",
+                    "OMPI_COMM_WORLD_", "OMPI_UNIVERSE_SIZE", "OMPI_FIRST_RANKS",
+                    "OMPI_APP_CTX_", "OMPI_NUM_APP_CTX", "OMPI_FILE_LOCATION", "OMPI_COMMAND",
+                    "OMPI_ARGV", "OMPI_MCA_ess", "OMPI_MCA_orte_", "OMPI_MCA_pmix",
+                    "OMPI_MCA_initial_wdir", "OMPI_MCA_mpi_oversubscribe",
+                    "OMPI_MCA_mpi_yield_when_idle", "OMPI_MCA_hwloc_base_binding_policy",
+                    "OMPI_MCA_shmem_RUNTIME_QUERY_hint", "ORTE_SCHIZO_DETECTION")
+
+
+def outside_environment(env=None):
+    """A copy of `env` (default os.environ) without the launch variables: the environment
+    to start another MPI job with. Pass it explicitly: a child started without env= gets
+    the C-level environment, where an Open MPI singleton has added its own variables."""
+    env = os.environ if env is None else env
+    return {k: v for k, v in env.items() if not k.startswith(LAUNCH_VARIABLES)}
+
+
+def mpi_family(library_version):
+    """"openmpi" or "mpich" (MPICH and its derivatives: Intel MPI, MVAPICH), from
+    MPI.Get_library_version(); None for another library."""
+    if "Open MPI" in library_version:
+        return "openmpi"
+    if any(name in library_version for name in ("MPICH", "Intel(R) MPI", "MVAPICH")):
+        return "mpich"
+    return None
+
+
+def installed_mpi(prefix=None):
+    """{kind: wheel|system, impl: mpich|openmpi|unknown, mpiexec: path, library: version}
+    as launch.sh recorded it in the venv `prefix` (default: this Python's); None when
+    the venv was not made by launch.sh."""
+    path = os.path.join(sys.prefix if prefix is None else prefix, ".mpitrain-mpi")
+    try:
+        with open(path) as f:
+            record = dict(line.rstrip("\n").split("=", 1) for line in f if "=" in line)
+    except OSError:
+        return None
+    return record if record.get("mpiexec") else None

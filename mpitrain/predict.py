@@ -1,0 +1,250 @@
+"""`python -m mpitrain predict`: the top classes of image files under a checkpoint's model.
+
+One process, no MPI: the checkpoint is read here, its model rebuilt in fp32 from
+the master weights (whatever the training precision), with the BatchNorm running
+statistics averaged over the ranks that wrote it (as `eval` does before scoring),
+and run in eval mode.
+
+The input is prepared as the checkpoint's run prepared its validation images
+(`Preprocessing`, which `export` also records in its files' metadata):
+
+    resize + centre crop   the validation transform of datasets/augment.py at the
+                           run's image size and crop fraction (the digits preset:
+                           1.0, the whole image; any other data: 0.875)
+    normalise              (pixel - mean) / std per channel, with the training
+                           file's mean and std, in that file's stored pixel units
+
+mean and std live in the training data file (attributes `mean`, `std` of
+docs/data-format.md), not in the checkpoint; they are read from the config's
+own copy when a checkpoint carries one, else from the training file its config
+names (the digits preset: DATA_DIR/digits_train.h5), else from `--data FILE`
+(a validation file carries the training split's values too). Class names come
+from the config, else from that file.
+
+Pixel units. An 8-bit image (JPEG, PNG, anything Pillow reads) is 0..255. A data
+file of 8-bit images stores those units; a 16-bit pixel file stores its own
+(the digits: p = 64 x, 0..1024 for scikit-learn's values 0..16). So an 8-bit
+image is scaled to the file's white level (its largest stored value: 1024 for
+the digits) and a 16-bit greyscale PNG is taken in the file's stored units as
+it is (the pixels of a record of that file, written out, come back exactly).
+"""
+import io
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import checkpoint
+
+# Pillow's modes of a 16-bit greyscale image (a PNG of bit depth 16 opens as I;16)
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+
+
+class PredictError(ValueError):
+    """A checkpoint, data file or image that cannot be used; the message names it."""
+
+
+# ----- the checkpoint's model, on one process -----
+def load_model(path):
+    """(model, config, state) of checkpoint `path`: the network in fp32 on the host with
+    the master weights and the ranks' mean BatchNorm statistics, ready for
+    model.forward(x, train=False); state is checkpoint.read's dict."""
+    from mpitrain.nets import build_model
+    read_config(path)
+    try:
+        state = checkpoint.read(path)
+        cfg = state["config"]
+        model = build_model(cfg["model"], num_classes=cfg["num_classes"], seed=0)
+        checkpoint.check_matches(state, model)
+    except checkpoint.CheckpointError as e:
+        raise PredictError(str(e)) from None
+    except (KeyError, ValueError) as e:     # a config without the model, or an unknown one
+        raise PredictError(f"cannot use checkpoint {path}: {e}") from None
+    arena = model.arena
+    arena.unpack(state["master"], arena.master)
+    arena.sync_working()
+    # one row of BatchNorm statistics per rank that wrote it (they differ mid-epoch)
+    model.buffer_arena.unpack(state["buffers"].mean(axis=0), model.buffer_arena.data)
+    return model, cfg, state
+
+
+def read_config(path):
+    """The training config stored in checkpoint `path` (a quick read of its attributes),
+    or PredictError saying why the file cannot be used."""
+    if not os.path.isfile(path):
+        raise PredictError(f"checkpoint {path} does not exist" if not os.path.exists(path)
+                           else f"checkpoint {path} is not a file")
+    try:
+        return checkpoint.read_config(path)
+    except checkpoint.CheckpointError as e:
+        raise PredictError(str(e)) from None
+
+
+# ----- the checkpoint's input pipeline -----
+@dataclass
+class Preprocessing:
+    """How images are turned into the model's input: the run's validation transform."""
+    image_size: int
+    crop_fraction: float
+    mean: list              # per channel (R, G, B), in the training file's stored units
+    std: list
+    white: float            # the stored value of full intensity (255 for 8-bit data)
+    bits: int               # bits per stored pixel of the training file: 8 or 16
+    class_names: list
+    source: str             # where mean and std came from
+
+    def metadata(self):
+        """The string metadata that export writes into its files."""
+        return {"image_size": str(self.image_size), "crop_fraction": repr(self.crop_fraction),
+                "mean": json.dumps(self.mean), "std": json.dumps(self.std),
+                "pixel_max": repr(self.white), "class_names": json.dumps(self.class_names),
+                "preprocessing": "RGB; resize the short side to image_size / crop_fraction "
+                                 "(bilinear, antialiased), centre crop image_size x image_size; "
+                                 "(pixel - mean) / std per channel, pixels in units where "
+                                 "pixel_max is full intensity (8-bit images: x pixel_max / 255)"}
+
+    def augment(self, bits):
+        """The validation transform for images of `bits` bits per channel: mean and std
+        moved into the image's units, since (k p - mean) / std = (p - mean/k) / (std/k)
+        for an image whose pixel p stands for k p in the file's units."""
+        from mpitrain.datasets.augment import Augment
+        if bits == 8:
+            k = self.white / 255        # 8-bit full intensity is the file's white level
+        elif self.bits == 16:
+            k = 1.0                     # a 16-bit image is in a 16-bit file's own units
+        else:
+            k = 255 / 65535             # a 16-bit image for a file of 8-bit images
+        return Augment(self.image_size, np.asarray(self.mean) / k, np.asarray(self.std) / k,
+                       train=False, crop_fraction=self.crop_fraction)
+
+    def load(self, path, out):
+        """Read image file `path` and write its normalised (size, size, 3) input into `out`."""
+        record, bits = read_image(path)
+        try:
+            self.augment(bits)(record, out)
+        except (OSError, ValueError) as e:
+            raise PredictError(f"{path}: cannot be decoded ({e})") from None
+
+
+def read_image(path):
+    """(record, bits) of image file `path`: the encoded bytes of an 8-bit image (decoded
+    by the loader's own code, datasets/augment.py), or (H, W, 3) uint16 pixels of a
+    16-bit greyscale one, which that code would cut to 8 bits."""
+    from PIL import Image, UnidentifiedImageError
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        image = Image.open(io.BytesIO(data))
+        image.load()                        # a truncated file fails here, not later
+    except UnidentifiedImageError:
+        raise PredictError(f"{path}: not an image (no format Pillow reads)") from None
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise PredictError(f"{path}: not a readable image ({e})") from None
+    if image.mode in SIXTEEN_BIT_MODES:
+        grey = np.clip(np.asarray(image), 0, 65535).astype(np.uint16)
+        return np.repeat(grey[..., None], 3, axis=2), 16
+    return np.frombuffer(data, np.uint8), 8
+
+
+def crop_fraction(cfg):
+    """The validation crop of the checkpoint's run: its data preset's, else the default."""
+    from .checks import PRESETS, TRANSFORM
+    preset = PRESETS.get(cfg.get("data"))
+    return (preset["transform"] if preset else TRANSFORM)["crop_fraction"]
+
+
+def training_file(cfg):
+    """The training data file the checkpoint's config names (a preset's under data_dir)."""
+    from .checks import PRESETS
+    preset = PRESETS.get(cfg.get("data"))
+    if preset:
+        return os.path.join(cfg.get("data_dir") or "data", preset["train"])
+    return cfg.get("data")
+
+
+def preprocessing(cfg, data=None):
+    """The Preprocessing of a checkpoint's config; `data` (a data file of the same
+    training split) stands in for a training file that is not where the config says."""
+    classes = cfg["num_classes"]
+    size, crop = cfg.get("image_size") or 224, crop_fraction(cfg)
+    names = cfg.get("class_names")
+    if data is None and "mean" in cfg and "std" in cfg:       # the config carries them
+        white = float(cfg.get("pixel_max", 255))
+        return Preprocessing(size, crop, list(cfg["mean"]), list(cfg["std"]), white,
+                             8 if white <= 255 else 16,
+                             names or [str(i) for i in range(classes)], "checkpoint")
+    path = data or training_file(cfg)
+    if not path or not os.path.exists(path):
+        raise PredictError(f"the normalisation (mean, std) is in the training data file, and "
+                           f"{path or 'none'} (named by the checkpoint's config: data="
+                           f"{cfg.get('data')!r}, data_dir={cfg.get('data_dir')!r}) is not "
+                           f"here; pass --data FILE (the training file, or its validation "
+                           f"file: it carries the same mean and std)")
+    from mpitrain.datasets.h5format import FormatError, Reader, white_level
+    try:
+        with Reader(path) as reader:
+            if len(reader.class_names) != classes:
+                raise PredictError(f"{path} has {len(reader.class_names)} classes, the "
+                                   f"checkpoint's model {classes}: not its training data")
+            if names and list(reader.class_names) != list(names):
+                raise PredictError(f"{path} has other class names than the checkpoint: "
+                                   f"not its training data")
+            bits = 8 * reader.images.dtype.itemsize if reader.storage == "pixels" else 8
+            return Preprocessing(size, crop, reader.mean.tolist(), reader.std.tolist(),
+                                 white_level(reader), bits, list(reader.class_names), path)
+    except FormatError as e:
+        raise PredictError(str(e)) from None
+
+
+# ----- the command -----
+def softmax(logits):
+    """Row-wise probabilities, in float64: exp(l - max l) / sum exp(l - max l)."""
+    z = np.asarray(logits, np.float64)
+    z = np.exp(z - z.max(axis=1, keepdims=True))
+    return z / z.sum(axis=1, keepdims=True)
+
+
+def predict(path, images, data=None, top=5, batch_size=32):
+    """The `top` most probable classes of each image file under checkpoint `path`:
+    {"checkpoint", "model", "normalisation" (the file mean and std came from),
+    "predictions": [{"image", "top": [{"class", "index", "probability"}]}]}, most
+    probable first (ties: the lower index, as argmax)."""
+    model, cfg, _ = load_model(path)
+    prep = preprocessing(cfg, data)
+    k = min(top, cfg["num_classes"])
+    predictions = []
+    for start in range(0, len(images), batch_size):
+        paths = images[start:start + batch_size]
+        x = np.empty((len(paths), prep.image_size, prep.image_size, 3), np.float32)
+        for i, image in enumerate(paths):
+            prep.load(image, x[i])
+        probs = softmax(model.forward(x, train=False))
+        for image, p in zip(paths, probs):
+            best = np.argsort(-p, kind="stable")[:k]
+            predictions.append({"image": image, "top": [
+                {"class": prep.class_names[c], "index": int(c), "probability": float(p[c])}
+                for c in best]})
+    return {"checkpoint": path, "model": cfg["model"], "normalisation": prep.source,
+            "predictions": predictions}
+
+
+def format_text(result):
+    """One block per image: its path, then a line per class, most probable first."""
+    lines = []
+    for item in result["predictions"]:
+        lines.append(item["image"])
+        lines += [f"  {t['probability']:8.2%}  {t['class']}" for t in item["top"]]
+    return "\n".join(lines)
+
+
+def run(args):
+    """The `predict` command: errors exit with status 2 and the message, as argparse's."""
+    try:
+        result = predict(args.checkpoint, args.images, args.data, args.top, args.batch_size)
+    except PredictError as e:
+        args.command_parser.error(str(e))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(format_text(result))

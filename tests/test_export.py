@@ -1,0 +1,332 @@
+"""Getting the model out: `export` to safetensors (loaded by the PyTorch twins with
+load_state_dict(strict=True)) and to ONNX (run by onnxruntime), both giving mpitrain's
+own eval-mode logits; `predict` on digit images agreeing with `eval`; clear exit-2
+refusals; atomic writes."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpitrain import checkpoint
+from mpitrain.cli import main
+from mpitrain.datasets.h5format import Reader, Writer
+from mpitrain.nets import build_model
+
+# image size of each exported network: resnet_small's own 32; AlexNet's smallest size
+# whose features are 2x2 (not 1x1), so the adaptive pool and the flatten order matter
+SIZES = {"resnet_small": 32, "alexnet_bn": 95}
+CLASSES = ["cat", "dog", "eel"]
+STEP = 7                        # the global step written into the checkpoints
+
+
+# ----- helpers and fixtures -----
+class Solo:
+    """The one-process stand-in for a Communicator that checkpoint.collect needs."""
+    rank, size = 0, 1
+
+    @staticmethod
+    def gather(value, root=0):
+        return [value]
+
+
+def write_checkpoint(model, cfg, path, rank_spread=0.0):
+    """Checkpoint `model` with config `cfg`; with rank_spread, as two ranks whose BatchNorm
+    statistics differ by +-spread around the model's (export must average them)."""
+    state = checkpoint.collect(model, Solo(), 0, 0, STEP, cfg)
+    row = state["buffers"][0]
+    spread = np.float32(rank_spread) * np.sign(np.sin(np.arange(row.size, dtype=np.float32)))
+    state["buffers"] = np.stack([row + spread, row - spread])
+    checkpoint.write(str(path), state)
+    return str(path)
+
+
+def randomised(name, seed=1):
+    """A network whose BatchNorm layers do something (statistics and affine away from
+    0 and 1) and whose logits are of order 1, so that 1e-4 is a tight tolerance."""
+    model = build_model(name, num_classes=len(CLASSES), seed=seed)
+    rng = np.random.default_rng(seed)
+    for pname, p in model.named_params():
+        if p.master.ndim == 1:                          # biases, BN gamma and beta
+            p.master += rng.normal(0, 0.2, p.shape).astype(np.float32)
+    last = list(model.named_params())[-2][1]            # the classifier's weight
+    last.master *= 20
+    model.arena.sync_working()
+    for bname, b in model.named_buffers():
+        b.data[...] = rng.normal(0, 0.2, b.shape) if bname.endswith("mean") \
+            else rng.uniform(0.5, 2.0, b.shape)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """A 3-class data file of 8-bit pixels: the training file the checkpoints name."""
+    path = str(tmp_path_factory.mktemp("data") / "tiny.h5")
+    rng = np.random.default_rng(0)
+    with Writer(path, CLASSES, storage="pixels") as w:
+        for i in range(6):
+            w.add(i % 3, rng.integers(0, 256, (40, 40, 3), dtype=np.uint8))
+        w.commit([120.0, 110.0, 100.0], [60.0, 55.0, 50.0])
+    return path
+
+
+@pytest.fixture(scope="module", params=sorted(SIZES))
+def trained(request, tiny_data, tmp_path_factory):
+    """(name, model, checkpoint path, NHWC batch, mpitrain's eval logits)."""
+    name, size = request.param, SIZES[request.param]
+    model = randomised(name)
+    cfg = {"model": name, "num_classes": len(CLASSES), "image_size": size, "data": tiny_data,
+           "data_dir": "data", "batch_size": 4}
+    path = write_checkpoint(model, cfg, tmp_path_factory.mktemp(name) / "checkpoint.h5",
+                            rank_spread=0.05)
+    x = np.random.default_rng(3).standard_normal((3, size, size, 3)).astype(np.float32)
+    logits = model.forward(x, train=False)
+    assert np.abs(logits).max() > 1                    # the tolerance below means something
+    return name, model, path, x, logits
+
+
+def export(*argv):
+    main(["export", *map(str, argv)])
+
+
+# ----- safetensors -> PyTorch -----
+def test_safetensors_loads_strictly_into_the_torch_twin_with_the_same_logits(trained, tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from mpitrain.bench import reference_torch as rt
+    name, model, path, x, logits = trained
+    out = tmp_path / f"{name}.safetensors"
+    export(path, "--format", "safetensors", out)
+
+    tmodel = rt.twin(model)
+    tmodel.load_state_dict(load_file(str(out)), strict=True)
+    tmodel.eval()
+    with torch.no_grad():
+        theirs = tmodel(rt.input_to_torch(x)).numpy()
+    assert np.abs(theirs - logits).max() < 1e-4
+
+    with safe_open(str(out), "np") as f:
+        meta = f.metadata()
+        tracked = [k for k in f.keys() if k.endswith("num_batches_tracked")]
+        assert tracked and all(int(f.get_tensor(k)) == STEP for k in tracked)
+    assert meta["model"] == name and meta["num_classes"] == "3"
+    assert meta["image_size"] == str(SIZES[name]) and float(meta["crop_fraction"]) == 0.875
+    assert json.loads(meta["class_names"]) == CLASSES
+    assert json.loads(meta["mean"]) == [120.0, 110.0, 100.0]
+    assert json.loads(meta["std"]) == [60.0, 55.0, 50.0]
+
+
+# ----- ONNX -> onnxruntime -----
+def test_onnx_runs_in_onnxruntime_with_the_same_logits(trained, tmp_path):
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    name, model, path, x, logits = trained
+    out = tmp_path / f"{name}.onnx"
+    export(path, "--format", "onnx", out)
+
+    onnx.checker.check_model(str(out), full_check=True)
+    proto = onnx.load(str(out))
+    assert [i.name for i in proto.graph.input] == ["images"]
+    assert [o.name for o in proto.graph.output] == ["logits"]
+    assert "Dropout" not in {n.op_type for n in proto.graph.node}
+    meta = {p.key: p.value for p in proto.metadata_props}
+    assert json.loads(meta["class_names"]) == CLASSES and meta["model"] == name
+
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    nchw = np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+    for batch in (3, 1):                                # the batch dimension is dynamic
+        theirs = session.run(["logits"], {"images": nchw[:batch]})[0]
+        assert theirs.shape == (batch, len(CLASSES))
+        assert np.abs(theirs - logits[:batch]).max() < 1e-4
+
+
+# ----- refusals and atomic writes -----
+@pytest.fixture(scope="module")
+def small(tiny_data, tmp_path_factory):
+    """A resnet_small checkpoint on the tiny data (3 classes)."""
+    cfg = {"model": "resnet_small", "num_classes": 3, "image_size": 32, "data": tiny_data,
+           "data_dir": "data", "batch_size": 4}
+    return write_checkpoint(randomised("resnet_small"), cfg,
+                            tmp_path_factory.mktemp("small") / "checkpoint.h5")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["{tmp}/none.h5", "--format", "onnx", "{tmp}/m.onnx"],
+     "checkpoint {tmp}/none.h5 does not exist"),
+    (["{text}", "--format", "onnx", "{tmp}/m.onnx"], "cannot read checkpoint {text}"),
+    (["{small}", "--format", "tflite", "{tmp}/m.tflite"],
+     "argument --format: invalid choice: 'tflite'"),
+    (["{small}", "--format", "onnx", "{tmp}/no/dir/m.onnx"],
+     "the directory of {tmp}/no/dir/m.onnx"),
+    (["{small}", "--format", "onnx", "{tmp}"], "{tmp} is a directory"),
+])
+def test_export_refuses_with_exit_2_naming_the_problem(argv, message, small, tmp_path, capsys):
+    text = tmp_path / "notes.h5"
+    text.write_text("not a checkpoint")
+    fill = {"tmp": tmp_path, "small": small, "text": text}
+    with pytest.raises(SystemExit) as exit_:
+        export(*[a.format(**fill) for a in argv])
+    assert exit_.value.code == 2
+    assert message.format(**fill) in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.onnx")) and not list(tmp_path.glob(".*"))
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "onnx"])
+def test_a_missing_package_is_named_with_its_pip_command(fmt, small, tmp_path, capsys,
+                                                         monkeypatch):
+    monkeypatch.setitem(sys.modules, fmt, None)           # import fails as if not installed
+    with pytest.raises(SystemExit) as exit_:
+        export(small, "--format", fmt, tmp_path / f"m.{fmt}")
+    assert exit_.value.code == 2
+    assert f"pip install '{fmt}'" in capsys.readouterr().err
+
+
+def test_a_failed_write_leaves_out_as_it_was(small, tmp_path, monkeypatch):
+    pytest.importorskip("safetensors")
+    from mpitrain import export as ex
+    out = tmp_path / "m.safetensors"
+    out.write_text("the previous export")
+
+    def torn(path, data):                                 # dies half-way through the bytes
+        with open(path, "wb") as f:
+            f.write(data[:len(data) // 2])
+        raise OSError("disk full")
+    monkeypatch.setattr(ex, "_write_bytes", torn)
+    with pytest.raises(OSError, match="disk full"):
+        ex.export(small, "safetensors", str(out))
+    assert out.read_text() == "the previous export"
+    assert os.listdir(tmp_path) == ["m.safetensors"]      # no temporary file left
+
+
+# ----- predict -----
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    """(data dir, checkpoint) of resnet_small trained for one epoch on the digits."""
+    root = tmp_path_factory.mktemp("digits")
+    r = subprocess.run([sys.executable, "-m", "mpitrain", "train", "--data", "digits",
+                        "--data-dir", str(root / "data"), "--run-dir", str(root / "run"),
+                        "--epochs", "1", "--batch-size", "64", "--warmup-epochs", "0",
+                        "--workers", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return root / "data", checkpoint.latest(str(root / "run"))
+
+
+def digit_images(data_dir, folder, count):
+    """The first `count` validation digits as 16-bit greyscale PNGs (the file's units),
+    with their stored pixels."""
+    from PIL import Image
+    paths, pixels = [], []
+    with Reader(str(data_dir / "digits_val.h5")) as reader:
+        for i in range(count):
+            p = reader.record(i)
+            paths.append(str(folder / f"digit{i}.png"))
+            Image.fromarray(p[..., 0]).save(paths[-1])
+            pixels.append(p)
+    return paths, pixels
+
+
+def test_predict_names_digit_classes_and_agrees_with_eval(digits_run, tmp_path, capsys):
+    from mpi4py import MPI
+
+    from mpitrain.evaluate import evaluate_checkpoint
+    data_dir, path = digits_run
+    images, pixels = digit_images(data_dir, tmp_path, 6)
+    main(["predict", "--checkpoint", path, *images, "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert [p["image"] for p in result["predictions"]] == images
+    for item in result["predictions"]:
+        top = item["top"]
+        assert len(top) == 5 and all(t["class"] == str(t["index"]) for t in top)
+        probs = [t["probability"] for t in top]
+        assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1 + 1e-9
+
+    # eval scores the same images labelled with predict's top-1: every one must count
+    with Reader(str(data_dir / "digits_train.h5")) as train:
+        mean, std, names = train.mean, train.std, train.class_names
+    labelled = str(tmp_path / "labelled.h5")
+    with Writer(labelled, names, storage="pixels", pixel_dtype=np.uint16) as w:
+        for p, item in zip(pixels, result["predictions"]):
+            w.add(item["top"][0]["index"], p)
+        w.commit(mean, std)
+    scores = evaluate_checkpoint(path, labelled, batch_size=len(images), workers=1,
+                                 device="cpu", comm=MPI.COMM_SELF)
+    assert scores["top1"] == 1.0
+
+
+def test_predict_text_and_eight_bit_images(digits_run, tmp_path, capsys):
+    """An 8-bit image is scaled to the 16-bit digits' white level (1,024)."""
+    from PIL import Image
+
+    from mpitrain.predict import load_model, preprocessing
+    data_dir, path = digits_run
+    (sixteen,), (p,) = digit_images(data_dir, tmp_path, 1)
+    eight = str(tmp_path / "digit8.png")
+    Image.fromarray(np.rint(p[..., 0] * (255 / 1024)).astype(np.uint8)).save(eight)
+    prep = preprocessing(load_model(path)[1])
+    assert prep.white == 1024 and prep.bits == 16 and prep.crop_fraction == 1.0
+    x = np.empty((2, 32, 32, 3), np.float32)
+    prep.load(sixteen, x[0])
+    prep.load(eight, x[1])
+    exact = (p - np.asarray(prep.mean)) / np.asarray(prep.std)
+    assert np.abs(x[0] - exact).max() < 1e-5
+    assert np.abs(x[1] - exact).max() < 0.5 * 1024 / 255 / prep.std[0] + 1e-5   # rounding
+
+    main(["predict", "--checkpoint", path, sixteen, eight, "--top", "3"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == sixteen and lines[4] == eight and len(lines) == 8
+    assert all(line.strip().split()[1] in [str(c) for c in range(10)]
+               for line in lines[1:4] + lines[5:])
+
+
+def test_predict_with_fewer_than_five_classes_and_stand_in_data(small, tiny_data, tmp_path,
+                                                                capsys):
+    from PIL import Image
+    image = str(tmp_path / "photo.jpg")
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (50, 40, 3), np.uint8)).save(image)
+    main(["predict", "--checkpoint", small, image, "--json"])
+    top = json.loads(capsys.readouterr().out)["predictions"][0]["top"]
+    assert sorted(t["class"] for t in top) == CLASSES               # all 3, by name
+    probs = [t["probability"] for t in top]
+    assert probs == sorted(probs, reverse=True) and abs(sum(probs) - 1) < 1e-9
+
+    # a checkpoint whose training file is gone: refused, naming --data; --data fixes it
+    model = randomised("resnet_small")
+    gone = write_checkpoint(model, {"model": "resnet_small", "num_classes": 3, "image_size": 32,
+                                    "data": str(tmp_path / "moved.h5"), "batch_size": 4},
+                            tmp_path / "gone.h5")
+    with pytest.raises(SystemExit) as exit_:
+        main(["predict", "--checkpoint", gone, image])
+    assert exit_.value.code == 2 and "pass --data FILE" in capsys.readouterr().err
+    main(["predict", "--checkpoint", gone, image, "--data", tiny_data])
+    assert capsys.readouterr().out.splitlines()[0] == image
+
+    # a config that carries mean and std needs no data file: classes by index
+    carried = write_checkpoint(model, {"model": "resnet_small", "num_classes": 3,
+                                       "image_size": 32, "data": "elsewhere.h5",
+                                       "mean": [1, 2, 3], "std": [4, 5, 6], "batch_size": 4},
+                               tmp_path / "carried.h5")
+    main(["predict", "--checkpoint", carried, image, "--json"])
+    top = json.loads(capsys.readouterr().out)["predictions"][0]["top"]
+    assert sorted(t["class"] for t in top) == ["0", "1", "2"]
+
+
+def test_an_unreadable_image_exits_2_naming_it(small, tmp_path, capsys):
+    from PIL import Image
+    good, bad, cut = (str(tmp_path / n) for n in ("good.png", "bad.png", "cut.png"))
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(good)
+    with open(bad, "w") as f:
+        f.write("not an image")
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), np.uint8)).save(cut)
+    with open(cut, "r+b") as f:
+        f.truncate(os.path.getsize(cut) // 2)
+    for image in (bad, cut, str(tmp_path / "missing.png")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["predict", "--checkpoint", small, good, image])
+        assert exit_.value.code == 2
+        assert f"{image}: not" in capsys.readouterr().err

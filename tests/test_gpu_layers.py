@@ -1,0 +1,403 @@
+"""The GPU branches of BatchNorm2d, the pooling layers and Dropout (mpitrain.kernels.gpu).
+
+Where a CPU can check them: the CUDA source compiles with nvcc for every
+template instance the module asks NVRTC for (skipped without nvcc); the NumPy
+Philox4x32-10 that defines the GPU dropout masks matches the published
+known-answer vectors; and the very same kernel source, compiled by the host's
+C++ compiler with a thin CUDA emulation (every CUDA thread a host thread,
+__syncthreads a barrier; `emulated_cupy`), runs the GPU branches of the layers
+on NumPy arrays against their CPU paths. The `gpu`-marked tests (skipped
+without a GPU) compare every kernel with the CPU path on the device, in
+float32 and float16.
+"""
+import ctypes
+import hashlib
+import re
+import shutil
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from gradcheck import assert_close
+from mpitrain.backend import array_module
+from mpitrain.kernels import gpu, pool
+from mpitrain.nets.activation import Dropout
+from mpitrain.nets.batchnorm import BatchNorm2d
+from mpitrain.nets.pool import AvgPool2d, GlobalAvgPool2d, MaxPool2d
+
+
+def rand(shape, dtype=np.float32, seed=0, loc=0.0, scale=1.0):
+    return (loc + scale * np.random.default_rng(seed).standard_normal(shape)).astype(dtype)
+
+
+# ----- on the CPU -----
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_kernel_source_compiles_for_every_instance(tmp_path):
+    """Every name expression the RawModule compiles instantiates without error (nvcc, C++17)."""
+    names = gpu.name_expressions()
+    assert len(names) == len(set(names)) == 3 * 7 + 2 * 2
+    pointers = ", ".join(f"(void*)&{n}" for n in names)
+    src = gpu.source() + f"\nvoid instantiate_all() {{ void* k[] = {{{pointers}}}; (void)k; }}\n"
+    (tmp_path / "k.cu").write_text(src)
+    run = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_80", "-c", "k.cu", "-o", "k.o"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+
+
+def test_philox_matches_the_known_answers():
+    """Random123's known-answer vectors for Philox4x32-10."""
+    cases = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+             ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2,
+              (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+             ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for counter, key, words in cases:
+        np.testing.assert_array_equal(gpu.philox4x32(np.array([counter], np.uint32), key)[0], words)
+
+
+def test_dropout_keep_rate_and_key_dependence():
+    p = 0.3
+    keep = gpu.dropout_keep(0x123456789ABCDEF, 100_003, p)      # not a multiple of 4
+    assert keep.shape == (100_003,) and keep.dtype == bool
+    assert abs(keep.mean() - (1 - p)) < 0.01
+    assert not np.array_equal(keep, gpu.dropout_keep(0x123456789ABCDEF + 1, 100_003, p))
+    np.testing.assert_array_equal(keep[:1000], gpu.dropout_keep(0x123456789ABCDEF, 1000, p))
+    assert gpu.dropout_threshold(0.5) == 1 << 23 and gpu.dropout_threshold(0.0) == 0
+
+
+def test_kernels_take_only_cupy_arrays_of_float_dtypes():
+    assert not gpu.handles(np.zeros(3, np.float32))
+    assert gpu.acc_dtype(np.float16) == np.float32 and gpu.acc_dtype(np.float64) == np.float64
+
+
+def test_dropout_on_the_cpu_keeps_its_mask_and_no_key():
+    d = Dropout(0.5, seed=3)
+    x = np.ones((4, 6), np.float32)
+    y = d.forward(x)
+    assert d.key is None and d.mask is not None
+    np.testing.assert_array_equal(d.backward(x), y)
+
+
+# ----- on the CPU: the kernels' source emulated on the host -----
+
+TOL = {np.float32: dict(rtol=2e-5, atol=2e-5), np.float16: dict(rtol=2e-3, atol=2e-3)}
+
+EMULATION = r"""
+#include <barrier>
+#include <cmath>
+#include <thread>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+struct dim3 { unsigned x, y, z; };
+thread_local dim3 threadIdx, blockIdx;
+dim3 blockDim, gridDim;
+static std::barrier<>* block_barrier;
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+inline void __syncthreads() { block_barrier->arrive_and_wait(); }
+inline unsigned int __umulhi(unsigned int a, unsigned int b) {
+    return (unsigned int)(((unsigned long long)a * b) >> 32);
+}
+using std::sqrt;
+"""
+
+LAUNCHER = r"""
+// Blocks one after another; the threads of a block as host threads when the kernel
+// synchronises them, else one after another.
+template <typename... Args, std::size_t... I>
+void run(void (*kernel)(Args...), void** argv, bool threaded, std::index_sequence<I...>) {
+    const std::tuple<Args...> args{*reinterpret_cast<std::remove_cv_t<Args>*>(argv[I])...};
+    for (unsigned by = 0; by < gridDim.y; ++by) {
+        for (unsigned bx = 0; bx < gridDim.x; ++bx) {
+            std::barrier<> bar(threaded ? blockDim.x * blockDim.y : 1);
+            block_barrier = &bar;
+            std::vector<std::thread> threads;
+            for (unsigned ty = 0; ty < blockDim.y; ++ty) {
+                for (unsigned tx = 0; tx < blockDim.x; ++tx) {
+                    auto body = [&, tx, ty, bx, by] {
+                        threadIdx = {tx, ty, 0};
+                        blockIdx = {bx, by, 0};
+                        std::apply(kernel, args);
+                    };
+                    if (threaded)
+                        threads.emplace_back(body);
+                    else
+                        body();
+                }
+            }
+            for (auto& t : threads)
+                t.join();
+        }
+    }
+}
+template <typename... Args>
+void launch(void (*kernel)(Args...), void** argv, bool threaded) {
+    run(kernel, argv, threaded, std::index_sequence_for<Args...>{});
+}
+"""
+
+
+class EmulatedModule:
+    """cupy.RawModule's interface on the host: the source compiled by g++ with EMULATION,
+    one extern "C" launcher per name expression (cuLaunchKernel's argument convention)."""
+    _built = {}
+
+    def __init__(self, code, options=(), name_expressions=()):
+        self.names = list(name_expressions)
+        key = hashlib.sha1((code + "|".join(self.names)).encode()).hexdigest()[:16]
+        if key not in self._built:
+            self._built[key] = self._build(code, key)
+        self.lib = self._built[key]
+        # kernels that call __syncthreads need their threads to run at once
+        bodies = re.split(r"__global__ void ", code)[1:]
+        self.synced = {b.split("(")[0] for b in bodies
+                       if "__syncthreads" in b.split("__global__")[0]}
+
+    def _build(self, code, key):
+        import tempfile
+        folder = tempfile.mkdtemp(prefix="emulated_kernels_")
+        wrappers = "".join(
+            f'extern "C" void launch_{i}(unsigned gx, unsigned gy, unsigned bx, unsigned by, '
+            f'void** argv, bool threaded) {{ gridDim = {{gx, gy, 1}}; blockDim = {{bx, by, 1}}; '
+            f'launch(&{name}, argv, threaded); }}\n' for i, name in enumerate(self.names))
+        src = f"{folder}/k.cpp"
+        with open(src, "w") as f:
+            f.write(EMULATION + code + LAUNCHER + wrappers)
+        run = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", src,
+                              "-o", f"{folder}/k.so"], capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-4000:]
+        return ctypes.CDLL(f"{folder}/k.so")
+
+    def get_function(self, name):
+        launcher = getattr(self.lib, f"launch_{self.names.index(name)}")
+        threaded = name.split("<")[0] in self.synced
+
+        def kernel(grid, block, args):
+            holders = [ctypes.c_void_p(a.ctypes.data) if isinstance(a, np.ndarray)
+                       else ctypes.create_string_buffer(np.asarray(a).tobytes()) for a in args]
+            for a in args:
+                assert not isinstance(a, np.ndarray) or a.flags.c_contiguous
+            argv = (ctypes.c_void_p * len(args))(*(ctypes.addressof(h) for h in holders))
+            gx, gy = (tuple(grid) + (1,))[:2]
+            bx, by = (tuple(block) + (1,))[:2]
+            launcher(ctypes.c_uint(gx), ctypes.c_uint(gy), ctypes.c_uint(bx), ctypes.c_uint(by),
+                     argv, ctypes.c_bool(threaded))
+        return kernel
+
+
+@pytest.fixture
+def emulated_cupy(monkeypatch):
+    """`cupy` as far as mpitrain.kernels.gpu uses it, on NumPy arrays, with its kernels
+    emulated on the host (skipped without g++)."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed")
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
+        RawModule=EmulatedModule, empty=np.empty, empty_like=np.empty_like,
+        ascontiguousarray=np.ascontiguousarray))
+    monkeypatch.setattr(gpu, "_module", None)
+
+
+def bn_layers(C, dtype, group, xp):
+    """(reference, device): a float64 BatchNorm2d and one with fp32 masters and statistics
+    (fp16 working copy for fp16) on the module xp; gamma, beta and the running statistics
+    away from 1 and 0, equal in both."""
+    ref = BatchNorm2d(C).bind(dtype=np.float64)
+    dev = BatchNorm2d(C).bind(dtype=np.float32, xp=xp,
+                              working_dtype=np.float16 if dtype == np.float16 else None)
+    values = [1 + 0.5 * rand(C, seed=1), rand(C, seed=2), rand(C, seed=3), 1 + rand(C, seed=4) ** 2]
+    for bn in (ref, dev):
+        for view, v in zip((bn.weight.master, bn.bias.master, bn.running_mean.data,
+                            bn.running_var.data), values):
+            view[...] = array_module(view).asarray(v)
+        bn.arena.sync_working()
+        bn.group = group
+    return ref, dev
+
+
+def check_batchnorm(dtype, loc, group, steps, xp, forward, backward, to_host):
+    """y, dx, dgamma, dbeta and the running statistics of the device layer (on xp, run by
+    forward(layer, x, train) and backward(layer, dy), x and dy NumPy) against the float64
+    CPU layer on the same values, for each train flag of `steps`."""
+    C = 24                                              # not a multiple of the 32-channel tile
+    ref, dev = bn_layers(C, dtype, group, xp)
+    out_tol = 1e-4 if dtype == np.float32 else 2e-3     # fp16 outputs: rounded to 11 bits
+    for step, train in enumerate(steps):
+        x = rand((4, 9, 7, C), dtype, seed=10 + step, loc=loc, scale=2.0)
+        dy = rand(x.shape, dtype, seed=20 + step)
+        y = ref.forward(x.astype(np.float64), train)
+        dx = ref.backward(dy.astype(np.float64))
+        y_d = forward(dev, x, train)
+        dx_d = backward(dev, dy)
+        assert y_d.dtype == dx_d.dtype == dtype and y_d.shape == dx_d.shape == x.shape
+        assert_close(to_host(y_d).astype(np.float64), y, out_tol, 1e-6, f"y (train={train})")
+        assert_close(to_host(dx_d).astype(np.float64), dx, out_tol, 1e-6, f"dx (train={train})")
+        for name, p in ref.named_params():
+            got = to_host(dict(dev.named_params())[name].grad)
+            assert got.dtype == np.float32
+            assert_close(got.astype(np.float64), p.grad, 1e-4, 1e-6, f"d{name} (train={train})")
+        for name, b in ref.named_buffers():
+            got = to_host(dict(dev.named_buffers())[name].data)
+            np.testing.assert_allclose(got, b.data, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+class SumGroup:
+    """A group of `size` ranks whose batches equal this one's: sum(v) = size * v."""
+    def __init__(self, size):
+        self.size = size
+
+    def sum(self, v):
+        return v * self.size
+
+
+@pytest.mark.parametrize("dtype,loc,group", [(np.float32, 0.0, None), (np.float16, 300.0, None),
+                                             (np.float32, 300.0, 1), (np.float16, 0.0, 3)])
+def test_batchnorm_gpu_branch_emulated(emulated_cupy, dtype, loc, group):
+    """The fused kernels run the layer's GPU branch on the host, against the float64 layer
+    (with a group, both layers see the same group)."""
+    check_batchnorm(dtype, loc, SumGroup(group) if group else None, [True, False], np,
+                    lambda bn, x, train: bn._forward_gpu(x, train),
+                    lambda bn, dy: bn._backward_gpu(dy), np.asarray)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("N,H,W,C,k,s,p", [(2, 7, 9, 3, 3, 2, 1), (1, 5, 6, 2, 3, 1, 1),
+                                           (1, 9, 9, 3, 5, 3, 2)])
+def test_pool_kernels_emulated(emulated_cupy, N, H, W, C, k, s, p, dtype):
+    compare_pooling(rand((N, H, W, C), dtype), k, s, p, lambda a: a, np.asarray,
+                    gpu_forward=lambda x, avg: gpu.pool_forward(
+                        x, pool._geometry(x.shape, k, s, p), k, s, p, avg),
+                    gpu_backward=lambda dy, arg, shape: gpu.pool_backward(dy, arg, shape, k, s, p))
+
+
+def compare_pooling(x, k, s, p, to_device, to_host, gpu_forward=None, gpu_backward=None):
+    """Max and average pooling of the device kernels against the CPU kernels: the maxima
+    and their positions exactly (a tie planted: the first one wins), the rest within the
+    dtype's rounding. gpu_forward/backward: how the device kernels are reached (default:
+    kernels.pool's dispatch on device arrays)."""
+    x = x.copy()
+    x[0, 0, 0, 0] = x[0, 0, 1, 0] = x.max()
+    fwd = gpu_forward or (lambda a, avg: (pool.avg_pool_forward if avg else pool.max_pool_forward)(
+        a, k, s, p))
+    bwd = gpu_backward or (lambda d, arg, shape: pool.max_pool_backward(d, arg, shape, k, s, p)
+                           if arg is not None else pool.avg_pool_backward(d, shape, k, s, p))
+    y, arg = pool.max_pool_forward(x, k, s, p)
+    y_d, arg_d = fwd(to_device(x), False)
+    np.testing.assert_array_equal(to_host(y_d), y)          # a maximum is exact
+    np.testing.assert_array_equal(to_host(arg_d), arg)
+    dy = rand(y.shape, x.dtype, seed=3)
+    tol = TOL[x.dtype.type]
+    np.testing.assert_allclose(to_host(bwd(to_device(dy), arg_d, x.shape)),
+                               pool.max_pool_backward(dy, arg, x.shape, k, s, p), **tol)
+    np.testing.assert_allclose(to_host(fwd(to_device(x), True)), pool.avg_pool_forward(x, k, s, p),
+                               **tol)
+    np.testing.assert_allclose(to_host(bwd(to_device(dy), None, x.shape)),
+                               pool.avg_pool_backward(dy, x.shape, k, s, p), **tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_dropout_kernel_emulated_draws_the_reference_mask(emulated_cupy, dtype):
+    p, key = 0.3, 0xFEDCBA9876543210
+    x = rand((7, 301), dtype, seed=1)                    # 2107 elements: not a multiple of 4
+    keep = gpu.dropout_keep(key, x.size, p).reshape(x.shape)
+    y = gpu.dropout(x, key, p)
+    np.testing.assert_array_equal(y, np.where(keep, x * dtype(1 / (1 - p)), 0))
+    assert y.dtype == dtype
+
+
+# ----- on the GPU: every kernel against the CPU path -----
+
+def one_rank_group():
+    from mpi4py import MPI
+    from mpitrain.comm import Communicator
+    return Communicator(MPI.COMM_SELF).group(1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("loc", [0.0, 300.0])          # 300: |mean| >> std, the shifted sums
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_batchnorm_kernels_match_the_float64_layer(dtype, loc, grouped):
+    """Train, train, eval on CuPy arrays, with and without a (one-rank) group."""
+    import cupy
+    check_batchnorm(dtype, loc, one_rank_group() if grouped else None, [True, True, False],
+                    cupy, lambda bn, x, train: bn.forward(cupy.asarray(x), train),
+                    lambda bn, dy: bn.backward(cupy.asarray(dy)), cupy.asnumpy)
+
+
+@pytest.mark.gpu
+def test_batchnorm_kernels_on_a_large_batch_against_float64():
+    """Partial sums over many chunks (M = 65536 rows): statistics within fp32 rounding
+    of the float64 layer's."""
+    import cupy
+    C = 64
+    x = rand((16, 64, 64, C), np.float32, seed=5, loc=3.0)
+    ref = BatchNorm2d(C).bind(dtype=np.float64)
+    dev = BatchNorm2d(C).bind(dtype=np.float32, xp=cupy)
+    y = ref.forward(x.astype(np.float64))
+    y_g = dev.forward(cupy.asarray(x))
+    assert_close(cupy.asnumpy(y_g).astype(np.float64), y, 1e-5, 1e-6, "y")
+    np.testing.assert_allclose(cupy.asnumpy(dev.running_var.data), ref.running_var.data, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("N,H,W,C,k,s,p", [(2, 7, 9, 3, 3, 2, 1), (2, 8, 8, 40, 2, 2, 0),
+                                           (1, 5, 6, 2, 3, 1, 1), (2, 9, 9, 3, 5, 3, 2)])
+def test_pool_kernels_match_the_cpu(N, H, W, C, k, s, p, dtype):
+    import cupy
+    compare_pooling(rand((N, H, W, C), dtype), k, s, p, cupy.asarray, cupy.asnumpy)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("layer", [lambda: MaxPool2d(3, 2, 1), lambda: AvgPool2d(2),
+                                   GlobalAvgPool2d])
+def test_pool_layers_on_cupy_match_numpy(layer, dtype):
+    import cupy
+    cpu, dev = layer(), layer()
+    x = rand((2, 8, 6, 5), dtype, seed=1)
+    y = cpu.forward(x)
+    y_g = dev.forward(cupy.asarray(x))
+    dy = rand(y.shape, dtype, seed=2)
+    dx, dx_g = cpu.backward(dy), dev.backward(cupy.asarray(dy))
+    assert y_g.dtype == dx_g.dtype == dtype
+    np.testing.assert_allclose(cupy.asnumpy(y_g), y, **TOL[dtype])
+    np.testing.assert_allclose(cupy.asnumpy(dx_g), dx, **TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_dropout_masks_are_drawn_on_the_device_from_the_seed(dtype):
+    import cupy
+    p, seed = 0.3, (7, 1, 0)                                # (model seed, rank, layer)
+    x = cupy.asarray(rand((64, 999), dtype, seed=1))
+    d = Dropout(p, seed=seed)
+    y = d.forward(x)
+    key = int(np.random.default_rng(seed).integers(1 << 64, dtype=np.uint64))
+    assert d.key == key and d.mask is None
+    keep = gpu.dropout_keep(key, x.size, p).reshape(x.shape)
+    scale = dtype(1 / (1 - p))
+    np.testing.assert_array_equal(cupy.asnumpy(y), np.where(keep, cupy.asnumpy(x) * scale, 0))
+    dy = cupy.asarray(rand(x.shape, dtype, seed=2))
+    np.testing.assert_array_equal(cupy.asnumpy(d.backward(dy)),
+                                  np.where(keep, cupy.asnumpy(dy) * scale, 0))
+    assert abs(keep.mean() - (1 - p)) < 0.01
+    # the same seed draws the same masks; another rank's seed others; restoring the
+    # generator's state (what a checkpoint saves) draws the next mask again
+    twin, other = Dropout(p, seed=seed), Dropout(p, seed=(7, 2, 0))
+    np.testing.assert_array_equal(cupy.asnumpy(twin.forward(x)), cupy.asnumpy(y))
+    assert not np.array_equal(cupy.asnumpy(other.forward(x)), cupy.asnumpy(y))
+    state = d.rng.bit_generator.state
+    y2 = cupy.asnumpy(d.forward(x))
+    assert not np.array_equal(y2, cupy.asnumpy(y))
+    d.rng.bit_generator.state = state
+    np.testing.assert_array_equal(cupy.asnumpy(d.forward(x)), y2)
+    assert d.forward(x, train=False) is x and d.backward(dy) is dy

@@ -1,0 +1,254 @@
+"""The GPU path as far as a CPU can check it: which device a process takes, the stream
+interface on the host, the environment report, and the refusals of check-gpu and
+`bench step --device gpu` where there is no GPU. Tests marked `gpu` run the same
+code on a GPU (skipped elsewhere); the ordering of the Reducer's stream calls is
+tested in tests/mpi/test_buckets.py."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpitrain import backend
+from mpitrain.backend import DeviceError, pick_device
+
+HAS_GPU = backend.gpu_available()
+cpu_only = pytest.mark.skipif(HAS_GPU, reason="checks what happens where there is no GPU")
+
+
+def mpitrain(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "mpitrain", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# ----- device selection -----
+@pytest.mark.parametrize("kind,env,gpus,local_rank,local_size,expected", [
+    ("cpu", {}, 4, 0, 1, None),
+    ("auto", {}, 0, 0, 1, None),                          # no GPU: the CPU
+    ("auto", {}, 2, 1, 2, 1),                             # a GPU per node-local rank
+    ("auto", {"MPITRAIN_DEVICE": "cpu"}, 2, 0, 1, None),  # the environment overrides auto
+    ("cpu", {"MPITRAIN_DEVICE": "gpu"}, 0, 0, 1, None),   # ... but not an explicit choice
+    ("gpu", {}, 8, 5, 8, 5),
+    ("gpu", {}, 2, 3, 2, 1),                              # local rank modulo the GPUs
+])
+def test_pick_device(kind, env, gpus, local_rank, local_size, expected):
+    assert pick_device(kind, gpus, local_rank, local_size, env) == expected
+
+
+@pytest.mark.parametrize("kind,env,gpus,local_size,message", [
+    ("gpu", {}, 0, 1, "--device gpu was asked for, but no GPU can be used"),
+    ("auto", {"MPITRAIN_DEVICE": "gpu"}, 0, 1, "--device gpu was asked for"),
+    ("gpu", {}, 2, 3, "3 ranks on this node but only 2 visible GPU(s)"),
+    ("tpu", {}, 1, 1, "unknown device 'tpu'"),
+])
+def test_pick_device_refuses_what_cannot_work(kind, env, gpus, local_size, message):
+    with pytest.raises(DeviceError) as e:
+        pick_device(kind, gpus, 0, local_size, env)
+    assert message in str(e.value)
+
+
+@cpu_only
+def test_use_device_gpu_names_what_is_missing():
+    with pytest.raises(DeviceError, match="CuPy") as e:
+        backend.use_device("gpu")
+    assert "or use --device cpu" in str(e.value)
+    assert backend.use_device("auto") is np and backend.device == "cpu"
+
+
+# ----- streams on the host -----
+def test_host_streams_do_nothing_and_run_in_program_order():
+    s = backend.streams(np.zeros(3))
+    assert type(s) is backend.HostStreams
+    assert s.current() is None and s.comm() is None
+    event = s.record(s.current())
+    s.wait(s.comm(), event)
+    with s.using(s.comm()):
+        pass
+
+
+# ----- the environment report -----
+def test_environment_on_a_cpu_records_no_gpu_and_imports_nothing_of_it():
+    from mpi4py import MPI
+
+    from mpitrain.comm import Communicator
+    from mpitrain.config import environment
+    comm = Communicator(MPI.COMM_SELF)
+    try:
+        before = set(sys.modules)
+        env = environment(comm, "cpu")
+    finally:
+        comm.free()
+    assert env["device"] == "cpu"
+    assert not {"cupy", "cuda_runtime", "nccl", "cudnn", "gpu"} & set(env)
+    assert not {m for m in set(sys.modules) - before if m.split(".")[0] in ("cupy", "cudnn")}
+
+
+@cpu_only
+def test_gpu_environment_says_what_is_missing():
+    from mpitrain.config import gpu_environment
+    env = gpu_environment()
+    for key in ("cupy", "cuda_runtime", "cuda_driver", "gpu", "nccl"):
+        assert env[key] is None, key
+    assert "CuPy" in env["cupy_error"] or "cupy" in env["cupy_error"]
+    assert env["cudnn_reason"] and env["cudnn_reason"] != "available"
+
+
+# ----- the command line where there is no GPU -----
+@cpu_only
+@pytest.mark.parametrize("command", [["-m", "mpitrain", "check-gpu"],
+                                     ["-m", "mpitrain.check_gpu"]])
+def test_check_gpu_fails_fast_without_a_gpu(command, tmp_path):
+    out = tmp_path / "report.json"
+    r = subprocess.run([sys.executable, *command, "--out", str(out)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "no NVIDIA GPU here" in r.stderr and "nvidia-smi" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not out.exists()                 # nothing was measured
+
+
+def test_check_gpu_refuses_a_missing_wheels_folder(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "mpitrain.check_gpu", "--wheels",
+                        str(tmp_path / "none")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "no such folder" in r.stderr
+    (tmp_path / "empty").mkdir()
+    r = subprocess.run([sys.executable, "-m", "mpitrain.check_gpu", "--wheels",
+                        str(tmp_path / "empty")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "no .whl file" in r.stderr
+
+
+@cpu_only
+def test_bench_step_on_a_missing_gpu_says_so():
+    r = mpitrain("bench", "step", "--model", "resnet_small", "--device", "gpu")
+    assert r.returncode == 2
+    assert "bench step: error: --device gpu was asked for, but no GPU can be used" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bench_step_refuses_unknown_device_and_precision():
+    for option, value in (("--device", "tpu"), ("--precision", "fp8")):
+        r = mpitrain("bench", "step", option, value)
+        assert r.returncode == 2
+        assert f"argument {option}: invalid choice: '{value}'" in r.stderr
+
+
+def test_bench_step_fp16_takes_the_mixed_precision_training_step():
+    """--precision fp16: fp16 working weights and a dynamic loss scale; the first loss is
+    that of the fp32 network on the same batch (to fp16 rounding)."""
+    common = ["bench", "step", "--model", "resnet_small", "--image-size", "16", "--batch", "4",
+              "--steps", "1", "--warmup", "0", "--num-classes", "10", "--json"]
+    results = {}
+    for precision in ("fp32", "fp16"):
+        r = mpitrain(*common, "--precision", precision, timeout=300)
+        assert r.returncode == 0, r.stderr
+        results[precision] = json.loads(r.stdout)
+        assert results[precision]["precision"] == precision
+        assert results[precision]["device"] == "cpu"
+    fp32, fp16 = (results[p]["mpitrain"]["first_loss"] for p in ("fp32", "fp16"))
+    assert fp16 == pytest.approx(fp32, rel=1e-2)
+
+
+def test_one_step_skips_the_update_of_an_overflowed_gradient():
+    """OneStep (bench step, check-gpu's comparison) takes train_step's path: under fp16 a
+    non-finite gradient skips the update and halves the loss scale."""
+    from mpitrain.bench.step import OneStep, build_on_device
+    model, x, y = build_on_device("resnet_small", 8, 2, 10, 0, "fp16")
+    step = OneStep(model, "fp16")
+    scale = step.scaler.scale
+    before = model.arena.master.copy()
+    with np.errstate(over="ignore", invalid="ignore"):
+        step.forward(x, y)
+        step.backward()
+        model.arena.grad[model.arena.params[0].offset] = np.inf
+        assert step.update() is False
+    assert np.array_equal(model.arena.master, before)
+    assert step.scaler.scale == scale / 2
+    step.forward(x, y)
+    step.backward()
+    assert step.update() is True
+    assert not np.array_equal(model.arena.master, before)
+
+
+# ----- on a GPU -----
+@pytest.mark.gpu
+def test_use_device_takes_a_gpu_and_its_streams():
+    import cupy
+    try:
+        assert backend.use_device("gpu") is cupy
+        assert backend.device.startswith("cuda:")
+        s = backend.streams(cupy.zeros(3))
+        assert type(s) is backend.CudaStreams
+        comm = s.comm()
+        assert comm is backend.comm_stream()            # made once per device
+        assert comm.ptr not in (0, s.current().ptr)     # not the compute stream
+        event = s.record(s.current())
+        s.wait(comm, event)
+        with s.using(comm):
+            assert cupy.cuda.get_current_stream() == comm
+        assert cupy.cuda.get_current_stream() != comm
+    finally:
+        backend.use_device("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_environment_records_the_versions():
+    from mpitrain.config import gpu_environment
+    try:
+        backend.use_device("gpu")
+        env = gpu_environment()
+    finally:
+        backend.use_device("cpu")
+    for key in ("cupy", "cuda_runtime", "cuda_driver", "gpu"):
+        assert env[key], key
+    assert env["cudnn_reason"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_one_step_on_the_gpu_matches_the_cpu(precision):
+    from mpitrain.check_gpu import compare_step
+    result = compare_step(precision)
+    assert result["passed"], (result["failures"], result["max_relative"])
+
+
+@pytest.mark.gpu
+def test_nccl_on_one_rank():
+    from mpitrain.check_gpu import nccl_check
+    result = nccl_check()
+    assert result["passed"], result["failures"]
+    assert result["reducer_threaded"] is False
+
+
+@pytest.mark.gpu
+@pytest.mark.torch
+def test_bench_step_on_the_gpu_against_torch_amp():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("this PyTorch sees no GPU (a CPU-only build)")
+    r = mpitrain("bench", "step", "--device", "gpu", "--precision", "fp16", "--model",
+                 "resnet_small", "--image-size", "32", "--batch", "16", "--num-classes", "10",
+                 "--steps", "2", "--warmup", "1", "--reference", "torch", "--json", timeout=600)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["device"].startswith("cuda:")
+    assert result["torch"]["memory_format"] == "channels_last"
+    assert result["torch"]["first_loss"] == pytest.approx(result["mpitrain"]["first_loss"],
+                                                          rel=2e-2)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_step_comparison_finds_no_difference_between_two_cpu_runs(precision):
+    """check-gpu's comparison machinery, with the CPU on both sides: the same step twice
+    gives the same bits, every quantity is compared, and the step was applied."""
+    from mpitrain.check_gpu import TOLERANCE, compare_step
+    result = compare_step(precision, image_size=8, batch=4, devices=("cpu", "cpu"))
+    assert result["passed"], result["failures"]
+    assert set(result["max_relative"]) == set(TOLERANCE[precision])
+    assert all(v == 0 for v in result["max_relative"].values()), result["max_relative"]
+    from mpitrain.nets import build_model
+    names = [name for name, _ in build_model("resnet_small", num_classes=10).named_params()]
+    assert sorted(result["gradients"]) == sorted(names)
+    assert result["loss"]["cpu"] == result["loss"]["gpu"]

@@ -1,0 +1,248 @@
+"""Runs as users stop them, under a real MPI launcher: Ctrl-C and other signals to any
+rank, a rank blocked in a collective, a stop that lands on an epoch's last step, a
+rank that raises under the installed `mpitrain` script, a loss that explodes.
+
+Ranks are found through their heartbeat files (RUN_DIR/heartbeat/rank<N>: pid and
+position), whatever the MPI library.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpitrain import checkpoint
+from mpitrain.control import read_heartbeats
+from test_checkpoint import command, environment, run
+
+# every test here starts its own MPI job (CI runs them under MPICH and Open MPI)
+pytestmark = pytest.mark.launches
+
+# 22 steps per epoch of the digits at a global batch of 64
+JOB = ("train", "--batch-size", "64", "--seed", "5")
+
+
+class Job:
+    """A 2-rank training job started in the background, its output in a file."""
+
+    def __init__(self, tmp_path, *args, ranks=2, argv0=None):
+        self.run_dir = tmp_path / "run"
+        self.log_path = tmp_path / "log"
+        self.ranks = ranks
+        cmd = command(ranks, *JOB, "--run-dir", str(self.run_dir), *args)
+        if argv0:                                  # the installed script instead of -m
+            i = cmd.index("-m")
+            cmd[i - 1:i + 2] = [argv0]
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         env=environment(ranks))
+
+    def board(self):
+        return read_heartbeats(self.run_dir / "heartbeat", self.ranks)
+
+    def wait_for(self, test, what, timeout=120):
+        """Poll the heartbeat files until test(board) holds; returns the board."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            assert self.proc.poll() is None, f"the job ended before {what}:\n{self.output()}"
+            board = self.board()
+            if all(board.values()) and test(board):
+                return board
+            time.sleep(0.002)
+        raise AssertionError(f"no {what} within {timeout} s:\n{self.output()}")
+
+    def running(self):
+        """Both ranks are past their first step."""
+        return self.wait_for(lambda b: all(r["count"] > 8 for r in b.values()), "steps")
+
+    def pid(self, rank):
+        return self.board()[rank]["pid"]
+
+    def finish(self, timeout=120):
+        """(status, seconds it took, output)."""
+        start = time.monotonic()
+        status = self.proc.wait(timeout=timeout)
+        return status, time.monotonic() - start, self.output()
+
+    def output(self):
+        return self.log_path.read_text()
+
+    def cleanup(self):
+        """Leave no process behind (SIGSTOPped ranks included)."""
+        for b in self.board().values():
+            if b:
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(b["pid"], sig)
+                    except ProcessLookupError:
+                        pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def job(tmp_path, digits):
+    jobs = []
+
+    def start(*args, **kw):
+        jobs.append(Job(tmp_path, "--data-dir", str(digits), *args, **kw))
+        return jobs[-1]
+    yield start
+    for j in jobs:
+        j.cleanup()
+
+
+def stopped_at(out, name):
+    found = re.findall(rf"{name}: stopped at epoch (\d+), step (\d+); checkpoint ([^;\s]+);", out)
+    assert len(found) == 1, out                   # said once, by rank 0
+    return found[0]
+
+
+# ----- signals -----
+@pytest.mark.parametrize("to", ["one rank", "every rank"])
+def test_ctrl_c_checkpoints_and_exits_130(job, to):
+    """SIGINT, to one rank or (as a launcher forwards Ctrl-C) to all, is a stop request:
+    the ranks agree after the step, write a checkpoint and exit with 130."""
+    j = job("--epochs", "20")
+    j.running()
+    for rank in ((1,) if to == "one rank" else (0, 1)):
+        os.kill(j.pid(rank), signal.SIGINT)
+    status, took, out = j.finish(timeout=60)
+    _, _, path = stopped_at(out, "SIGINT")
+    assert os.path.exists(path), out
+    assert status == 130, out
+    assert took < 30, out
+
+
+def test_a_second_ctrl_c_ends_the_job_at_once(job):
+    """When the ranks cannot agree (rank 0 is stopped), a second SIGINT to a rank ends
+    the whole job now, non-zero, without a checkpoint."""
+    j = job("--epochs", "20")
+    j.running()
+    os.kill(j.pid(0), signal.SIGSTOP)
+    os.kill(j.pid(1), signal.SIGINT)
+    time.sleep(0.5)
+    os.kill(j.pid(1), signal.SIGINT)
+    status, took, out = j.finish(timeout=60)
+    assert status != 0, out
+    assert "a second SIGINT: stopping now, without a checkpoint" in out, out
+    assert took < 15, out
+
+
+def test_a_stop_signal_to_a_rank_blocked_in_a_collective_still_ends_the_job(job):
+    """Rank 1 stalls (SIGSTOP); rank 0 waits for it in the next collective, where Python
+    cannot run its signal handler: SIGTERM must still end the job within the grace."""
+    j = job("--epochs", "20", "--stop-grace", "3")
+    j.running()
+    os.kill(j.pid(1), signal.SIGSTOP)
+    time.sleep(1)
+    os.kill(j.pid(0), signal.SIGTERM)
+    status, took, out = j.finish(timeout=60)
+    assert "SIGTERM arrived 3 s ago, but this rank has not reached the next step" in out, out
+    assert status != 0 and took < 15, out
+
+
+def test_the_watchdog_names_a_rank_frozen_inside_the_collective(job):
+    """Rank 0 frozen: the others wait for it; its heartbeat stops, and the message says so."""
+    j = job("--epochs", "20", "--collective-timeout", "4")
+    j.running()
+    os.kill(j.pid(0), signal.SIGSTOP)
+    status, took, out = j.finish(timeout=60)
+    assert re.search(r"rank 0: no sign of life for \d+ s, .*frozen, stopped or dead \(pid", out), out
+    assert status != 0 and took < 20, out
+
+
+def test_a_stop_on_an_epochs_last_step_resumes_bitwise_with_its_evaluation(job, tmp_path, digits):
+    """SIGUSR1 taken on step 22, the last of epoch 1: the epoch's BatchNorm averaging,
+    evaluation and metrics happen before the checkpoint, and the resumed run equals the
+    uninterrupted one: weights, statistics and every metrics record but the timings."""
+    straight = tmp_path / "straight"
+    r = run(2, *JOB, "--epochs", "2", "--log-every", "5", "--data-dir", str(digits),
+            "--run-dir", str(straight))
+    assert r.returncode == 0, r.stdout + r.stderr
+    for attempt in range(3):                       # a step may slip past the stop
+        (tmp_path / f"stopped{attempt}").mkdir()
+        j = Job(tmp_path / f"stopped{attempt}", "--epochs", "2", "--log-every", "5",
+                "--data-dir", str(digits))
+        try:
+            # rank 0 is stopped as it starts step 22 and then takes the signal in it
+            j.wait_for(lambda b: b[0]["where"] == "in 'forward' after step 21", "step 22")
+            os.kill(j.pid(0), signal.SIGSTOP)
+            os.kill(j.pid(0), signal.SIGUSR1)
+            os.kill(j.pid(0), signal.SIGCONT)
+            status, _, out = j.finish(timeout=60)
+        finally:
+            j.cleanup()
+        assert status == 0, out
+        if stopped_at(out, "SIGUSR1")[2].endswith("checkpoint-000000022.h5"):
+            break
+    else:
+        pytest.fail("the signal never landed on step 22")
+    assert "val top1" in out                        # epoch 1 was evaluated before stopping
+    r = run(2, *JOB, "--epochs", "2", "--log-every", "5", "--data-dir", str(digits),
+            "--run-dir", str(j.run_dir), "--resume", "auto")
+    assert r.returncode == 0, r.stdout + r.stderr
+    final = "checkpoint-000000044.h5"
+    a, b = checkpoint.read(str(straight / final)), checkpoint.read(str(j.run_dir / final))
+    for key in ("master", "momentum", "buffers"):
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+    def records(run_dir):
+        out = []
+        for line in open(run_dir / "metrics.jsonl"):
+            rec = json.loads(line)
+            out.append({k: v for k, v in rec.items() if k not in ("time", "images_per_s")})
+        return out
+    assert records(straight) == records(j.run_dir)
+
+
+def test_the_installed_script_ends_the_job_when_one_rank_raises(tmp_path):
+    """A record only rank 1 reads in the first step cannot be decoded: under the installed
+    `mpitrain` script (as under python -m mpitrain) the whole job ends, and the message
+    names the record and the flag that skips such records."""
+    from mpitrain.datasets.convert import convert_synthetic
+    from mpitrain.datasets.loader import ShardedSampler
+    import h5py
+    data = tmp_path / "synth.h5"
+    convert_synthetic(str(data), 64, (40, 40), classes=4)
+    convert_synthetic(str(tmp_path / "synth_val.h5"), 16, (40, 40), classes=4)
+    first = ShardedSampler(64, 16, rank=1, size=2, seed=5).epoch_indices(0)[0]
+    with h5py.File(data, "r+") as f:
+        for i in first:
+            a, b = f["offsets"][i], f["offsets"][i + 1]
+            f["images"][a:b] = 7                     # not a JPEG any more
+    script = str(Path(sys.executable).parent / "mpitrain")
+    j = Job(tmp_path, "--data", str(data), "--batch-size", "16", "--image-size", "32",
+            "--epochs", "1", argv0=script)
+    try:
+        status, took, out = j.finish(timeout=90)
+    finally:
+        j.cleanup()
+    assert status != 0, out
+    assert re.search(r"record \d+ cannot be decoded .*--skip-bad-records", out), out
+    assert took < 60, out
+
+
+def test_an_exploding_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, digits):
+    """--lr 100 never turns the loss into inf or NaN here, but it explodes far above its
+    running median: the run stops with status 1, names the last good checkpoint, and
+    renames the ones written since the divergence began, so `--resume auto` skips them."""
+    run_dir = tmp_path / "run"
+    r = run(2, *JOB, "--epochs", "8", "--lr", "100", "--warmup-epochs", "6",
+            "--data-dir", str(digits), "--run-dir", str(run_dir))
+    assert r.returncode == 1, r.stdout + r.stderr
+    m = re.search(r"the training loss has exploded \([\d.e+]+\) at epoch \d+, step \d+ "
+                  r"\(the mean over the ranks; above 4 x its running median since step (\d+)\)"
+                  r".* the last good checkpoint is (\S+)", r.stderr)
+    assert m, r.stderr
+    since, last = int(m.group(1)), m.group(2)
+    kept = [checkpoint.step_of(os.path.basename(p)) for p in checkpoint.checkpoints(str(run_dir))]
+    assert kept and max(kept) < since, (kept, since)
+    assert last == checkpoint.latest(str(run_dir))
