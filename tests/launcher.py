@@ -6,6 +6,8 @@ it needs, in an environment without the launch variables of any job around the t
     mpitrain_command(ranks, ...) command(ranks, python, -m, mpitrain, ...)
     environment(ranks)           the environment for it (pass it: env=environment(n))
     family()                     "mpich" or "openmpi"
+    BackgroundJob                a training job running in the background, its ranks
+                                 found through their heartbeat files
 
 Tests that start MPI jobs are marked `launches` (CI runs them again under a second MPI).
 Find a rank's pid in its run directory's heartbeat files
@@ -16,8 +18,10 @@ statuses mpitrain promises, and what the launchers report for them only as READM
 import functools
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -88,3 +92,58 @@ def environment(ranks=None):
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
             env[var] = threads
     return env
+
+
+class BackgroundJob:
+    """`cmd` (a training job writing to `run_dir`) started in the background, its output
+    in `log`; its ranks are found through their heartbeat files."""
+
+    def __init__(self, cmd, run_dir, log, ranks=2, env=None):
+        self.run_dir, self.log, self.ranks = Path(run_dir), Path(log), ranks
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                         env=env or environment(ranks))
+
+    def board(self):
+        from mpitrain.control import read_heartbeats
+        return read_heartbeats(self.run_dir / "heartbeat", self.ranks)
+
+    def wait_for(self, test, what, timeout=120):
+        """Poll the heartbeat files until test(board) holds; returns the board."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            assert self.proc.poll() is None, f"the job ended before {what}:\n{self.output()}"
+            board = self.board()
+            if all(board.values()) and test(board):
+                return board
+            time.sleep(0.002)
+        raise AssertionError(f"no {what} within {timeout} s:\n{self.output()}")
+
+    def running(self):
+        """The board once every rank is past its first steps."""
+        return self.wait_for(lambda b: all(r["count"] > 8 for r in b.values()), "steps")
+
+    def pid(self, rank):
+        return self.board()[rank]["pid"]
+
+    def finish(self, timeout=120):
+        """(status, seconds it took, output)."""
+        start = time.monotonic()
+        status = self.proc.wait(timeout=timeout)
+        return status, time.monotonic() - start, self.output()
+
+    def output(self):
+        return self.log.read_text()
+
+    def cleanup(self):
+        """Leave no process behind (SIGSTOPped ranks included)."""
+        for b in self.board().values():
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    if b:
+                        os.kill(b["pid"], sig)
+                except ProcessLookupError:
+                    pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

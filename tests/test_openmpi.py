@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from mpitrain.control import read_heartbeats
 from mpitrain.launcher import installed_mpi, outside_environment, output_is_terminal
 import launcher
+from launcher import BackgroundJob
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -178,45 +178,16 @@ def test_the_venv_records_its_mpi():
 
 
 # ----- Ctrl-C through launch.sh, with the venv's own MPI -----
-class Launched:
+class Launched(BackgroundJob):
     """`./launch.sh train ARGS` in the background (SIGINT at its default, as from a shell)."""
 
     def __init__(self, tmp_path, digits, *args):
-        self.run_dir, self.log = tmp_path / "run", tmp_path / "log"
         env = {k: v for k, v in launcher.environment().items()    # as a user's shell has it
                if not k.startswith("MPITRAIN_") and not k.endswith("_NUM_THREADS")}
         env.update(MPITRAIN_VENV=sys.prefix, NP="2")
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(
-                [str(ROOT / "launch.sh"), "train", "--batch-size", "64", "--epochs", "20",
-                 "--data-dir", str(digits), "--run-dir", str(self.run_dir), *args],
-                stdout=log, stderr=subprocess.STDOUT, env=env)
-
-    def ranks(self):
-        end = time.monotonic() + 120
-        while time.monotonic() < end:
-            board = read_heartbeats(self.run_dir / "heartbeat", 2)
-            if all(board.values()) and all(b["count"] > 8 for b in board.values()):
-                return board
-            assert self.proc.poll() is None, self.log.read_text()
-            time.sleep(0.02)
-        raise AssertionError("no progress:\n" + self.log.read_text())
-
-    def finish(self, timeout=60):
-        start = time.monotonic()
-        status = self.proc.wait(timeout=timeout)
-        return status, time.monotonic() - start, self.log.read_text()
-
-    def cleanup(self, board):
-        for b in board.values():
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(b["pid"], sig)
-                except ProcessLookupError:
-                    pass
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        super().__init__([str(ROOT / "launch.sh"), "train", "--batch-size", "64", "--epochs",
+                          "20", "--data-dir", str(digits), "--run-dir", str(tmp_path / "run"),
+                          *args], tmp_path / "run", tmp_path / "log", 2, env)
 
 
 @pytest.fixture
@@ -234,13 +205,13 @@ def launched(tmp_path, digits):
         return jobs[-1]
     yield start
     for j in jobs:
-        j.cleanup(read_heartbeats(j.run_dir / "heartbeat", 2))
+        j.cleanup()
 
 
 @pytest.mark.launches
 def test_ctrl_c_to_launch_sh_checkpoints_and_returns_130(launched):
     job = launched()
-    job.ranks()
+    job.running()
     job.proc.send_signal(signal.SIGINT)
     status, took, out = job.finish()
     assert status == 130, out
@@ -254,7 +225,7 @@ def test_a_second_ctrl_c_to_launch_sh_ends_the_job_with_130(launched):
     """Rank 0 stopped: the first Ctrl-C cannot be agreed on; the second ends the job now
     (MPICH's mpiexec reports 0 or 255 for it; launch.sh says 130)."""
     job = launched()
-    board = job.ranks()
+    board = job.running()
     os.kill(board[0]["pid"], signal.SIGSTOP)
     job.proc.send_signal(signal.SIGINT)
     time.sleep(0.5)

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,8 +17,8 @@ import numpy as np
 import pytest
 
 from mpitrain import checkpoint
-from mpitrain.control import read_heartbeats
-from test_checkpoint import command, environment, run
+from launcher import BackgroundJob
+from test_checkpoint import command, run
 
 # every test here starts its own MPI job (CI runs them under MPICH and Open MPI)
 pytestmark = pytest.mark.launches
@@ -28,63 +27,15 @@ pytestmark = pytest.mark.launches
 JOB = ("train", "--batch-size", "64", "--seed", "5")
 
 
-class Job:
-    """A 2-rank training job started in the background, its output in a file."""
+class Job(BackgroundJob):
+    """A training job of JOB and `args` in the background, in tmp_path (run/, log)."""
 
     def __init__(self, tmp_path, *args, ranks=2, argv0=None):
-        self.run_dir = tmp_path / "run"
-        self.log_path = tmp_path / "log"
-        self.ranks = ranks
-        cmd = command(ranks, *JOB, "--run-dir", str(self.run_dir), *args)
+        cmd = command(ranks, *JOB, "--run-dir", str(tmp_path / "run"), *args)
         if argv0:                                  # the installed script instead of -m
             i = cmd.index("-m")
             cmd[i - 1:i + 2] = [argv0]
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env=environment(ranks))
-
-    def board(self):
-        return read_heartbeats(self.run_dir / "heartbeat", self.ranks)
-
-    def wait_for(self, test, what, timeout=120):
-        """Poll the heartbeat files until test(board) holds; returns the board."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            assert self.proc.poll() is None, f"the job ended before {what}:\n{self.output()}"
-            board = self.board()
-            if all(board.values()) and test(board):
-                return board
-            time.sleep(0.002)
-        raise AssertionError(f"no {what} within {timeout} s:\n{self.output()}")
-
-    def running(self):
-        """Both ranks are past their first step."""
-        return self.wait_for(lambda b: all(r["count"] > 8 for r in b.values()), "steps")
-
-    def pid(self, rank):
-        return self.board()[rank]["pid"]
-
-    def finish(self, timeout=120):
-        """(status, seconds it took, output)."""
-        start = time.monotonic()
-        status = self.proc.wait(timeout=timeout)
-        return status, time.monotonic() - start, self.output()
-
-    def output(self):
-        return self.log_path.read_text()
-
-    def cleanup(self):
-        """Leave no process behind (SIGSTOPped ranks included)."""
-        for b in self.board().values():
-            if b:
-                for sig in (signal.SIGCONT, signal.SIGKILL):
-                    try:
-                        os.kill(b["pid"], sig)
-                    except ProcessLookupError:
-                        pass
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        super().__init__(cmd, tmp_path / "run", tmp_path / "log", ranks)
 
 
 @pytest.fixture
