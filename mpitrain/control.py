@@ -157,20 +157,28 @@ class Heartbeats:
     which the rank last showed a sign of life: its watchdog thread (--collective-timeout)
     renews it every second even while the main thread waits in a collective, so an
     `alive` that falls behind means the process is frozen, stopped or dead; position is
-    where its main thread is ("in 'all-reduce' after step 12"). A post is one pwrite of
-    a line of fixed width, no message.
+    where its main thread is ("in 'all-reduce' after step 12").
+
+    The line is a shared memory map of the file, so a post is a copy into memory: no
+    system call, which in the main thread would hand the GIL to the loader's threads
+    and wait to get it back, several times a step. Other processes of the host see it
+    at once; `sync()` (the watchdog thread, every second) writes it through for ranks
+    on other hosts, which read the file over a shared file system.
     """
 
     LINE = 180
 
     def __init__(self, directory, comm):
+        import mmap
         self.directory, self.comm = directory, comm
         os.makedirs(directory, exist_ok=True)
         self.pid, self.host = os.getpid(), socket.gethostname()
         self.count, self.where = 0, "starting"
         self._lock = threading.Lock()
-        self._fd = os.open(os.path.join(directory, f"rank{comm.rank}"),
-                           os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        with open(os.path.join(directory, f"rank{comm.rank}"), "w+b") as f:
+            f.write(b" " * (self.LINE - 1) + b"\n")
+            f.flush()
+            self._map = mmap.mmap(f.fileno(), self.LINE)
         self.alive()
 
     def post(self, where):
@@ -184,10 +192,13 @@ class Heartbeats:
         with self._lock:
             line = (f"{self.pid} {self.host} {self.count} {time.time():.3f} "
                     f"{self.where}")[:self.LINE - 1]
-            os.pwrite(self._fd, f"{line:<{self.LINE - 1}}\n".encode(), 0)
+            self._map[:] = f"{line:<{self.LINE - 1}}\n".encode()
+
+    def sync(self):
+        self._map.flush()
 
     def close(self):
-        os.close(self._fd)
+        self._map.close()
 
 
 def read_heartbeats(directory, size):
@@ -253,6 +264,7 @@ class Watchdog:
     def _watch(self):
         while not self._stop.wait(self.period):
             self.heartbeats.alive()
+            self.heartbeats.sync()
             idle = time.monotonic() - self.last
             if idle > self.timeout:
                 now = self.activity()
