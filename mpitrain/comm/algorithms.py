@@ -80,36 +80,43 @@ def shm_sum(peers, lo, hi, me, spread, acc):
 
     Block by block through acc (_BLOCK elements), so the block of the sum is still in
     L1 when it is copied: each element of every copy is read once and written once.
+    (The loops run over slices handed to helpers: indexing the tuple of peers, or an
+    array at an offset, inside a loop keeps LLVM from vectorising it.)
     """
     for start in range(lo, hi, _BLOCK):
-        m = min(_BLOCK, hi - start)
-        for i in range(m):
-            acc[i] = load(peers[0], start + i)
+        stop = min(start + _BLOCK, hi)
+        block = acc[:stop - start]
+        _load_block(block, peers[0][start:stop])
         for q in range(1, len(peers)):
-            _add_block(acc, peers[q], start, m)
-        _store_block(peers[me], acc, start, m)
+            _add_block(block, peers[q][start:stop])
+        _store_block(peers[me][start:stop], block)
         for q in range(len(peers)):
             if spread and q != me:
-                _copy_block(peers[q], peers[me], start, m)
+                _copy_block(peers[q][start:stop], peers[me][start:stop])
 
 
 @njit(cache=True, nogil=True)
-def _add_block(acc, x, start, m):
-    # a helper per loop: indexing the tuple of peers inside a loop keeps LLVM from vectorising
-    for i in range(m):
-        acc[i] += load(x, start + i)
+def _load_block(acc, x):
+    for i in range(acc.size):
+        acc[i] = load(x, i)
 
 
 @njit(cache=True, nogil=True)
-def _store_block(y, acc, start, m):
-    for i in range(m):
-        store(y, start + i, acc[i])
+def _add_block(acc, x):
+    for i in range(acc.size):
+        acc[i] += load(x, i)
 
 
 @njit(cache=True, nogil=True)
-def _copy_block(y, x, start, m):
-    for i in range(m):
-        y[start + i] = x[start + i]
+def _store_block(y, acc):
+    for i in range(y.size):
+        store(y, i, acc[i])
+
+
+@njit(cache=True, nogil=True)
+def _copy_block(y, x):
+    for i in range(y.size):
+        y[i] = x[i]
 
 
 _fp16_sum = None
