@@ -24,6 +24,7 @@ cdef void _max_row(const floating* x, floating* y, int* arg, Py_ssize_t r,
     cdef Py_ssize_t ih0 = oh * s - p, i0 = _max(0, -ih0), i1 = _min(k, H - ih0)
     cdef Py_ssize_t ow, iw0, j0, j1, i, j, c
     cdef int pos
+    cdef bint take
     cdef floating v
     cdef floating* yp
     cdef int* ap
@@ -43,10 +44,11 @@ cdef void _max_row(const floating* x, floating* y, int* arg, Py_ssize_t r,
                 pos = <int>((ih0 + i) * W + iw0 + j)
                 xp = x + ((n * H + ih0 + i) * W + iw0 + j) * C
                 for c in range(C):
+                    # as selects rather than a branch, so that the channels vectorise
                     v = xp[c]
-                    if v > yp[c] or v != v:
-                        yp[c] = v
-                        ap[c] = pos
+                    take = (v > yp[c]) | (v != v)
+                    yp[c] = v if take else yp[c]
+                    ap[c] = pos if take else ap[c]
 
 
 def max_pool_forward(const floating[:, :, :, ::1] x, int k, int stride, int pad,

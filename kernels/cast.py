@@ -76,14 +76,14 @@ def store(a, i, v):
     a[i] = v
 
 
-@overload(load, inline="always")
+@overload(load)
 def _load(a, i):
     if a.dtype == types.uint16:
         return lambda a, i: half_bits_to_float(a[i])
     return lambda a, i: a[i]
 
 
-@overload(store, inline="always")
+@overload(store)
 def _store_element(a, i, v):
     if a.dtype == types.uint16:
         def store_half(a, i, v):

@@ -398,12 +398,15 @@ def _blocks(n):
 
 # ----- batch norm -----
 
-def batchnorm_sums(x, dy=None, mean=None):
+def batchnorm_sums(x, dy=None, mean=None, y=None):
     """Per-channel sums of the (M, C) activations x, (2, C) in acc_dtype:
     forward (dy None): (sum_m (x_mc - x_0c), sum_m (x_mc - x_0c)^2), about the shift x[0];
-    backward: (sum_m dy_mc, sum_m dy_mc (x_mc - mean_c)), mean (C,) in acc_dtype.
+    backward: (sum_m dy_mc, sum_m dy_mc (x_mc - mean_c)), mean (C,) in acc_dtype, dy taken
+    through a fused ReLU (0 where its output y <= 0) when y is given.
     Two kernels: partial sums over TARGET_BLOCKS blocks of rows and channels, then a fold."""
     import cupy
+    if y is not None:
+        dy = _relu_grad(dy, y)
     M, C = x.shape
     acc = acc_dtype(x.dtype)
     ctiles = -(-C // TILE_C)
@@ -447,15 +450,22 @@ def batchnorm_finalize(sums, x, count, mode, gamma, eps, momentum, running_mean,
     return mean, invstd, scale
 
 
-def batchnorm_affine(x, mean, scale, beta):
+def batchnorm_affine(x, mean, scale, beta, relu=False):
     """y (M, C) = (x - mean) * scale + beta per channel, computed in acc_dtype, rounded
-    to x's dtype once."""
+    to x's dtype once; then max(y, 0) with relu (a second pass, in place)."""
     import cupy
     M, C = x.shape
     y = cupy.empty_like(x)
     _kernel("bn_affine", x.dtype)(_blocks(x.size), (THREADS,),
                                   (x, mean, scale, beta, np.int64(x.size), np.int32(C), y))
+    if relu:
+        cupy.maximum(y, 0, out=y)
     return y
+
+
+def _relu_grad(dy, y):
+    """dy where the ReLU's output y > 0, else 0 (a pass of its own on the GPU)."""
+    return dy * (y > 0)
 
 
 def batchnorm_backward_coefficients(local, group, gamma, invstd, count, train, grad_gamma,
@@ -475,9 +485,12 @@ def batchnorm_backward_coefficients(local, group, gamma, invstd, count, train, g
     return coef
 
 
-def batchnorm_dx(dy, x, mean, coef):
-    """dx (M, C) = a dy + b (x - mean) + d per channel, (a, b, d) = coef."""
+def batchnorm_dx(dy, x, mean, coef, y=None):
+    """dx (M, C) = a dy + b (x - mean) + d per channel, (a, b, d) = coef, dy taken through
+    a fused ReLU (0 where its output y <= 0) when y is given."""
     import cupy
+    if y is not None:
+        dy = _relu_grad(dy, y)
     M, C = x.shape
     dx = cupy.empty_like(dy)
     _kernel("bn_backward_dx", dy.dtype)(_blocks(dy.size), (THREADS,),

@@ -145,7 +145,8 @@ class _OnnxGraph:
         if isinstance(m, batchnorm.BatchNorm2d):
             inputs = [x] + [self.tensor(f"{name}.{k}")
                             for k in ("weight", "bias", "running_mean", "running_var")]
-            return self.node("BatchNormalization", inputs, name, epsilon=m.eps), shape
+            y = self.node("BatchNormalization", inputs, name, epsilon=m.eps)
+            return (self.node("Relu", [y], f"{name}.relu") if m.relu else y), shape
         if isinstance(m, activation.ReLU):
             return self.node("Relu", [x], name), shape
         if isinstance(m, activation.Dropout):       # the identity in eval mode

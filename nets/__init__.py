@@ -3,7 +3,8 @@
     from mpitrain.nets import build_model
     model = build_model("resnet50", num_classes=1000, seed=0)
     logits = model.forward(x, train=True)      # x: (N, H, W, 3) in the model's working dtype
-    dx = model.backward(dlogits)               # writes every p.grad into the arena
+    model.backward(dlogits)                    # writes every p.grad into the arena (the
+                                               # images' own gradient is not computed)
 """
 import numpy as np
 

@@ -2,21 +2,24 @@
 import numpy as np
 
 from mpitrain.backend import array_module
+from mpitrain.kernels import elementwise
 from mpitrain.kernels import gpu
 
 from .module import Module
 
 
 class ReLU(Module):
-    """y = max(x, 0);  dx = dy * [x > 0]."""
+    """y = max(x, 0);  dx = dy * [y > 0] (mpitrain.kernels.elementwise)."""
 
     def forward(self, x, train=True):
-        xp = array_module(x)
-        self.mask = x > 0    # (N, H, W, C) bool, or (N, F) after a flatten
-        return xp.maximum(x, 0)
+        y = elementwise.relu(x)
+        self.y = y if train else None    # (N, H, W, C), or (N, F) after a flatten
+        return y
 
     def backward(self, dy):
-        return dy * self.mask
+        dx = elementwise.relu_grad(dy, self.y)
+        self.y = None
+        return dx
 
 
 class Dropout(Module):

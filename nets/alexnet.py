@@ -45,7 +45,9 @@ class AlexNet(Module):
         self.dropout = dropout
         layers, in_ch = [], 3
         for out_ch, k, s, p, pool in CONVS:
-            layers.append(Conv2d(in_ch, out_ch, k, stride=s, padding=p, bias=not batch_norm))
+            # the images need no gradient: backward ends at the first convolution's weights
+            layers.append(Conv2d(in_ch, out_ch, k, stride=s, padding=p, bias=not batch_norm,
+                                 input_grad=bool(layers)))
             if batch_norm:
                 layers.append(BatchNorm2d(out_ch))
             layers.append(ReLU())

@@ -46,9 +46,15 @@ class Conv2d(Module):
     Weights are drawn from N(0, 2 / (out_channels * k * k)) (He, fan_out), as
     torchvision's ResNet initialises them; the optional bias starts at zero
     and takes neither weight decay nor LARS.
+
+    input_grad=False: backward computes the weight gradients only and returns None
+    (a network's first convolution: the images need no gradient, and dx would cost
+    a GEMM and a col2im).
     """
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=False):
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=False,
+                 input_grad=True):
+        self.input_grad = input_grad
         self.in_channels, self.out_channels = in_channels, out_channels
         self.k, self.stride, self.padding = kernel_size, stride, padding
         self.weight = Param((out_channels, kernel_size, kernel_size, in_channels),
@@ -115,12 +121,15 @@ class Conv2d(Module):
                 dy2 = dy.reshape(-1, O)                         # (N*Ho*Wo, O), contiguous
                 matmul(dy2.T, self._columns(x), out=gw.reshape(O, -1))
             self.weight.grad_ready()
-            return cudnn.conv_backward_data(dy, w, self.x_shape, s, p)
+            return cudnn.conv_backward_data(dy, w, self.x_shape, s, p) if self.input_grad else None
         xp = array_module(dy)
         dy2 = xp.ascontiguousarray(dy).reshape(-1, O)           # (N*Ho*Wo, O)
         col = self.col
         matmul(dy2.T, col, out=gw.reshape(O, -1))
         self.weight.grad_ready()                                # its bucket may be summed now
+        if not self.input_grad:
+            self.col = None if self.pointwise else col
+            return None
         if self.pointwise:
             self.col = None
             dcol = matmul(dy2, w.reshape(O, -1))                # (N*Ho*Wo, C)

@@ -6,6 +6,8 @@ resnet34 21,797,672, resnet50 25,557,032, resnet101 44,549,160, resnet152 60,192
 
 A residual block computes  y = relu(main(x) + shortcut(x))  where shortcut is the
 identity or `downsample` (1x1 conv with stride, then BN) when the shape changes.
+The ReLUs after a BatchNorm are fused into it (BatchNorm2d(relu=True)); they have
+no parameters, so torchvision's names are unchanged.
 Backward: g = dy * [y > 0];  dx = main'(g) + shortcut'(g).
 
 Gradient order. The arena lays parameters out in reverse registration order and
@@ -14,9 +16,8 @@ block's backward must write its gradients in exactly that order. `downsample`
 is registered last (as in torchvision), so backward runs the shortcut branch
 first, then the main branch from its last layer to its first.
 """
-from mpitrain.backend import array_module
+from mpitrain.kernels import elementwise
 
-from .activation import ReLU
 from .batchnorm import BatchNorm2d
 from .conv import Conv2d
 from .linear import Linear
@@ -37,18 +38,17 @@ class _Block(Module):
         for layer in self.main:
             y = layer.forward(y, train)
         shortcut = x if self.downsample is None else self.downsample.forward(x, train)
-        y = y + shortcut                   # a new array: layers may have cached their outputs
-        array_module(y).maximum(y, 0, out=y)   # the block's ReLU, in place
+        # a new array (layers may have cached their outputs), added and clamped in one pass
+        y = elementwise.add_relu(y, shortcut)
         self.y = y  # (N, H, W, C) block output; its positive entries are the ReLU mask
         return y
 
     def backward(self, dy):
-        g = dy * (self.y > 0)
+        g = elementwise.relu_grad(dy, self.y)
         dshortcut = g if self.downsample is None else self.downsample.backward(g)
         for layer in reversed(self.main):
             g = layer.backward(g)
-        g += dshortcut
-        return g
+        return elementwise.add_into(g, dshortcut)
 
 
 class BasicBlock(_Block):
@@ -58,13 +58,12 @@ class BasicBlock(_Block):
 
     def __init__(self, inplanes, planes, stride=1, downsample=None, zero_init_residual=False):
         self.conv1 = Conv2d(inplanes, planes, 3, stride=stride, padding=1)
-        self.bn1 = BatchNorm2d(planes)
-        self.relu1 = ReLU()
+        self.bn1 = BatchNorm2d(planes, relu=True)
         self.conv2 = Conv2d(planes, planes, 3, padding=1)
         self.bn2 = BatchNorm2d(planes, zero_init=zero_init_residual)
         if downsample is not None:
             self.downsample = downsample
-        self.main = [self.conv1, self.bn1, self.relu1, self.conv2, self.bn2]
+        self.main = [self.conv1, self.bn1, self.conv2, self.bn2]
 
 
 class Bottleneck(_Block):
@@ -75,17 +74,14 @@ class Bottleneck(_Block):
 
     def __init__(self, inplanes, planes, stride=1, downsample=None, zero_init_residual=False):
         self.conv1 = Conv2d(inplanes, planes, 1)
-        self.bn1 = BatchNorm2d(planes)
-        self.relu1 = ReLU()
+        self.bn1 = BatchNorm2d(planes, relu=True)
         self.conv2 = Conv2d(planes, planes, 3, stride=stride, padding=1)
-        self.bn2 = BatchNorm2d(planes)
-        self.relu2 = ReLU()
+        self.bn2 = BatchNorm2d(planes, relu=True)
         self.conv3 = Conv2d(planes, planes * 4, 1)
         self.bn3 = BatchNorm2d(planes * 4, zero_init=zero_init_residual)
         if downsample is not None:
             self.downsample = downsample
-        self.main = [self.conv1, self.bn1, self.relu1, self.conv2, self.bn2, self.relu2,
-                     self.conv3, self.bn3]
+        self.main = [self.conv1, self.bn1, self.conv2, self.bn2, self.conv3, self.bn3]
 
 
 class ResNet(Module):
@@ -104,13 +100,13 @@ class ResNet(Module):
         self.block, self.layers, self.widths = block, tuple(layers), tuple(widths)
         self.num_classes, self.small_stem, self.stem_stride = num_classes, small_stem, stem_stride
         self.inplanes = widths[0]
+        # the images need no gradient: backward ends at conv1's weights
         if small_stem:
-            self.conv1 = Conv2d(3, widths[0], 3, stride=stem_stride, padding=1)
+            self.conv1 = Conv2d(3, widths[0], 3, stride=stem_stride, padding=1, input_grad=False)
         else:
-            self.conv1 = Conv2d(3, widths[0], 7, stride=2, padding=3)
-        self.bn1 = BatchNorm2d(widths[0])
-        self.relu = ReLU()
-        sequence = [self.conv1, self.bn1, self.relu]
+            self.conv1 = Conv2d(3, widths[0], 7, stride=2, padding=3, input_grad=False)
+        self.bn1 = BatchNorm2d(widths[0], relu=True)
+        sequence = [self.conv1, self.bn1]
         if not small_stem:
             self.maxpool = MaxPool2d(3, stride=2, padding=1)
             sequence.append(self.maxpool)

@@ -462,3 +462,19 @@ def test_conv2d_fp16_weight_gradient_lands_in_fp32_at_loss_scale_2_16(path, monk
     assert gw.dtype == np.float32 and np.isfinite(gw).all()
     assert_close(gw.astype(np.float64), ref, 1e-4, 1e-6, "dW")
     assert dx.dtype == np.float16 and bool(cupy.isfinite(dx).all())
+
+
+@pytest.mark.parametrize("k,s,p", [(3, 1, 1), (7, 2, 3), (1, 2, 0)])
+def test_conv2d_without_input_gradient(k, s, p):
+    """input_grad=False (a network's first convolution): the same weight and bias
+    gradients, and no dx."""
+    full = bound_conv(3, 4, k, s, p, True)
+    first = bound_conv(3, 4, k, s, p, True)
+    first.input_grad = False
+    x = rand((2, 9, 9, 3))
+    y = full.forward(x)
+    np.testing.assert_array_equal(first.forward(x), y)
+    dy = rand(y.shape, seed=1)
+    assert full.backward(dy) is not None and first.backward(dy) is None
+    np.testing.assert_array_equal(first.weight.grad, full.weight.grad)
+    np.testing.assert_array_equal(first.bias.grad, full.bias.grad)

@@ -31,6 +31,25 @@ def test_batchnorm_train_gradients(shape):
     check_layer(bn64(shape[3]), 2 + 3 * randn(*shape), train=True, rtol=1e-6)
 
 
+@pytest.mark.parametrize("train", [True, False])
+def test_batchnorm_with_its_relu_fused(train):
+    """relu=True: the same as the layer followed by a ReLU, outputs and every gradient
+    (finite differences, float64); no value sits at the ReLU's kink."""
+    fused, plain = bn64(3), bn64(3)
+    fused.relu = True
+    for a, b in ((fused.weight, plain.weight), (fused.bias, plain.bias)):
+        a.master[...] = b.master[...] = [0.8, -1.2, 1.5]
+    x = 2 + 3 * randn(2, 3, 4, 3)
+    y = fused.forward(x, train)
+    expect = np.maximum(plain.forward(x, train), 0)
+    np.testing.assert_allclose(y, expect, rtol=1e-12, atol=1e-12)
+    assert (y == 0).any() and (y > 0).any()
+    dy = randn(*y.shape, seed=4)
+    np.testing.assert_allclose(fused.backward(dy), plain.backward(dy * (expect > 0)), rtol=1e-10)
+    fused.relu = True
+    check_layer(fused, x, train=train, rtol=1e-6)
+
+
 def test_batchnorm_eval_gradients():
     bn = bn64(3)
     bn.running_mean.data[...] = [0.5, -1.0, 2.0]
@@ -272,3 +291,19 @@ def test_accuracy_counts():
                        [0.9, 0.5, 0.2, 0.1]])    # label 3: last
     labels = np.array([3, 1, 3])
     assert accuracy_counts(logits, labels, topk=(1, 2, 5)).tolist() == [1, 2, 3]   # k = 5: 4
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_elementwise_kernels_match_numpy_bitwise(dtype):
+    """relu, add_relu, relu_grad and add_into (mpitrain.kernels.elementwise) against NumPy
+    on a size that spans several blocks and ends in a partial one; float16 rounded once,
+    as NumPy's float16 arithmetic."""
+    from mpitrain.kernels import elementwise as ew
+    n = 3 * ew.BLOCK + 17
+    a, b, d = (randn(n, seed=s).astype(dtype).reshape(-1, 1) for s in (1, 2, 3))
+    with np.errstate(all="ignore"):
+        expect = [np.maximum(a, 0), np.maximum(a + b, 0), d * (a > 0), a + b]
+    got = [ew.relu(a), ew.add_relu(a, b), ew.relu_grad(d, a), ew.add_into(a.copy(), b)]
+    for g, e in zip(got, expect):
+        assert g.dtype == dtype and g.shape == a.shape
+        np.testing.assert_array_equal(g, e)

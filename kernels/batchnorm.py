@@ -1,0 +1,204 @@
+"""BatchNorm's CPU kernels, on (M, C) activations (NHWC with M = N*H*W rows).
+
+The same functions and formulas as the CUDA kernels of kernels/gpu.py, so that
+nets/batchnorm.py runs one code path on either device:
+
+    batchnorm_sums(x)              (sum_m (x_mc - x_0c), sum_m (x_mc - x_0c)^2), about the
+                                   shift x[0]: one pass gives an accurate variance
+    batchnorm_sums(x, dy, mean)    (sum_m dy_mc, sum_m dy_mc (x_mc - mean_c))
+    batchnorm_finalize(...)        mean, invstd, scale = gamma invstd; running averages
+    batchnorm_affine(x, ...)       y = (x - mean) scale + beta [then max(y, 0)]
+    batchnorm_backward_coefficients(...)   dgamma, dbeta, and (a, b, d) of dx
+    batchnorm_dx(dy, x, ...)       dx = a dy' + b (x - mean) + d, dy' = dy [* (y > 0)]
+
+`relu` fuses the ReLU that follows a BatchNorm into its passes: forward clamps y
+at 0; backward takes the ReLU's gradient (dy where y > 0, else 0) as it reads dy,
+from y itself. That saves the ReLU layer's two passes and its mask.
+
+The element passes run on Numba's thread pool, each thread a block of rows; the
+sums are taken per block in float64 and the blocks added in order, so the result
+does not depend on the number of threads. float16 activations are read and
+written as their uint16 bits through kernels.cast.load/store (Numba's CPU target
+has no float16), with the arithmetic in the statistics dtype.
+"""
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .cast import load, store
+
+ROWS = 256          # rows per block of the parallel passes (at C = 64: 64 KiB of fp32)
+
+
+def acc_dtype(dtype):
+    """The statistics dtype of activations of `dtype`: float64 for float64, else float32."""
+    return np.dtype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
+
+
+def _bits(a):
+    """a as the kernels take it: float16 as its uint16 bits."""
+    return a.view(np.uint16) if a.dtype == np.float16 else a
+
+
+# ----- sums -----
+@njit(parallel=True, cache=True)
+def _sums_forward(x, part):
+    M, C = x.shape
+    for p in prange(part.shape[0]):
+        s0, s1 = part[p, 0], part[p, 1]
+        s0[:] = 0.0
+        s1[:] = 0.0
+        for m in range(p * ROWS, min(M, (p + 1) * ROWS)):
+            _shifted(x[m], x[0], s0, s1)
+
+
+@njit(cache=True)
+def _shifted(row, shift, s0, s1):
+    for c in range(row.size):
+        v = np.float64(load(row, c)) - np.float64(load(shift, c))
+        s0[c] += v
+        s1[c] += v * v
+
+
+@njit(parallel=True, cache=True)
+def _sums_backward(x, dy, y, relu, mean, part):
+    M, C = x.shape
+    for p in prange(part.shape[0]):
+        s0, s1 = part[p, 0], part[p, 1]
+        s0[:] = 0.0
+        s1[:] = 0.0
+        for m in range(p * ROWS, min(M, (p + 1) * ROWS)):
+            _products(x[m], dy[m], y[m], relu, mean, s0, s1)
+
+
+@njit(cache=True)
+def _products(x, dy, y, relu, mean, s0, s1):
+    for c in range(x.size):
+        d = np.float64(load(dy, c))
+        if relu and load(y, c) <= 0:
+            d = 0.0
+        s0[c] += d
+        s1[c] += d * (np.float64(load(x, c)) - mean[c])
+
+
+def batchnorm_sums(x, dy=None, mean=None, y=None):
+    """Per-channel sums of the (M, C) activations x, (2, C) float64: forward (dy None)
+    the sums about the shift x[0]; backward the sums of dy and dy (x - mean), dy taken
+    through the fused ReLU when its output y is given."""
+    M, C = x.shape
+    part = np.empty((-(-M // ROWS), 2, C))           # (blocks, 2, C) partial sums
+    if dy is None:
+        _sums_forward(_bits(x), part)
+    else:
+        _sums_backward(_bits(x), _bits(dy), _bits(y if y is not None else dy), y is not None,
+                       mean.astype(np.float64), part)
+    return part.sum(axis=0)
+
+
+# ----- per-channel statistics and coefficients -----
+FINALIZE_MODES = {"shifted": 0, "group": 1, "eval": 2}
+
+
+def batchnorm_finalize(sums, x, count, mode, gamma, eps, momentum, running_mean, running_var):
+    """(mean, invstd, scale), each (C,) in gamma's dtype:
+
+        mode "shifted": sums from batchnorm_sums(x):  mean = x_0 + sums[0] / count,
+                        var = sums[1] / count - (sums[0] / count)^2
+        mode "group":   sums = (sum x, sum (x - mean)^2) over a group: mean = sums[0] / count,
+                        var = sums[1] / count
+        mode "eval":    mean, var = running_mean, running_var (sums unused)
+        invstd = 1 / sqrt(var + eps),  scale = gamma * invstd
+
+    and, in the train modes, running_mean += momentum (mean - running_mean), running_var
+    += momentum (var count / (count - 1) - running_var), in place."""
+    C = gamma.size
+    out = np.empty((3, C), gamma.dtype)
+    shift = np.asarray(x[0], np.float64) if mode == "shifted" else np.zeros(C)
+    _finalize(sums if sums is not None else np.zeros((2, C)), shift, FINALIZE_MODES[mode],
+              float(count), gamma, float(eps), float(momentum), running_mean, running_var, out)
+    return out[0], out[1], out[2]
+
+
+@njit(cache=True)
+def _finalize(sums, shift, mode, count, gamma, eps, momentum, running_mean, running_var, out):
+    for c in range(gamma.size):
+        if mode == 2:
+            mean, var = np.float64(running_mean[c]), np.float64(running_var[c])
+        else:
+            mean = sums[0, c] / count + (shift[c] if mode == 0 else 0.0)
+            var = sums[1, c] / count
+            if mode == 0:
+                var -= (sums[0, c] / count) ** 2
+            var = max(var, 0.0)
+            running_mean[c] += momentum * (mean - running_mean[c])
+            running_var[c] += momentum * (var * count / (count - 1) - running_var[c])
+        invstd = 1.0 / math.sqrt(var + eps)
+        out[0, c] = mean
+        out[1, c] = invstd
+        out[2, c] = gamma[c] * invstd
+
+
+def batchnorm_backward_coefficients(local, group, gamma, invstd, count, train, grad_gamma,
+                                    grad_beta):
+    """coef (3, C) = (a, b, d) of dx = a dy + b (x - mean) + d, with a = gamma invstd and,
+    in train mode, b = -a invstd (group[1] invstd) / count, d = -a group[0] / count (eval:
+    0, 0); also grad_beta = local[0], grad_gamma = local[1] invstd, written in place.
+    local, group: (2, C) sums (sum dy, sum dy (x - mean)): this rank's, and those for dx
+    (the group's, or local again)."""
+    grad_beta[...] = local[0]
+    grad_gamma[...] = local[1] * invstd
+    a = gamma * invstd
+    if not train:
+        return np.stack([a, np.zeros_like(a), np.zeros_like(a)])
+    return np.stack([a, -a * invstd * (group[1] * invstd) / count, -a * group[0] / count])
+
+
+# ----- the element passes -----
+@njit(parallel=True, cache=True)
+def _affine(x, mean, scale, beta, relu, y):
+    M = x.shape[0]
+    for p in prange((M + ROWS - 1) // ROWS):
+        for m in range(p * ROWS, min(M, (p + 1) * ROWS)):
+            _affine_row(x[m], mean, scale, beta, relu, y[m])
+
+
+@njit(cache=True)
+def _affine_row(x, mean, scale, beta, relu, y):
+    for c in range(x.size):
+        v = (load(x, c) - mean[c]) * scale[c] + beta[c]
+        store(y, c, max(v, 0.0) if relu else v)
+
+
+def batchnorm_affine(x, mean, scale, beta, relu=False):
+    """y (M, C) = (x - mean) * scale + beta per channel (then max(y, 0) with relu),
+    computed in the statistics' dtype and rounded to x's dtype once."""
+    y = np.empty_like(x)
+    _affine(_bits(x), mean, scale, beta.astype(scale.dtype), relu, _bits(y))
+    return y
+
+
+@njit(parallel=True, cache=True)
+def _dx(dy, x, y, relu, mean, coef, dx):
+    M = x.shape[0]
+    for p in prange((M + ROWS - 1) // ROWS):
+        for m in range(p * ROWS, min(M, (p + 1) * ROWS)):
+            _dx_row(dy[m], x[m], y[m], relu, mean, coef, dx[m])
+
+
+@njit(cache=True)
+def _dx_row(dy, x, y, relu, mean, coef, dx):
+    for c in range(x.size):
+        d = load(dy, c)
+        if relu and load(y, c) <= 0:
+            d = 0.0
+        store(dx, c, coef[0, c] * d + coef[1, c] * (load(x, c) - mean[c]) + coef[2, c])
+
+
+def batchnorm_dx(dy, x, mean, coef, y=None):
+    """dx (M, C) = a dy + b (x - mean) + d per channel, (a, b, d) = coef, with dy taken
+    through the fused ReLU (0 where y <= 0) when its output y is given."""
+    dx = np.empty_like(dy)
+    _dx(_bits(dy), _bits(x), _bits(y if y is not None else dy), y is not None, mean, coef,
+        _bits(dx))
+    return dx

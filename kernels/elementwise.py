@@ -1,0 +1,106 @@
+"""The networks' elementwise passes: ReLU and the residual block's add, on any float dtype.
+
+    relu(x)            y = max(x, 0)
+    add_relu(a, b)     y = max(a + b, 0)          (a residual block's output)
+    relu_grad(dy, y)   dy where y > 0, else 0     (the ReLU's gradient, from its output)
+    add_into(a, b)     a += b                     (in place)
+
+Each returns a new array (add_into: a itself). On NumPy arrays one pass of a Numba
+kernel on the thread pool, each thread a block of elements: NumPy's own
+elementwise operations run on one core, and a + b then max would be two passes.
+float16 is read and written as its uint16 bits (kernels.cast.load/store) and
+computed in float32. On CuPy arrays the same through CuPy's own operations.
+"""
+import numpy as np
+from numba import njit, prange
+
+from mpitrain.backend import array_module
+
+from .cast import load, store
+
+BLOCK = 1 << 15         # elements per block of a parallel pass
+
+
+def _bits(a):
+    return a.view(np.uint16) if a.dtype == np.float16 else a
+
+
+def _flat(a):
+    return _bits(np.ascontiguousarray(a)).reshape(-1)
+
+
+@njit(parallel=True, cache=True)
+def _relu(x, y, with_b, b):
+    for p in prange((x.size + BLOCK - 1) // BLOCK):
+        lo, hi = p * BLOCK, min(x.size, (p + 1) * BLOCK)
+        _relu_block(x[lo:hi], y[lo:hi], with_b, b[lo:hi] if with_b else b[:0])
+
+
+@njit(cache=True)
+def _relu_block(x, y, with_b, b):
+    for i in range(x.size):
+        v = load(x, i) + load(b, i) if with_b else load(x, i)
+        store(y, i, max(v, 0.0))
+
+
+def relu(x):
+    """max(x, 0), a new array."""
+    if array_module(x) is not np:
+        return array_module(x).maximum(x, 0)
+    y = np.empty_like(x)
+    _relu(_flat(x), _flat(y), False, _flat(x))
+    return y
+
+
+def add_relu(a, b):
+    """max(a + b, 0), a new array (a and b of one shape and dtype)."""
+    if array_module(a) is not np:
+        y = a + b
+        return array_module(a).maximum(y, 0, out=y)
+    y = np.empty_like(a)
+    _relu(_flat(a), _flat(y), True, _flat(b))
+    return y
+
+
+@njit(parallel=True, cache=True)
+def _relu_grad(dy, y, dx):
+    for p in prange((dy.size + BLOCK - 1) // BLOCK):
+        lo, hi = p * BLOCK, min(dy.size, (p + 1) * BLOCK)
+        _relu_grad_block(dy[lo:hi], y[lo:hi], dx[lo:hi])
+
+
+@njit(cache=True)
+def _relu_grad_block(dy, y, dx):
+    for i in range(dy.size):
+        store(dx, i, load(dy, i) if load(y, i) > 0 else 0.0)
+
+
+def relu_grad(dy, y):
+    """dy where y (a ReLU's output) > 0, else 0: the gradient through the ReLU."""
+    if array_module(dy) is not np:
+        return dy * (y > 0)
+    dx = np.empty_like(dy)
+    _relu_grad(_flat(dy), _flat(y), _flat(dx))
+    return dx
+
+
+@njit(parallel=True, cache=True)
+def _add_into(a, b):
+    for p in prange((a.size + BLOCK - 1) // BLOCK):
+        lo, hi = p * BLOCK, min(a.size, (p + 1) * BLOCK)
+        _add_block(a[lo:hi], b[lo:hi])
+
+
+@njit(cache=True)
+def _add_block(a, b):
+    for i in range(a.size):
+        store(a, i, load(a, i) + load(b, i))
+
+
+def add_into(a, b):
+    """a += b, in place (a contiguous); returns a."""
+    if array_module(a) is not np:
+        a += b
+        return a
+    _add_into(_bits(a).reshape(-1), _flat(b))
+    return a
