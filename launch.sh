@@ -375,8 +375,22 @@ run_tests() {
 # The GPU check sees the machine's own CuPy, NCCL and cuDNN wheels: a .venv it makes
 # includes the system's site-packages, and it installs nothing from the network.
 gpu_check() {
-    [[ -x "$PY" ]] || python3 -m venv --system-site-packages "$VENV"
-    "$PY" -m mpitrain.check_gpu ${WHEELS:+--wheels "$WHEELS"} "$@"
+    if [[ ! -x "$PY" ]]; then
+        python3 -m venv --system-site-packages "$VENV"
+        # A python3 that is itself a venv's (as a GPU image's often is) gives the new venv
+        # the base interpreter's site-packages, not its own: name its own in a .pth file.
+        python3 -c 'import site, sys; sys.prefix != sys.base_prefix and print("\n".join(site.getsitepackages()))' \
+            > "$("$PY" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/python3-site.pth"
+    fi
+    local status=0
+    "$PY" -m mpitrain.check_gpu ${WHEELS:+--wheels "$WHEELS"} "$@" || status=$?
+    # Once the check has installed mpitrain and an MPI, the venv is set up: record it, so
+    # that `./launch.sh train` on this machine without network uses it as it is.
+    if [[ ! -f "$STAMP" ]] && "$PY" -c 'import mpitrain.kernels' 2>/dev/null && legacy_record; then
+        write_record
+        installed_hash "$MPI_KIND" > "$STAMP"
+    fi
+    return "$status"
 }
 
 command=${1:-default}

@@ -13,7 +13,9 @@ nets/batchnorm.py runs one code path on either device:
 
 `relu` fuses the ReLU that follows a BatchNorm into its passes: forward clamps y
 at 0; backward takes the ReLU's gradient (dy where y > 0, else 0) as it reads dy,
-from y itself. That saves the ReLU layer's two passes and its mask.
+recomputing y's sign from x, which it reads anyway, and the per-channel (mean,
+scale, beta) of forward, rounded as forward stored y. That saves the ReLU
+layer's two passes, its mask, and keeping y.
 
 The element passes run on Numba's thread pool, each thread a block of rows; the
 sums are taken per block in float64 and the blocks added in order, so the result
@@ -26,7 +28,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .cast import load, store
+from .cast import load, rounded, store
 
 ROWS = 256          # rows per block of the parallel passes (at C = 64: 64 KiB of fp32)
 
@@ -62,37 +64,44 @@ def _shifted(row, shift, s0, s1):
 
 
 @njit(parallel=True, cache=True)
-def _sums_backward(x, dy, y, relu, mean, part):
+def _sums_backward(x, dy, mean64, relu, mean, scale, beta, part):
     M, C = x.shape
     for p in prange(part.shape[0]):
         s0, s1 = part[p, 0], part[p, 1]
         s0[:] = 0.0
         s1[:] = 0.0
         for m in range(p * ROWS, min(M, (p + 1) * ROWS)):
-            _products(x[m], dy[m], y[m], relu, mean, s0, s1)
+            _products(x[m], dy[m], mean64, relu, mean, scale, beta, s0, s1)
 
 
 @njit(cache=True)
-def _products(x, dy, y, relu, mean, s0, s1):
+def _products(x, dy, mean64, relu, mean, scale, beta, s0, s1):
     for c in range(x.size):
         d = np.float64(load(dy, c))
-        if relu and load(y, c) <= 0:
+        if relu and _clamped(x, c, mean, scale, beta):
             d = 0.0
         s0[c] += d
-        s1[c] += d * (np.float64(load(x, c)) - mean[c])
+        s1[c] += d * (np.float64(load(x, c)) - mean64[c])
 
 
-def batchnorm_sums(x, dy=None, mean=None, y=None):
+@njit(cache=True)
+def _clamped(x, c, mean, scale, beta):
+    """Whether forward's fused ReLU output 0 for x[c]: y as _affine_row stored it."""
+    return rounded(x, (load(x, c) - mean[c]) * scale[c] + beta[c]) <= 0
+
+
+def batchnorm_sums(x, dy=None, mean=None, relu=None):
     """Per-channel sums of the (M, C) activations x, (2, C) float64: forward (dy None)
     the sums about the shift x[0]; backward the sums of dy and dy (x - mean), dy taken
-    through the fused ReLU when its output y is given."""
+    through the fused ReLU when relu = (scale, beta) of forward's affine map is given."""
     M, C = x.shape
     part = np.empty((-(-M // ROWS), 2, C))           # (blocks, 2, C) partial sums
     if dy is None:
         _sums_forward(_bits(x), part)
     else:
-        _sums_backward(_bits(x), _bits(dy), _bits(y if y is not None else dy), y is not None,
-                       mean.astype(np.float64), part)
+        scale, beta = relu if relu is not None else (mean, mean)
+        _sums_backward(_bits(x), _bits(dy), mean.astype(np.float64), relu is not None, mean,
+                       scale, beta, part)
     return part.sum(axis=0)
 
 
@@ -179,26 +188,26 @@ def batchnorm_affine(x, mean, scale, beta, relu=False):
 
 
 @njit(parallel=True, cache=True)
-def _dx(dy, x, y, relu, mean, coef, dx):
+def _dx(dy, x, mean, coef, relu, scale, beta, dx):
     M = x.shape[0]
     for p in prange((M + ROWS - 1) // ROWS):
         for m in range(p * ROWS, min(M, (p + 1) * ROWS)):
-            _dx_row(dy[m], x[m], y[m], relu, mean, coef, dx[m])
+            _dx_row(dy[m], x[m], mean, coef, relu, scale, beta, dx[m])
 
 
 @njit(cache=True)
-def _dx_row(dy, x, y, relu, mean, coef, dx):
+def _dx_row(dy, x, mean, coef, relu, scale, beta, dx):
     for c in range(x.size):
         d = load(dy, c)
-        if relu and load(y, c) <= 0:
+        if relu and _clamped(x, c, mean, scale, beta):
             d = 0.0
         store(dx, c, coef[0, c] * d + coef[1, c] * (load(x, c) - mean[c]) + coef[2, c])
 
 
-def batchnorm_dx(dy, x, mean, coef, y=None):
+def batchnorm_dx(dy, x, mean, coef, relu=None):
     """dx (M, C) = a dy + b (x - mean) + d per channel, (a, b, d) = coef, with dy taken
-    through the fused ReLU (0 where y <= 0) when its output y is given."""
+    through the fused ReLU (0 where forward's output was) when relu = (scale, beta)."""
     dx = np.empty_like(dy)
-    _dx(_bits(dy), _bits(x), _bits(y if y is not None else dy), y is not None, mean, coef,
-        _bits(dx))
+    scale, beta = relu if relu is not None else (mean, mean)
+    _dx(_bits(dy), _bits(x), mean, coef, relu is not None, scale, beta, _bits(dx))
     return dx

@@ -39,8 +39,8 @@ from mpitrain.backend import array_module
 
 from .segments import cuda_shape, launch, pick
 
-__all__ = ["to_half", "to_float", "float_to_half_bits", "half_bits_to_float", "load", "store",
-           "refresh_working"]
+__all__ = ["to_half", "to_float", "astype", "float_to_half_bits", "half_bits_to_float", "load",
+           "store", "rounded", "refresh_working"]
 
 
 @intrinsic
@@ -95,6 +95,20 @@ def _store_element(a, i, v):
     return store_as_is
 
 
+def rounded(a, v):
+    """v as a's elements would hold it: rounded to float16 where a holds float16 bits,
+    cast to a's dtype otherwise (what store(a, i, v) then load(a, i) would give)."""
+    return a.dtype.type(v)
+
+
+@overload(rounded)
+def _rounded(a, v):
+    if a.dtype == types.uint16:
+        return lambda a, v: half_bits_to_float(float_to_half_bits(np.float32(v)))
+    dtype = a.dtype
+    return lambda a, v: dtype(v)
+
+
 def refresh_working(master, working, segments=None):
     """working = cast(master) after an update that did not write it; the fp16 copy is cast
     from the fp32-rounded master, as the fused kernels do. Nothing when working is master.
@@ -144,6 +158,24 @@ def to_float(src, dst=None, impl=None, parallel=True):
     dst = _check(src, dst, np.float16, np.float32)
     _TO_FLOAT[pick(impl, src)](src, dst, parallel)
     return dst
+
+
+def astype(a, dtype):
+    """`a` in `dtype` (a itself when it has it): between float32 and float16 through the
+    kernels above on NumPy arrays of any shape (NumPy's own casts between them are scalar
+    loops, many times slower), through the array's own astype otherwise. The result keeps
+    a's memory order where a is C- or Fortran-contiguous (a transposed view stays one)."""
+    dtype = np.dtype(dtype)
+    if a.dtype == dtype:
+        return a
+    pair = (a.dtype, dtype)
+    if array_module(a) is not np or pair not in ((np.float32, np.float16), (np.float16, np.float32)):
+        return a.astype(dtype)
+    if not a.flags.c_contiguous and a.flags.f_contiguous:
+        return astype(a.T, dtype).T
+    src = np.ascontiguousarray(a).reshape(-1)
+    out = (to_half if dtype == np.float16 else to_float)(src)
+    return out.reshape(a.shape)
 
 
 def to_half_numpy(src, dst, scale, parallel=True):

@@ -15,12 +15,13 @@ describes every tensor by NCHW-ordered dims; strides say the memory is NHWC
 Each graph is built once per (operation, shapes, dtypes, stride, padding) and
 cached; the computation is fp32 whatever the io type (fp16 on tensor cores,
 accumulating in fp32). Only float16 and float32 are routed here; float64 stays
-on the generic path. The weight gradient of fp16 activations is written as
-fp32 straight into the fp32 gradient arena (the graph's dw tensor is FLOAT,
-x and dy HALF): an fp16 dw would overflow at a loss scale of 2^16. cuDNN may
-have no engine for that mix on some device or version; the build then fails
-with `Unsupported`, which is remembered, and the caller takes the generic
-im2col + GEMM path with fp32 output instead (nets/conv.py).
+on the generic path. The weight gradient of fp16 activations is computed by
+cuDNN in fp16 (fp32 sums, rounded once) and widened into the fp32 gradient
+arena: cuDNN's engines that write fp32 from fp16 operands are many times
+slower (docs/benchmarks.md). An fp16 dW beyond 65504 becomes inf, which the
+step's overflow check sees (the dynamic loss scale then halves), as with
+PyTorch's AMP. A geometry cuDNN cannot build raises `Unsupported`, which is
+remembered, and the caller takes the generic im2col + GEMM path (nets/conv.py).
 
 Availability is probed, not assumed: the first `available()` imports CuPy and
 the frontend, builds one tiny convolution in fp32 (and in fp16 where the device
@@ -28,11 +29,26 @@ has fp16 arithmetic), runs it and compares it with a direct computation on the
 host; the outcome is cached for the process. `reason()` says why not,
 `version()` which cuDNN, `report()` all of it for the run's environment record.
 
+Which of cuDNN's plans runs each graph is measured, not guessed: the first
+call of a geometry times the heuristics' best few plans on its own operands and
+keeps the fastest (TUNE_PLANS; PyTorch's cudnn.benchmark does the same). TF32
+says whether fp32 convolutions may use TF32 tensor cores.
+
 Every graph runs on CuPy's current stream (the handle's stream is set before
 each execution) and shares one workspace, grown when a graph needs more: the
 graphs run one after another on that stream, so they never use it at once.
 """
 import numpy as np
+
+# Which plan runs a graph: the first `TUNE_PLANS` of the heuristics' ranked plans are each
+# timed once on the first call's operands and the fastest is kept (as PyTorch's
+# cudnn.benchmark or MXNet's cudnn_tune); 0 keeps the heuristics' first choice. Plans
+# needing more workspace than TUNE_WORKSPACE bytes are passed over.
+TUNE_PLANS = 8
+TUNE_WORKSPACE = 1 << 30
+# fp32 convolutions may run on TF32 tensor cores (10-bit mantissa products, fp32 sums),
+# as PyTorch allows by default; False keeps them in full fp32 (an exact comparison).
+TF32 = True
 
 _graphs = {}         # key -> (graph, tensor a, tensor b, tensor out), or the Unsupported raised
 _handle = None
@@ -67,12 +83,10 @@ def reason():
 def report():
     """The probe's outcome and the versions, JSON-able, for the run's environment record:
     available (fp32 convolutions), reason (as reason()), float16 (fp16 convolutions),
-    float16_reason, wgrad_fp16_to_fp32 (whether dw of fp16 x and dy is written in fp32
-    by cuDNN; None when not probed), and version()'s keys."""
+    float16_reason, and version()'s keys."""
     state = _probed()
     return dict(available=state["float32"] is None, reason=state["float32"],
-                float16=state["float16"] is None, float16_reason=state["float16"],
-                wgrad_fp16_to_fp32=state["wgrad"], **version())
+                float16=state["float16"] is None, float16_reason=state["float16"], **version())
 
 
 def version():
@@ -97,10 +111,10 @@ def supports(dtype):
 
 
 def _probed():
-    """{"float32": None or why not, "float16": likewise, "wgrad": True/False/None}, once."""
+    """{"float32": None or why not, "float16": likewise}, once."""
     global _probe
     if _probe is None:
-        _probe = {"float32": _check_install(), "float16": None, "wgrad": None}
+        _probe = {"float32": _check_install(), "float16": None}
         if _probe["float32"] is None:
             _probe["float32"] = _try_conv(np.float32)
         if _probe["float32"] is not None:
@@ -108,8 +122,6 @@ def _probed():
         else:
             _probe["float16"] = _try_conv(np.float16) if _has_fp16() else \
                 "no GPU: the device has no fp16 arithmetic (compute capability below 5.3)"
-            if _probe["float16"] is None:
-                _probe["wgrad"] = _try_wgrad_fp16_to_fp32() is None
     return _probe
 
 
@@ -138,23 +150,21 @@ def _has_fp16():
 
 def _probe_case():
     """A tiny 3x3 convolution (padding 1) whose every value is a small integer, so that
-    fp16, fp32 and TF32 compute it exactly: (x, w, dy, y = conv(x, w), dw = wgrad(x, dy))
-    as float64 NumPy arrays."""
+    fp16, fp32 and TF32 compute it exactly: (x, w, y = conv(x, w)) as float64 NumPy
+    arrays."""
     from .im2col import im2col_generic
     rng = np.random.default_rng(0)
     x = rng.integers(-2, 3, (1, 5, 5, 3)).astype(np.float64)
     w = rng.integers(-2, 3, (4, 3, 3, 3)).astype(np.float64)
-    dy = rng.integers(-2, 3, (1, 5, 5, 4)).astype(np.float64)
     col = im2col_generic(x, 3, 3, 1, 1)                       # (25, 27)
     y = (col @ w.reshape(4, -1).T).reshape(1, 5, 5, 4)
-    dw = (dy.reshape(-1, 4).T @ col).reshape(w.shape)
-    return x, w, dy, y, dw
+    return x, w, y
 
 
 def _try_conv(dtype):
     """None when a tiny fprop in dtype builds, runs and equals the direct result."""
     import cupy
-    x, w, _, y, _ = _probe_case()
+    x, w, y = _probe_case()
     name = np.dtype(dtype).name
     try:
         got = conv_forward(cupy.asarray(x, dtype), cupy.asarray(w, dtype), 1, 1)
@@ -167,19 +177,6 @@ def _try_conv(dtype):
         return (f"wrong result: {name} convolution differs from the direct computation "
                 f"by up to {np.nanmax(np.abs(got - y)):.3g}")
     return None
-
-
-def _try_wgrad_fp16_to_fp32():
-    """None when dw (fp32) = wgrad(x, dy) of fp16 x and dy builds, runs and is exact."""
-    import cupy
-    x, w, dy, _, dw = _probe_case()
-    out = cupy.empty(w.shape, np.float32)
-    try:
-        conv_backward_filter(cupy.asarray(x, np.float16), cupy.asarray(dy, np.float16),
-                             w.shape, 1, 1, out=out)
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return None if np.array_equal(cupy.asnumpy(out), dw) else "wrong result"
 
 
 # ----- graphs -----
@@ -200,7 +197,7 @@ def _graph(kind, a, b, out, stride, pad):
     output (cached; so is a failure to build, raised again as Unsupported)."""
     global _handle
     key = (kind, a.shape, b.shape, out.shape, a.dtype.str, b.dtype.str, out.dtype.str,
-           stride, pad)
+           stride, pad, TF32)
     entry = _graphs.get(key)
     if entry is None:
         import cudnn
@@ -208,6 +205,7 @@ def _graph(kind, a, b, out, stride, pad):
             _handle = cudnn.create_handle()
         try:
             entry = _build(cudnn, kind, a, b, out, stride, pad)
+            _tune(entry, a, b, out)
         except Exception as e:    # cudnnGraphNotSupportedError, or a refusal in validate()
             entry = Unsupported(f"{kind} {a.dtype.name} x {b.dtype.name} -> {out.dtype.name}, "
                                 f"{a.shape} {b.shape}: {type(e).__name__}: {e}")
@@ -237,9 +235,44 @@ def _build(cudnn, kind, a, b, out, stride, pad):
     g.validate()
     g.build_operation_graph()
     g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    if not TF32 and a.dtype == np.float32:      # as torch.backends.cudnn.allow_tf32 = False
+        g.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE,
+                                  cudnn.numerical_note.DOWN_CONVERT_INPUTS])
     g.check_support()
     g.build_plans()
     return g, ta, tb, tout
+
+
+def _tune(entry, a, b, out):
+    """Pin the fastest of the first TUNE_PLANS plans, timed on these operands (each
+    built, run once to warm up, then three times between CUDA events). A plan that
+    fails to build or run is passed over; with none timed the heuristics' choice stays."""
+    import cudnn
+    import cupy
+    g, ta, tb, tout = entry
+    pointers = {ta: a.data.ptr, tb: b.data.ptr, tout: out.data.ptr}
+    cudnn.set_stream(handle=_handle, stream=cupy.cuda.get_current_stream().ptr)
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = {}
+    for index in range(min(TUNE_PLANS, g.get_execution_plan_count())):
+        try:
+            g.build_plan_at_index(index)
+            need = g.get_workspace_size_plan_at_index(index)
+            if need > TUNE_WORKSPACE:
+                continue
+            workspace = _workspace_ptr(need)
+            g.execute_plan_at_index(pointers, workspace, index=index, handle=_handle)
+            start.record()
+            for _ in range(3):
+                g.execute_plan_at_index(pointers, workspace, index=index, handle=_handle)
+            stop.record()
+            stop.synchronize()
+            times[index] = cupy.cuda.get_elapsed_time(start, stop)
+        except Exception:           # this engine declines these shapes: try the next
+            continue
+    if times:
+        g.select_plan(min(times, key=times.get))
+    g.build_plans()                 # the plan that runs: the fastest, else the first that builds
 
 
 def _workspace_ptr(nbytes):
@@ -280,17 +313,17 @@ def conv_backward_data(dy, w, x_shape, stride, pad):
 
 
 def conv_backward_filter(x, dy, w_shape, stride, pad, out=None):
-    """dw (O, kh, kw, C) = dL/dw, written into `out` when given (C-contiguous; x's dtype,
-    or float32 for fp16 x and dy: the fp32 arena view itself); else a new array of x's
-    dtype. Raises Unsupported where cuDNN has no engine for the data types (the probe
-    found fp16 -> fp32 unsupported, or this geometry's build failed)."""
+    """dw (O, kh, kw, C) = dL/dw in x's dtype, written into `out` when given (C-contiguous):
+    x's dtype, or float32 for fp16 x and dy (the fp32 arena view), which the fp16 result
+    is widened into; else a new array. Raises Unsupported where this geometry's build
+    failed."""
+    if out is not None and out.dtype not in (x.dtype, np.float32):
+        raise Unsupported(f"wgrad {x.dtype.name} -> {out.dtype.name}: "
+                          f"only an fp32 output may differ from the inputs")
     import cupy
-    if out is None:
-        out = cupy.empty(w_shape, x.dtype)
-    if out.dtype != x.dtype:
-        if out.dtype != np.float32:
-            raise Unsupported(f"wgrad {x.dtype.name} -> {out.dtype.name}: "
-                              f"only an fp32 output may differ from the inputs")
-        if _probe is not None and _probe["wgrad"] is False:
-            raise Unsupported(f"wgrad {x.dtype.name} -> {out.dtype.name} failed the probe")
-    return _run("wgrad", cupy.ascontiguousarray(x), cupy.ascontiguousarray(dy), out, stride, pad)
+    dw = out if out is not None and out.dtype == x.dtype else cupy.empty(w_shape, x.dtype)
+    _run("wgrad", cupy.ascontiguousarray(x), cupy.ascontiguousarray(dy), dw, stride, pad)
+    if out is None or dw is out:
+        return dw
+    out[...] = dw
+    return out

@@ -9,13 +9,15 @@ Each returns a new array (add_into: a itself). On NumPy arrays one pass of a Num
 kernel on the thread pool, each thread a block of elements: NumPy's own
 elementwise operations run on one core, and a + b then max would be two passes.
 float16 is read and written as its uint16 bits (kernels.cast.load/store) and
-computed in float32. On CuPy arrays the same through CuPy's own operations.
+computed in float32. On CuPy arrays add_relu and relu_grad are one CUDA kernel each
+(kernels/gpu.py), relu and add_into CuPy's own one-pass operations.
 """
 import numpy as np
 from numba import njit, prange
 
 from mpitrain.backend import array_module
 
+from . import gpu
 from .cast import load, store
 
 BLOCK = 1 << 15         # elements per block of a parallel pass
@@ -54,9 +56,9 @@ def relu(x):
 
 def add_relu(a, b):
     """max(a + b, 0), a new array (a and b of one shape and dtype)."""
-    if array_module(a) is not np:
-        y = a + b
-        return array_module(a).maximum(y, 0, out=y)
+    if gpu.handles(a):
+        xp = array_module(a)
+        return gpu.add_relu(xp.ascontiguousarray(a), xp.ascontiguousarray(b))
     y = np.empty_like(a)
     _relu(_flat(a), _flat(y), True, _flat(b))
     return y
@@ -77,8 +79,9 @@ def _relu_grad_block(dy, y, dx):
 
 def relu_grad(dy, y):
     """dy where y (a ReLU's output) > 0, else 0: the gradient through the ReLU."""
-    if array_module(dy) is not np:
-        return dy * (y > 0)
+    if gpu.handles(dy):
+        xp = array_module(dy)
+        return gpu.relu_grad(xp.ascontiguousarray(dy), xp.ascontiguousarray(y))
     dx = np.empty_like(dy)
     _relu_grad(_flat(dy), _flat(y), _flat(dx))
     return dx

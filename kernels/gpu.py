@@ -1,4 +1,5 @@
-"""Fused CUDA kernels for the GPU branches of batch norm, pooling and dropout (CuPy RawModule).
+"""Fused CUDA kernels for the GPU branches of batch norm, pooling, dropout and the residual
+block's add and ReLU (CuPy RawModule).
 
 On CuPy arrays these replace a chain of small array operations by a few
 kernels, all queued on CuPy's current stream. Every kernel is a C++ template
@@ -59,6 +60,20 @@ __device__ __forceinline__ double load(const double* p, long long i) { return p[
 __device__ __forceinline__ void store(float* p, long long i, float v) { p[i] = v; }
 __device__ __forceinline__ void store(double* p, long long i, double v) { p[i] = v; }
 
+// The batch-norm output (x - mean) * scale + beta, as forward's store rounds it to T:
+// one function, so that the backward kernels' ReLU masks compute the very value forward
+// stored. relu_passes: whether a fused ReLU let it through (y > 0).
+template <typename T, typename A>
+__device__ __forceinline__ A bn_out(A x_minus_mean, A scale, A beta) {
+    T t;
+    store(&t, 0, x_minus_mean * scale + beta);
+    return (A)load(&t, 0);
+}
+template <typename T, typename A>
+__device__ __forceinline__ bool relu_passes(A x_minus_mean, A scale, A beta) {
+    return bn_out<T, A>(x_minus_mean, scale, beta) > 0;
+}
+
 __device__ __forceinline__ long long first_index() {
     return (long long)blockIdx.x * blockDim.x + threadIdx.x;
 }
@@ -73,13 +88,16 @@ __device__ __forceinline__ long long grid_stride() {
 //   grads == 0:  part[p][0][c] = sum (x[r][c] - k_c),  part[p][1][c] = sum (x[r][c] - k_c)^2,
 //                with the shift k_c = x[0][c] (a sample of the channel, so the squares
 //                do not cancel when |mean| >> std)
-//   grads == 1:  part[p][0][c] = sum dy[r][c],
-//                part[p][1][c] = sum dy[r][c] (x[r][c] - mean_c)
+//   grads == 1:  part[p][0][c] = sum g[r][c],
+//                part[p][1][c] = sum g[r][c] (x[r][c] - mean_c)
+//                g = dy, or with relu (a fused ReLU): dy where forward's y > 0, else 0,
+//                y recomputed from x, mean, scale and beta (bn_out)
 // A block is TILE_C channels (threadIdx.x: consecutive channels, coalesced) by TILE_R
 // threads that take every TILE_R-th row; a fixed tree in shared memory adds those.
 template <typename T, typename A>
-__global__ void bn_partial_sums(const T* x, const T* dy, const A* mean, int grads,
-                                long long M, int C, long long rows, A* part) {
+__global__ void bn_partial_sums(const T* x, const T* dy, const A* mean, const A* scale,
+                                const A* beta, int grads, int relu, long long M, int C,
+                                long long rows, A* part) {
     __shared__ A su[TILE_R][TILE_C];
     __shared__ A sv[TILE_R][TILE_C];
     const int tx = threadIdx.x, ty = threadIdx.y;
@@ -93,7 +111,8 @@ __global__ void bn_partial_sums(const T* x, const T* dy, const A* mean, int grad
             const long long i = r * C + c;
             const A xc = (A)load(x, i) - k;
             if (grads) {
-                const A g = (A)load(dy, i);
+                const A g = relu && !relu_passes<T, A>(xc, scale[c], beta[c]) ? (A)0
+                                                                               : (A)load(dy, i);
                 u += g;
                 v += g * xc;
             } else {
@@ -178,13 +197,15 @@ __global__ void bn_finalize(const A* s, const T* x, int mode, double count, int 
     scale_out[c] = (A)(gamma[c] * invstd);
 }
 
-// y[i] = (x[i] - mean[c]) * scale[c] + beta[c],  c = i mod C
+// y[i] = (x[i] - mean[c]) * scale[c] + beta[c],  c = i mod C; with relu max(y[i], 0)
+// (NaN stays NaN)
 template <typename T, typename A>
-__global__ void bn_affine(const T* x, const A* mean, const A* scale, const A* beta,
+__global__ void bn_affine(const T* x, const A* mean, const A* scale, const A* beta, int relu,
                           long long n, int C, T* y) {
     for (long long i = first_index(); i < n; i += grid_stride()) {
         const int c = (int)(i % C);
-        store(y, i, ((A)load(x, i) - mean[c]) * scale[c] + beta[c]);
+        const A v = bn_out<T, A>((A)load(x, i) - mean[c], scale[c], beta[c]);
+        store(y, i, relu && v < 0 ? (A)0 : v);
     }
 }
 
@@ -209,14 +230,17 @@ __global__ void bn_backward_coefficients(const A* sl, const A* sg, const A* gamm
     coef[2 * C + c] = train ? (A)(-a * sg[c] / count) : (A)0;
 }
 
-// dx[i] = a[c] dy[i] + b[c] (x[i] - mean[c]) + d[c],  c = i mod C,  coef = (a, b, d)
+// dx[i] = a[c] g[i] + b[c] (x[i] - mean[c]) + d[c],  c = i mod C,  coef = (a, b, d),
+// g = dy, or with relu dy where forward's y > 0, else 0 (as in bn_partial_sums)
 template <typename T, typename A>
 __global__ void bn_backward_dx(const T* dy, const T* x, const A* mean, const A* coef,
-                               long long n, int C, T* dx) {
+                               const A* scale, const A* beta, int relu, long long n, int C,
+                               T* dx) {
     for (long long i = first_index(); i < n; i += grid_stride()) {
         const int c = (int)(i % C);
-        store(dx, i, coef[c] * (A)load(dy, i) + coef[C + c] * ((A)load(x, i) - mean[c])
-                     + coef[2 * C + c]);
+        const A xc = (A)load(x, i) - mean[c];
+        const A g = relu && !relu_passes<T, A>(xc, scale[c], beta[c]) ? (A)0 : (A)load(dy, i);
+        store(dx, i, coef[c] * g + coef[C + c] * xc + coef[2 * C + c]);
     }
 }
 
@@ -302,6 +326,24 @@ __global__ void pool_backward(const T* dy, const int* arg, int avg, int N, int H
     }
 }
 
+// ----- a residual block's output and the ReLU's gradient -----
+
+// y[i] = max(a[i] + b[i], 0), summed in A and rounded to T once (NaN stays NaN)
+template <typename T, typename A>
+__global__ void add_relu(const T* a, const T* b, long long n, T* y) {
+    for (long long i = first_index(); i < n; i += grid_stride()) {
+        const A v = (A)load(a, i) + (A)load(b, i);
+        store(y, i, v < 0 ? (A)0 : v);
+    }
+}
+
+// dx[i] = dy[i] where y[i] > 0, else 0
+template <typename T, typename A>
+__global__ void relu_grad(const T* dy, const T* y, long long n, T* dx) {
+    for (long long i = first_index(); i < n; i += grid_stride())
+        store(dx, i, (A)load(y, i) > 0 ? (A)load(dy, i) : (A)0);
+}
+
 // ----- dropout -----
 
 // Philox4x32-10 (Salmon et al., SC 2011): ten rounds on the 128-bit counter c under the
@@ -343,7 +385,8 @@ __global__ void dropout(const T* x, long long n, unsigned int k0, unsigned int k
 _TYPES = {np.dtype(np.float16): ("unsigned short", "float", np.float32),
           np.dtype(np.float32): ("float", "float", np.float32),
           np.dtype(np.float64): ("double", "double", np.float64)}
-_TEMPLATES_TA = ("bn_partial_sums", "bn_finalize", "bn_affine", "bn_backward_dx", "dropout")
+_TEMPLATES_TA = ("bn_partial_sums", "bn_finalize", "bn_affine", "bn_backward_dx", "add_relu",
+                 "relu_grad", "dropout")
 _TEMPLATES_T = ("pool_forward", "pool_backward")
 _TEMPLATES_A = ("bn_fold", "bn_backward_coefficients")
 _module = None
@@ -398,15 +441,14 @@ def _blocks(n):
 
 # ----- batch norm -----
 
-def batchnorm_sums(x, dy=None, mean=None, y=None):
+def batchnorm_sums(x, dy=None, mean=None, relu=None):
     """Per-channel sums of the (M, C) activations x, (2, C) in acc_dtype:
     forward (dy None): (sum_m (x_mc - x_0c), sum_m (x_mc - x_0c)^2), about the shift x[0];
     backward: (sum_m dy_mc, sum_m dy_mc (x_mc - mean_c)), mean (C,) in acc_dtype, dy taken
-    through a fused ReLU (0 where its output y <= 0) when y is given.
-    Two kernels: partial sums over TARGET_BLOCKS blocks of rows and channels, then a fold."""
+    through a fused ReLU (0 where forward's output was, recomputed in the kernel) when
+    relu = (scale, beta). Two kernels: partial sums over TARGET_BLOCKS blocks of rows and
+    channels, then a fold."""
     import cupy
-    if y is not None:
-        dy = _relu_grad(dy, y)
     M, C = x.shape
     acc = acc_dtype(x.dtype)
     ctiles = -(-C // TILE_C)
@@ -414,10 +456,11 @@ def batchnorm_sums(x, dy=None, mean=None, y=None):
     P = -(-M // rows)                                 # chunks of `rows` rows, none empty
     part = cupy.empty((P, 2, C), acc)                 # (P, 2, C) partial sums
     grads = dy is not None
+    scale, beta = relu if relu is not None else (part, part)     # unread without relu
     _kernel("bn_partial_sums", x.dtype)(
         (ctiles, P), (TILE_C, TILE_R),
-        (x, dy if grads else x, mean if grads else part, np.int32(grads), np.int64(M),
-         np.int32(C), np.int64(rows), part))
+        (x, dy if grads else x, mean if grads else part, scale, beta, np.int32(grads),
+         np.int32(relu is not None), np.int64(M), np.int32(C), np.int64(rows), part))
     sums = cupy.empty((2, C), acc)
     _kernel("bn_fold", acc=acc)((2 * C,), (FOLD,), (part, np.int32(P), np.int32(C), sums))
     return sums
@@ -452,20 +495,14 @@ def batchnorm_finalize(sums, x, count, mode, gamma, eps, momentum, running_mean,
 
 def batchnorm_affine(x, mean, scale, beta, relu=False):
     """y (M, C) = (x - mean) * scale + beta per channel, computed in acc_dtype, rounded
-    to x's dtype once; then max(y, 0) with relu (a second pass, in place)."""
+    to x's dtype once; max(y, 0) with relu, in the same kernel."""
     import cupy
     M, C = x.shape
     y = cupy.empty_like(x)
     _kernel("bn_affine", x.dtype)(_blocks(x.size), (THREADS,),
-                                  (x, mean, scale, beta, np.int64(x.size), np.int32(C), y))
-    if relu:
-        cupy.maximum(y, 0, out=y)
+                                  (x, mean, scale, beta, np.int32(bool(relu)), np.int64(x.size),
+                                   np.int32(C), y))
     return y
-
-
-def _relu_grad(dy, y):
-    """dy where the ReLU's output y > 0, else 0 (a pass of its own on the GPU)."""
-    return dy * (y > 0)
 
 
 def batchnorm_backward_coefficients(local, group, gamma, invstd, count, train, grad_gamma,
@@ -485,16 +522,35 @@ def batchnorm_backward_coefficients(local, group, gamma, invstd, count, train, g
     return coef
 
 
-def batchnorm_dx(dy, x, mean, coef, y=None):
+def batchnorm_dx(dy, x, mean, coef, relu=None):
     """dx (M, C) = a dy + b (x - mean) + d per channel, (a, b, d) = coef, dy taken through
-    a fused ReLU (0 where its output y <= 0) when y is given."""
+    a fused ReLU (0 where forward's output was) when relu = (scale, beta)."""
     import cupy
-    if y is not None:
-        dy = _relu_grad(dy, y)
     M, C = x.shape
     dx = cupy.empty_like(dy)
+    scale, beta = relu if relu is not None else (coef, coef)     # unread without relu
     _kernel("bn_backward_dx", dy.dtype)(_blocks(dy.size), (THREADS,),
-                                        (dy, x, mean, coef, np.int64(dy.size), np.int32(C), dx))
+                                        (dy, x, mean, coef, scale, beta,
+                                         np.int32(relu is not None), np.int64(dy.size),
+                                         np.int32(C), dx))
+    return dx
+
+
+# ----- the residual block's elementwise passes -----
+
+def add_relu(a, b):
+    """max(a + b, 0), a new array: one pass (a and b C-contiguous, of one shape and dtype)."""
+    import cupy
+    y = cupy.empty_like(a)
+    _kernel("add_relu", a.dtype)(_blocks(a.size), (THREADS,), (a, b, np.int64(a.size), y))
+    return y
+
+
+def relu_grad(dy, y):
+    """dy where y > 0, else 0, a new array: one pass (dy and y C-contiguous)."""
+    import cupy
+    dx = cupy.empty_like(dy)
+    _kernel("relu_grad", dy.dtype)(_blocks(dy.size), (THREADS,), (dy, y, np.int64(dy.size), dx))
     return dx
 
 

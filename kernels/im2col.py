@@ -16,7 +16,7 @@ import numpy as np
 
 from mpitrain.backend import array_module
 
-from . import _im2col
+from . import _im2col, cast
 
 
 def conv_output_size(size, k, stride, pad):
@@ -49,8 +49,8 @@ def col2im(col, x_shape, kh, kw, stride=1, pad=0):
     # the kernel sums in float32 or float64; float16 gradients are summed in float32
     work = np.float32 if col.dtype == np.float16 else col.dtype
     dx = np.zeros(x_shape, work)
-    _im2col.col2im(np.ascontiguousarray(col, dtype=work), kh, kw, stride, pad, dx)
-    return dx.astype(col.dtype, copy=False)
+    _im2col.col2im(np.ascontiguousarray(cast.astype(col, work)), kh, kw, stride, pad, dx)
+    return cast.astype(dx, col.dtype)
 
 
 def _window(start, count, stride):

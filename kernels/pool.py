@@ -21,7 +21,7 @@ import numpy as np
 from mpitrain.backend import array_module
 
 from .im2col import _window, conv_output_size
-from . import _pool, gpu
+from . import _pool, cast, gpu
 
 
 def _geometry(x_shape, k, stride, pad):
@@ -42,11 +42,11 @@ def max_pool_forward(x, k, stride, pad=0):
         if gpu.handles(x):
             return gpu.pool_forward(x, (N, Ho, Wo, C), k, stride, pad, avg=False)
         return max_pool_forward_generic(x, k, stride, pad)
-    xw = np.ascontiguousarray(x, dtype=_work_dtype(x.dtype))
+    xw = np.ascontiguousarray(cast.astype(x, _work_dtype(x.dtype)))
     y = np.empty((N, Ho, Wo, C), xw.dtype)
     argmax = np.empty((N, Ho, Wo, C), np.int32)
     _pool.max_pool_forward(xw, k, stride, pad, y, argmax)
-    return y.astype(x.dtype, copy=False), argmax
+    return cast.astype(y, x.dtype), argmax
 
 
 def max_pool_backward(dy, argmax, x_shape, k, stride, pad=0):
@@ -56,10 +56,10 @@ def max_pool_backward(dy, argmax, x_shape, k, stride, pad=0):
         if gpu.handles(dy):
             return gpu.pool_backward(dy, argmax, x_shape, k, stride, pad)
         return max_pool_backward_generic(dy, argmax, x_shape, k, stride, pad)
-    dyw = np.ascontiguousarray(dy, dtype=_work_dtype(dy.dtype))
+    dyw = np.ascontiguousarray(cast.astype(dy, _work_dtype(dy.dtype)))
     dx = np.zeros(x_shape, dyw.dtype)
     _pool.max_pool_backward(dyw, np.ascontiguousarray(argmax, dtype=np.int32), dx)
-    return dx.astype(dy.dtype, copy=False)
+    return cast.astype(dx, dy.dtype)
 
 
 def avg_pool_forward(x, k, stride, pad=0):
@@ -69,10 +69,10 @@ def avg_pool_forward(x, k, stride, pad=0):
         if gpu.handles(x):
             return gpu.pool_forward(x, (N, Ho, Wo, C), k, stride, pad, avg=True)
         return avg_pool_forward_generic(x, k, stride, pad)
-    xw = np.ascontiguousarray(x, dtype=_work_dtype(x.dtype))
+    xw = np.ascontiguousarray(cast.astype(x, _work_dtype(x.dtype)))
     y = np.empty((N, Ho, Wo, C), xw.dtype)
     _pool.avg_pool_forward(xw, k, stride, pad, y)
-    return y.astype(x.dtype, copy=False)
+    return cast.astype(y, x.dtype)
 
 
 def avg_pool_backward(dy, x_shape, k, stride, pad=0):
@@ -82,10 +82,10 @@ def avg_pool_backward(dy, x_shape, k, stride, pad=0):
         if gpu.handles(dy):
             return gpu.pool_backward(dy, None, x_shape, k, stride, pad)
         return avg_pool_backward_generic(dy, x_shape, k, stride, pad)
-    dyw = np.ascontiguousarray(dy, dtype=_work_dtype(dy.dtype))
+    dyw = np.ascontiguousarray(cast.astype(dy, _work_dtype(dy.dtype)))
     dx = np.zeros(x_shape, dyw.dtype)
     _pool.avg_pool_backward(dyw, k, stride, pad, dx)
-    return dx.astype(dy.dtype, copy=False)
+    return cast.astype(dx, dy.dtype)
 
 
 # ----- generic versions (CuPy, and the reference for the Cython kernels) -----

@@ -252,6 +252,10 @@ def build_parser():
                       default=D["allreduce"], help="under mpirun: all-reduce algorithm")
     step.add_argument("--comm-dtype", choices=["fp32", "fp16"], default=D["comm_dtype"],
                       help="under mpirun: gradient dtype on the wire")
+    step.add_argument("--profile", type=nonnegative_int, default=0, metavar="N",
+                      help="profile N more steps: time per kind of work (GEMM, im2col, "
+                           "col2im, BatchNorm, ReLU, pooling, loss, copies, update), each "
+                           "GEMM shape with its GFLOP/s, the share outside GEMMs")
     step.add_argument("--native-openblas", action="store_true",
                       help="re-run this command with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE "
                            "removed from the environment (OpenBLAS picks its own core type)")

@@ -97,14 +97,13 @@ def gpu_environment():
 
 
 def _cudnn_versions():
-    """cuDNN's backend and frontend versions and the reason cuDNN is not used, from the
-    kernels' probe (mpitrain.kernels.cudnn: reason(), and version() where it has one)."""
+    """cuDNN's backend and frontend versions and the reasons cuDNN is not used (fp32, fp16),
+    from the kernels' probe (mpitrain.kernels.cudnn.report())."""
     try:
         from mpitrain.kernels import cudnn as probe
-        out = {"cudnn_reason": probe.reason()}
-        if hasattr(probe, "version"):
-            out.update(probe.version())
-        return out
+        r = probe.report()
+        return {"cudnn_reason": r["reason"], "cudnn": r["cudnn"], "cudnn_frontend": r["cudnn_frontend"],
+                "cudnn_fp16_reason": r["float16_reason"]}
     except Exception as e:              # the probe itself failed: say so
         return {"cudnn_reason": f"the cuDNN probe failed ({type(e).__name__}: {e})"}
 

@@ -37,8 +37,9 @@ class BatchNorm2d(Module):
     block, so that every block starts as the identity).
 
     relu: the ReLU that follows, fused: y = max(gamma * xhat + beta, 0), and
-    backward takes dy where y > 0, 0 elsewhere, as it reads dy (from y, which the
-    layer keeps: no mask, and two passes fewer than a separate ReLU layer).
+    backward takes dy where y > 0, 0 elsewhere, as it reads dy, recomputing y's sign
+    from x (which it keeps anyway): no mask, y not kept, and two passes fewer than a
+    separate ReLU layer.
 
     Distributed BN (Ying et al.): with `group` set (mpitrain.comm.syncbn.attach),
     the train-mode statistics are those of the group's ranks' batches together:
@@ -94,11 +95,11 @@ class BatchNorm2d(Module):
         for b, r in zip((self.running_mean, self.running_var), running):
             if r is not b.data:               # buffers of another dtype than the statistics
                 b.data[...] = r
-        y = kernels.batchnorm_affine(x2, mean, scale, self.bias.master.astype(stat, copy=False),
-                                     self.relu)
+        beta = self.bias.master.astype(stat, copy=False)
+        y = kernels.batchnorm_affine(x2, mean, scale, beta, self.relu)
         self.train, self.x, self.kernels = train, x2, kernels   # x: (M, C) as given
-        self.y = y if self.relu else None                        # (M, C): the fused ReLU's output
         self.mean, self.invstd = mean, invstd                    # (C,) each, in stat
+        self.affine = (scale, beta) if self.relu else None       # to recompute where y > 0
         return y.reshape(x.shape)
 
     def _kernels(self, x):
@@ -120,7 +121,7 @@ class BatchNorm2d(Module):
     def backward(self, dy):
         C, kernels = self.num_features, self.kernels
         dy2 = array_module(dy).ascontiguousarray(dy, dtype=self.x.dtype).reshape(-1, C)  # (M, C)
-        local = kernels.batchnorm_sums(self.x, dy2, self.mean, self.y)   # (2, C): sum dy, sum dy (x - mean)
+        local = kernels.batchnorm_sums(self.x, dy2, self.mean, self.affine)   # (2, C): sum dy, sum dy (x - mean)
         group, count = local, dy2.shape[0]
         if self.train and self.group is not None:             # dx sees the whole group's statistics
             group, count = self.group.sum(local.reshape(-1)).reshape(2, C), count * self.group.size
@@ -134,6 +135,6 @@ class BatchNorm2d(Module):
                 p.grad[...] = g
         self.bias.grad_ready()                  # in arena order: bias, then weight
         self.weight.grad_ready()
-        dx = kernels.batchnorm_dx(dy2, self.x, self.mean, coef, self.y)
-        self.x = self.y = self.mean = None
+        dx = kernels.batchnorm_dx(dy2, self.x, self.mean, coef, self.affine)
+        self.x = self.mean = self.affine = None
         return dx.reshape(dy.shape)

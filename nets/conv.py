@@ -9,16 +9,24 @@ With k x k kernels, stride s, zero padding p, Ho = (H + 2p - k) // s + 1:
 where dy is reshaped to (N*Ho*Wo, O). A 1x1 convolution without padding needs
 no im2col: col is x itself (x[:, ::s, ::s] when strided), reshaped to (-1, C).
 On a GPU with the cuDNN frontend, forward and both gradients go to cuDNN instead;
-dW is written straight into the fp32 gradient arena, also from fp16 x and dy
-(where cuDNN cannot do that mix, dW alone takes the GEMM above with fp32 output).
+dW lands in the fp32 gradient arena (from fp16 x and dy: cuDNN's fp16 result,
+widened; where cuDNN cannot build a geometry, dW alone takes the GEMM above with
+fp32 output).
 """
+import time
+
 import numpy as np
 
-from mpitrain.backend import array_module
-from mpitrain.kernels import cudnn
+from mpitrain.backend import array_module, synchronize
+from mpitrain.kernels import cast, cudnn
 from mpitrain.kernels.im2col import col2im, conv_output_size, im2col
 
 from .module import Module, Param, constant, he_normal
+
+
+# Every GEMM of the layers goes through matmul. `bench step --profile` sets GEMM_LOG to a
+# list to record each call as (a.shape, b.shape, seconds); None records nothing.
+GEMM_LOG = None
 
 
 def matmul(a, b, out=None):
@@ -28,15 +36,26 @@ def matmul(a, b, out=None):
     fp32 and the result rounded once; weight gradients (out in the fp32
     arena) are accumulated in fp32 on every device.
     """
+    if GEMM_LOG is not None:
+        synchronize()
+        start = time.perf_counter()
+        result = _matmul(a, b, out)
+        synchronize()
+        GEMM_LOG.append((a.shape, b.shape, time.perf_counter() - start))
+        return result
+    return _matmul(a, b, out)
+
+
+def _matmul(a, b, out):
     xp = array_module(a)
     dtype = out.dtype if out is not None else a.dtype
     compute = np.float32 if xp is np and dtype == np.float16 else dtype
-    a, b = a.astype(compute, copy=False), b.astype(compute, copy=False)
+    a, b = cast.astype(a, compute), cast.astype(b, compute)
     if out is None:
-        return xp.matmul(a, b).astype(dtype, copy=False)
+        return cast.astype(xp.matmul(a, b), dtype)
     if out.dtype == compute:
         return xp.matmul(a, b, out=out)
-    out[...] = xp.matmul(a, b)
+    out[...] = cast.astype(xp.matmul(a, b), out.dtype)
     return out
 
 
@@ -115,7 +134,7 @@ class Conv2d(Module):
         if self._use_cudnn(dy):
             x, self.x = self.x, None
             try:
-                # into the arena view itself: fp32 also for fp16 x and dy
+                # into the arena view (fp32; fp16 x and dy: cuDNN's fp16 dW, widened)
                 cudnn.conv_backward_filter(x, dy, gw.shape, s, p, out=gw)
             except cudnn.Unsupported:
                 dy2 = dy.reshape(-1, O)                         # (N*Ho*Wo, O), contiguous
@@ -139,6 +158,11 @@ class Conv2d(Module):
             dx = xp.zeros(self.x_shape, dy.dtype)
             dx[:, ::s, ::s, :] = dcol.reshape(N, dy.shape[1], dy.shape[2], C)
             return dx
+        if xp is np and col.dtype == np.float16:
+            # fp16 on the CPU: the product stays fp32 through col2im, which sums in fp32
+            # anyway, and dx is rounded once
+            dcol = matmul(dy2, w.reshape(O, -1), out=np.empty(col.shape, np.float32))
+            return cast.astype(col2im(dcol, self.x_shape, k, k, s, p), dy.dtype)
         # col is not needed any more: dcol overwrites it in place
         dcol = matmul(dy2, w.reshape(O, -1), out=col)           # (N*Ho*Wo, k*k*C)
         return col2im(dcol, self.x_shape, k, k, s, p)

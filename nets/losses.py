@@ -2,6 +2,7 @@
 import numpy as np
 
 from mpitrain.backend import array_module
+from mpitrain.kernels import cast
 
 
 def softmax_cross_entropy(logits, labels, label_smoothing=0.0, scale=1.0):
@@ -42,7 +43,7 @@ def softmax_cross_entropy(logits, labels, label_smoothing=0.0, scale=1.0):
     p /= N
     if scale != 1:
         p *= scale
-    return loss, p.astype(logits.dtype, copy=False)
+    return loss, cast.astype(p, logits.dtype)
 
 
 def accuracy_counts(logits, labels, topk=(1, 5)):

@@ -65,6 +65,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_torch)
 
 
+@pytest.fixture(autouse=True)
+def cpu_unless_chosen():
+    """Each test starts on the CPU: one that selects the GPU cannot leave it selected for
+    the next (whose layers would be bound to CuPy arrays)."""
+    from mpitrain import backend
+    yield
+    if backend.device != "cpu":
+        backend.use_device("cpu")
+
+
 @pytest.fixture(scope="session")
 def digits(tmp_path_factory):
     """The bundled digits converted once: digits_train.h5 and digits_val.h5 in a directory."""

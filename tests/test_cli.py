@@ -82,6 +82,27 @@ def test_bench_step_times_the_same_network_in_torch():
     assert result["torch"]["threads"] == result["blas"]["threads"]
 
 
+def test_bench_step_profile_counts_every_gemm_of_a_training_step():
+    """--profile records each GEMM: per step one per convolution and linear layer in
+    forward and two in backward (dW and dx), but for the first convolution's dx, which
+    the images do not need; and their operations, 2 m n k each, are those of three
+    times the forward pass's multiply-adds (inspect's count) less that dx."""
+    from mpitrain.inspect import layer_table
+    r = run("bench", "step", "--model", "resnet_small", "--image-size", "32", "--batch", "8",
+            "--steps", "1", "--warmup", "1", "--num-classes", "10", "--profile", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    profile = result["mpitrain"]["profile"]
+    rows, _ = layer_table("resnet_small", image_size=32, num_classes=10)
+    gemm_layers = [row for row in rows if row[1] in ("Conv2d", "Linear")]
+    assert sum(g["calls"] for g in profile["gemms"]) == 3 * len(gemm_layers) - 1
+    macs = 8 * sum(row[4] for row in gemm_layers)
+    first = 8 * gemm_layers[0][4]
+    assert profile["flops_per_step"] == pytest.approx(2 * (3 * macs - first), rel=1e-9)
+    assert set(profile["ms"]) >= {"GEMM", "BatchNorm", "im2col", "col2im", "update"}
+    assert 0 < profile["outside_gemm"] < 1 and result["mpitrain"]["peak_memory"] > 0
+
+
 def test_native_openblas_reruns_without_the_forcing_variables():
     """--native-openblas re-runs the command without OPENBLAS_CORETYPE/_L2_SIZE (which
     OpenBLAS reads when it loads) and says so; the benchmark then sees neither."""

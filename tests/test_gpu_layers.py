@@ -39,7 +39,7 @@ def rand(shape, dtype=np.float32, seed=0, loc=0.0, scale=1.0):
 def test_kernel_source_compiles_for_every_instance(tmp_path):
     """Every name expression the RawModule compiles instantiates without error (nvcc, C++17)."""
     names = gpu.name_expressions()
-    assert len(names) == len(set(names)) == 3 * 7 + 2 * 2
+    assert len(names) == len(set(names)) == 3 * 9 + 2 * 2
     pointers = ", ".join(f"(void*)&{n}" for n in names)
     src = gpu.source() + f"\nvoid instantiate_all() {{ void* k[] = {{{pointers}}}; (void)k; }}\n"
     (tmp_path / "k.cu").write_text(src)
@@ -205,13 +205,13 @@ def emulated_cupy(monkeypatch):
     monkeypatch.setattr(gpu, "_module", None)
 
 
-def bn_layers(C, dtype, group, xp):
+def bn_layers(C, dtype, group, xp, relu=False):
     """(reference, device): a float64 BatchNorm2d and one with fp32 masters and statistics
-    (fp16 working copy for fp16) on the module xp; gamma, beta and the running statistics
-    away from 1 and 0, equal in both."""
-    ref = BatchNorm2d(C).bind(dtype=np.float64)
-    dev = BatchNorm2d(C).bind(dtype=np.float32, xp=xp,
-                              working_dtype=np.float16 if dtype == np.float16 else None)
+    (fp16 working copy for fp16) on the module xp, with their ReLU fused when relu; gamma,
+    beta and the running statistics away from 1 and 0, equal in both."""
+    ref = BatchNorm2d(C, relu=relu).bind(dtype=np.float64)
+    dev = BatchNorm2d(C, relu=relu).bind(dtype=np.float32, xp=xp,
+                                         working_dtype=np.float16 if dtype == np.float16 else None)
     values = [1 + 0.5 * rand(C, seed=1), rand(C, seed=2), rand(C, seed=3), 1 + rand(C, seed=4) ** 2]
     for bn in (ref, dev):
         for view, v in zip((bn.weight.master, bn.bias.master, bn.running_mean.data,
@@ -222,12 +222,12 @@ def bn_layers(C, dtype, group, xp):
     return ref, dev
 
 
-def check_batchnorm(dtype, loc, group, steps, xp, forward, backward, to_host):
+def check_batchnorm(dtype, loc, group, steps, xp, forward, backward, to_host, relu=False):
     """y, dx, dgamma, dbeta and the running statistics of the device layer (on xp, run by
     forward(layer, x, train) and backward(layer, dy), x and dy NumPy) against the float64
     CPU layer on the same values, for each train flag of `steps`."""
     C = 24                                              # not a multiple of the 32-channel tile
-    ref, dev = bn_layers(C, dtype, group, xp)
+    ref, dev = bn_layers(C, dtype, group, xp, relu)
     out_tol = 1e-4 if dtype == np.float32 else 2e-3     # fp16 outputs: rounded to 11 bits
     for step, train in enumerate(steps):
         x = rand((4, 9, 7, C), dtype, seed=10 + step, loc=loc, scale=2.0)
@@ -257,16 +257,17 @@ class SumGroup:
         return v * self.size
 
 
-@pytest.mark.parametrize("dtype,loc,group", [(np.float32, 0.0, None), (np.float16, 300.0, None),
-                                             (np.float32, 300.0, 1), (np.float16, 0.0, 3)])
-def test_batchnorm_gpu_branch_emulated(emulated_cupy, dtype, loc, group):
+@pytest.mark.parametrize("dtype,loc,group,relu", [
+    (np.float32, 0.0, None, False), (np.float16, 300.0, None, False), (np.float32, 300.0, 1, False),
+    (np.float16, 0.0, 3, False), (np.float32, 0.0, None, True), (np.float16, 0.0, 2, True)])
+def test_batchnorm_gpu_branch_emulated(emulated_cupy, dtype, loc, group, relu):
     """The fused kernels run the layer's GPU branch on the host, against the float64 layer
-    (with a group, both layers see the same group)."""
+    (with a group, both layers see the same group; with relu, its ReLU fused in both)."""
     def forward(bn, x, train):
         bn._kernels = lambda a: gpu                     # the CUDA kernels, on host arrays
         return bn.forward(x, train)
     check_batchnorm(dtype, loc, SumGroup(group) if group else None, [True, False], np,
-                    forward, lambda bn, dy: bn.backward(dy), np.asarray)
+                    forward, lambda bn, dy: bn.backward(dy), np.asarray, relu)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -403,3 +404,16 @@ def test_dropout_masks_are_drawn_on_the_device_from_the_seed(dtype):
     d.rng.bit_generator.state = state
     np.testing.assert_array_equal(cupy.asnumpy(d.forward(x)), y2)
     assert d.forward(x, train=False) is x and d.backward(dy) is dy
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_residual_kernels_emulated(emulated_cupy, dtype):
+    """The CUDA kernels of a residual block's output (add_relu) and of the ReLU's gradient
+    (relu_grad), run on the host, give the CPU passes' bits, NaN included."""
+    from mpitrain.kernels import elementwise
+    a, b, dy = (rand((3, 5, 7, 11), dtype, seed=s) for s in (1, 2, 3))
+    a.flat[5] = np.nan
+    y = gpu.add_relu(a, b)
+    assert y.dtype == dtype and np.isnan(y.flat[5]) and (y == 0).any()
+    np.testing.assert_array_equal(y, elementwise.add_relu(a, b))
+    np.testing.assert_array_equal(gpu.relu_grad(dy, y), elementwise.relu_grad(dy, y))

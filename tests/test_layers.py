@@ -307,3 +307,24 @@ def test_elementwise_kernels_match_numpy_bitwise(dtype):
     for g, e in zip(got, expect):
         assert g.dtype == dtype and g.shape == a.shape
         np.testing.assert_array_equal(g, e)
+
+
+def test_fused_relu_in_fp16_follows_the_stored_output():
+    """fp16: an output v > 0 too small for fp16 is stored as 0, and the fused ReLU's
+    gradient must stop there as a separate ReLU's would (backward recomputes y's sign
+    as forward rounded it)."""
+    def layer(relu):
+        bn = BatchNorm2d(4, relu=relu).bind(dtype=np.float32, working_dtype=np.float16)
+        bn.weight.master[...] = [0.0, 1.0, 0.0, 1.0]        # channels 0, 2: y = beta alone
+        bn.bias.master[...] = [1e-9, 0.5, -1e-9, 0.0]       # rounds to +0 and -0 in fp16
+        return bn
+    x = randn(2, 3, 3, 4).astype(np.float16)
+    dy = randn(2, 3, 3, 4, seed=5).astype(np.float16)
+    fused, plain = layer(True), layer(False)
+    y = fused.forward(x, train=True)
+    y_plain = plain.forward(x, train=True)
+    np.testing.assert_array_equal(y, np.maximum(y_plain, 0))
+    assert (y[..., 0] == 0).all()                           # stored as 0: no gradient
+    np.testing.assert_array_equal(fused.backward(dy), plain.backward(dy * (y > 0)))
+    for a, b in ((fused.weight, plain.weight), (fused.bias, plain.bias)):
+        np.testing.assert_array_equal(a.grad, b.grad)       # channel 0's dbeta: 0

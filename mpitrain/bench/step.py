@@ -109,7 +109,11 @@ def _clock():
     return time.perf_counter()
 
 
-def time_ours(model, x, y, steps, warmup, precision="fp32"):
+def time_ours(model, x, y, steps, warmup, precision="fp32", profile=0):
+    """Median phase times of `steps` steps after `warmup`, on the CPU the GFLOP/s of the
+    median step (its GEMMs' floating-point operations, counted in one more step), and with
+    profile=N a profile of N more steps (mpitrain.bench.profile)."""
+    from .profile import profile_steps, step_flops
     step = OneStep(model, precision)
     phases = {"forward_loss": [], "backward": [], "update": []}
     first_loss = None
@@ -126,14 +130,26 @@ def time_ours(model, x, y, steps, warmup, precision="fp32"):
         if i >= warmup:
             for name, t in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
                 phases[name].append(t)
-    return _summary(len(y), phases, first_loss)
+    out = _summary(len(y), phases, first_loss)
+
+    def whole_step():
+        step.forward(x, y)
+        step.backward()
+        step.update()
+    from mpitrain import backend
+    if backend.device == "cpu":     # on a GPU cuDNN's convolutions pass no GEMM to count
+        out["gflops"] = step_flops(whole_step) / out["step_ms"] / 1e6
+    if profile:
+        out["profile"] = profile_steps(whole_step, profile)
+    return out
 
 
 def time_torch(model, x, y, steps, warmup, threads, lr=0.01, momentum=0.9, weight_decay=1e-4,
                device="cpu", precision="fp32"):
     """The same steps in PyTorch. On a GPU: the twin in channels_last and, for fp16,
-    torch.autocast with a GradScaler (PyTorch's own mixed precision; on the CPU the
-    twin runs in fp32 whatever `precision` says)."""
+    torch.autocast with a GradScaler (PyTorch's own mixed precision). On the CPU, for
+    fp16, torch.autocast to bfloat16 (PyTorch's CPU mixed precision: its CPU kernels
+    have no fast float16; bfloat16 keeps float32's range and needs no loss scale)."""
     import contextlib
 
     import torch
@@ -143,6 +159,7 @@ def time_torch(model, x, y, steps, warmup, threads, lr=0.01, momentum=0.9, weigh
     where = "cuda" if gpu else "cpu"
     layout = torch.channels_last if gpu else torch.contiguous_format
     amp = gpu and precision == "fp16"
+    cpu_amp = not gpu and precision == "fp16"
     tmodel = to_torch(model).to(where, memory_format=layout).train()
     tx = input_to_torch(x).to(where).contiguous(memory_format=layout)
     ty = torch.from_numpy(y).to(where)
@@ -150,6 +167,7 @@ def time_torch(model, x, y, steps, warmup, threads, lr=0.01, momentum=0.9, weigh
                                 weight_decay=weight_decay)
     scaler = torch.amp.GradScaler("cuda") if amp else None
     autocast = (lambda: torch.autocast(device_type="cuda", dtype=torch.float16)) if amp \
+        else (lambda: torch.autocast(device_type="cpu", dtype=torch.bfloat16)) if cpu_amp \
         else contextlib.nullcontext
     loss_fn = torch.nn.CrossEntropyLoss()
 
@@ -180,6 +198,8 @@ def time_torch(model, x, y, steps, warmup, threads, lr=0.01, momentum=0.9, weigh
             for name, t in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
                 phases[name].append(t)
     out = {"version": torch.__version__, "threads": torch.get_num_threads()}
+    if cpu_amp:
+        out["precision"] = "autocast bfloat16"
     if gpu:
         out.update(device=torch.cuda.get_device_name(), precision="amp fp16" if amp else "fp32",
                    memory_format="channels_last")
@@ -210,10 +230,14 @@ def torch_in_child(spec):
 
 def _torch_child(spec):
     from mpitrain.nets import build_model
+
+    from .profile import PeakMemory
     model = build_model(spec["model_name"], num_classes=spec["num_classes"], seed=spec["seed"])
     x, y = random_batch(model, spec["batch"], spec["image_size"], spec["num_classes"], spec["seed"])
-    return time_torch(model, x, y, spec["steps"], spec["warmup"], spec["threads"],
-                      device=spec.get("device", "cpu"), precision=spec.get("precision", "fp32"))
+    with PeakMemory() as memory:
+        out = time_torch(model, x, y, spec["steps"], spec["warmup"], spec["threads"],
+                         device=spec.get("device", "cpu"), precision=spec.get("precision", "fp32"))
+    return {**out, "peak_memory": memory.bytes}
 
 
 def random_batch(model, batch, image_size, num_classes, seed):
@@ -224,9 +248,10 @@ def random_batch(model, batch, image_size, num_classes, seed):
 
 
 def bench_step(model_name, image_size=64, batch=32, steps=10, warmup=2, num_classes=1000,
-               seed=0, reference=None, device="cpu", precision="fp32"):
+               seed=0, reference=None, device="cpu", precision="fp32", profile=0):
     """Time training steps of `model_name` on a random batch; returns a dict (see main_step).
-    device: "cpu", "gpu" or "auto" (backend.use_device; a missing GPU raises DeviceError)."""
+    device: "cpu", "gpu" or "auto" (backend.use_device; a missing GPU raises DeviceError).
+    profile: profile this many more steps (mpitrain.bench.profile)."""
     from mpitrain import backend
     backend.use_device(device)
     result = {"model": model_name, "image_size": image_size, "batch": batch, "steps": steps,
@@ -235,8 +260,11 @@ def bench_step(model_name, image_size=64, batch=32, steps=10, warmup=2, num_clas
     if backend.device != "cpu":
         from mpitrain.config import gpu_environment
         result["gpu"] = gpu_environment()
+    if backend.device == "cpu":
+        from .profile import gemm_peak
+        result["gemm_peak_gflops"] = gemm_peak()
     result["mpitrain"] = _time_fresh(model_name, image_size, batch, num_classes, seed, steps,
-                                     warmup, precision)
+                                     warmup, precision, profile)
     if reference == "torch":
         if backend.device != "cpu":     # the child's PyTorch needs the memory CuPy keeps pooled
             backend.xp.get_default_memory_pool().free_all_blocks()
@@ -252,10 +280,15 @@ def bench_step(model_name, image_size=64, batch=32, steps=10, warmup=2, num_clas
     return result
 
 
-def _time_fresh(model_name, image_size, batch, num_classes, seed, steps, warmup, precision):
-    """time_ours on a model and batch made here on the current device (freed on return)."""
-    model, x, y = build_on_device(model_name, image_size, batch, num_classes, seed, precision)
-    return time_ours(model, x, y, steps, warmup, precision)
+def _time_fresh(model_name, image_size, batch, num_classes, seed, steps, warmup, precision,
+                profile=0):
+    """time_ours on a model and batch made here on the current device (freed on return),
+    with the peak resident memory of the model and its steps."""
+    from .profile import PeakMemory
+    with PeakMemory() as memory:
+        model, x, y = build_on_device(model_name, image_size, batch, num_classes, seed, precision)
+        out = time_ours(model, x, y, steps, warmup, precision, profile)
+    return {**out, "peak_memory": memory.bytes}
 
 
 def new_model(model_name, num_classes, seed, precision="fp32"):
@@ -480,7 +513,19 @@ def _run_step(args):
                                          args.device, args.precision)
             return result if MPI.COMM_WORLD.rank == 0 else None
     return bench_step(args.model, args.image_size, args.batch, args.steps, args.warmup,
-                      args.num_classes, args.seed, args.reference, args.device, args.precision)
+                      args.num_classes, args.seed, args.reference, args.device, args.precision,
+                      args.profile)
+
+
+def format_profile(p, top=12):
+    lines = [f"profile ({p['step_ms']:.0f} ms per step under cProfile; ms per step by kind):"]
+    lines += [f"  {kind:<28} {ms:8.1f}  {ms / p['step_ms']:5.1%}" for kind, ms in p["ms"].items()]
+    lines.append(f"  outside GEMMs: {p['outside_gemm']:.0%} of the step; GEMMs at "
+                 f"{p['gemm_gflops']:.0f} GFLOP/s on average")
+    lines.append(f"  the {min(top, len(p['gemms']))} longest GEMM shapes (a @ b, calls per step):")
+    lines += [f"    {str(tuple(g['a'])):>16} @ {str(tuple(g['b'])):<16} x{g['calls']:<3} "
+              f"{g['ms']:7.1f} ms {g['gflops']:6.0f} GFLOP/s" for g in p["gemms"][:top]]
+    return lines
 
 
 def format_result(r):
@@ -493,7 +538,7 @@ def format_result(r):
     if r.get("device", "cpu") != "cpu" or r.get("precision", "fp32") != "fp32":
         g = r.get("gpu", {})
         where = (f"{r['device']} ({g.get('gpu')}, CuPy {g.get('cupy')}, CUDA "
-                 f"{g.get('cuda_runtime')}, cuDNN {g.get('cudnn')}: {g.get('cudnn_reason')})"
+                 f"{g.get('cuda_runtime')}, cuDNN {g.get('cudnn') if g.get('cudnn_reason') is None else 'not used: ' + g['cudnn_reason']})"
                  if "gpu" in r else r["device"])
         lines.append(f"device {where}, precision {r['precision']}")
     if "native_openblas" in r:
@@ -506,11 +551,22 @@ def format_result(r):
             if name == "torch" and "device" in t:
                 label = (f"torch {t['version']} ({t['device']}, {t['precision']}, "
                          f"{t['memory_format']})")
+            if name == "torch" and "precision" in t and "device" not in t:
+                label = f"torch {t['version']} ({t['threads']} threads, {t['precision']})"
+            memory = (f", peak memory {t['peak_memory'] / 2**20:,.0f} MiB"
+                      if t.get("peak_memory") else "")
             lines.append(f"{label}: {t['images_per_s']:.1f} images/s, step {t['step_ms']:.1f} ms "
                          f"(forward+loss {t['forward_loss_ms']:.1f}, backward "
-                         f"{t['backward_ms']:.1f}, update {t['update_ms']:.1f})")
+                         f"{t['backward_ms']:.1f}, update {t['update_ms']:.1f}){memory}")
     if "ratio" in r:
         lines.append(f"ratio mpitrain / torch: {r['ratio']:.2f}x images/s")
+    if "gemm_peak_gflops" in r:
+        ours = r["mpitrain"]["gflops"]
+        lines.append(f"mpitrain's step: {ours:.0f} GFLOP/s in its GEMMs' operations, "
+                     f"{ours / r['gemm_peak_gflops']:.0%} of this machine's GEMM peak now "
+                     f"({r['gemm_peak_gflops']:.0f} GFLOP/s, a 2048^3 float32 GEMM)")
+    if "profile" in r["mpitrain"]:
+        lines += format_profile(r["mpitrain"]["profile"])
     if "torch_error" in r:
         lines.append(r["torch_error"])
     return "\n".join(lines)
