@@ -59,6 +59,23 @@ def _matmul(a, b, out):
     return out
 
 
+# One im2col buffer per array module and dtype, shared by every convolution of the
+# process: a layer fills it from its input in forward and again in backward (keeping x,
+# not the k*k times larger columns, between the two), and nothing holds it from one layer
+# call to the next.
+_WORKSPACE = {}
+
+
+def workspace(xp, shape, dtype):
+    """A C-contiguous view of `shape` on the shared buffer of xp and dtype (grown to fit)."""
+    key = (xp.__name__, np.dtype(dtype).str)
+    n = int(np.prod(shape))
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.size < n:
+        buf = _WORKSPACE[key] = xp.empty(n, dtype)
+    return buf[:n].reshape(shape)
+
+
 class Conv2d(Module):
     """torchvision's Conv2d (square kernel, no dilation or groups) with an OHWI `weight`.
 
@@ -80,7 +97,7 @@ class Conv2d(Module):
                             he_normal(out_channels * kernel_size * kernel_size))
         self.bias = Param((out_channels,), constant(0.0), decay=False, lars=False) if bias else None
         self.pointwise = kernel_size == 1 and padding == 0   # a GEMM on x itself, no im2col
-        self.col = None
+        self.x = self.col = None
 
     def __repr__(self):
         return (f"Conv2d({self.in_channels}, {self.out_channels}, kernel_size={self.k}, "
@@ -114,11 +131,9 @@ class Conv2d(Module):
                 col = self._columns(x)
                 self.col = col if train else None               # (N*Ho*Wo, C)
             else:
-                # the previous step's buffer is reused: backward has finished with it
-                reuse = self.col if (self.col is not None and self.col.dtype == x.dtype
-                                     and self.col.shape == (N * Ho * Wo, k * k * C)) else None
-                col = self._columns(x, out=reuse)
-                self.col = col                                  # (N*Ho*Wo, k*k*C), kept as workspace
+                col = self._columns(x, out=workspace(array_module(x), (N * Ho * Wo, k * k * C),
+                                                     x.dtype))
+                self.x = x if train else None                   # (N, H, W, C)
             y = matmul(col, w.reshape(O, -1).T).reshape(N, Ho, Wo, O)
         if self.bias is not None:
             y += self.bias.data
@@ -143,14 +158,16 @@ class Conv2d(Module):
             return cudnn.conv_backward_data(dy, w, self.x_shape, s, p) if self.input_grad else None
         xp = array_module(dy)
         dy2 = xp.ascontiguousarray(dy).reshape(-1, O)           # (N*Ho*Wo, O)
-        col = self.col
+        if self.pointwise:
+            col, self.col = self.col, None                      # (N*Ho*Wo, C)
+        else:
+            x, self.x = self.x, None                            # the columns again, from x
+            col = self._columns(x, out=workspace(xp, (dy2.shape[0], k * k * x.shape[3]), x.dtype))
         matmul(dy2.T, col, out=gw.reshape(O, -1))
         self.weight.grad_ready()                                # its bucket may be summed now
         if not self.input_grad:
-            self.col = None if self.pointwise else col
             return None
         if self.pointwise:
-            self.col = None
             dcol = matmul(dy2, w.reshape(O, -1))                # (N*Ho*Wo, C)
             if s == 1:
                 return dcol.reshape(self.x_shape)
@@ -161,9 +178,9 @@ class Conv2d(Module):
         if xp is np and col.dtype == np.float16:
             # fp16 on the CPU: the product stays fp32 through col2im, which sums in fp32
             # anyway, and dx is rounded once
-            dcol = matmul(dy2, w.reshape(O, -1), out=np.empty(col.shape, np.float32))
+            dcol = matmul(dy2, w.reshape(O, -1), out=workspace(np, col.shape, np.float32))
             return cast.astype(col2im(dcol, self.x_shape, k, k, s, p), dy.dtype)
-        # col is not needed any more: dcol overwrites it in place
+        # col is not needed any more: dcol overwrites the workspace in place
         dcol = matmul(dy2, w.reshape(O, -1), out=col)           # (N*Ho*Wo, k*k*C)
         return col2im(dcol, self.x_shape, k, k, s, p)
 

@@ -158,18 +158,23 @@ def test_conv2d_parameters_init_and_macs():
         conv.forward(np.zeros((1, 5, 5, 3), np.float32))
 
 
-def test_conv2d_repeated_steps_reuse_the_buffer_and_stay_correct():
-    conv = bound_conv(3, 4, 3, 1, 1, False)
-    ref = bound_conv(3, 4, 3, 1, 1, False)
+def test_conv2d_layers_share_one_workspace_and_stay_correct():
+    """Two layers, their calls interleaved as in a network (forward a, forward b, backward
+    b, backward a), both filling the one im2col workspace: each step equals fresh layers,
+    and the workspace is allocated once."""
+    from mpitrain.nets import conv as conv_module
+    a, b = bound_conv(3, 4, 3, 1, 1, False), bound_conv(4, 5, 3, 2, 1, False)
     for step in range(3):
-        x, dy = rand((2, 5, 5, 3), seed=10 + step), rand((2, 5, 5, 4), seed=20 + step)
-        y = conv.forward(x)
-        buffer = conv.col
-        dx = conv.backward(dy)
-        ref.col = None            # a fresh layer state each step
-        np.testing.assert_allclose(y, ref.forward(x), rtol=1e-13)
-        np.testing.assert_allclose(dx, ref.backward(dy), rtol=1e-13)
-        np.testing.assert_allclose(conv.weight.grad, ref.weight.grad, rtol=1e-13)
+        x, dz = rand((2, 7, 7, 3), seed=10 + step), rand((2, 4, 4, 5), seed=20 + step)
+        fa, fb = bound_conv(3, 4, 3, 1, 1, False), bound_conv(4, 5, 3, 2, 1, False)
+        z = b.forward(a.forward(x))
+        dx = a.backward(b.backward(dz))
+        assert a.x is None and b.x is None              # nothing held after backward
+        np.testing.assert_array_equal(z, fb.forward(fa.forward(x)))
+        np.testing.assert_array_equal(dx, fa.backward(fb.backward(dz)))
+        for layer, fresh in ((a, fa), (b, fb)):
+            np.testing.assert_array_equal(layer.weight.grad, fresh.weight.grad)
+        buffer = conv_module._WORKSPACE[("numpy", np.dtype(np.float64).str)]
         if step:
             assert buffer is previous
         previous = buffer
