@@ -26,6 +26,8 @@ import math
 
 import numpy as np
 
+from .batchnorm import FINALIZE_MODES
+
 TILE_C, TILE_R = 32, 8   # batch-norm partial sums: 32 channels (one warp) x 8 rows of threads
 FOLD = 256               # threads per block that adds the partial sums of one column
 THREADS = 256            # threads per block of the elementwise and pooling kernels
@@ -466,21 +468,10 @@ def batchnorm_sums(x, dy=None, mean=None, relu=None):
     return sums
 
 
-FINALIZE_MODES = {"shifted": 0, "group": 1, "eval": 2}
-
-
 def batchnorm_finalize(sums, x, count, mode, gamma, eps, momentum, running_mean, running_var):
-    """(mean, invstd, scale), each (C,) in acc_dtype, from one kernel (one thread per channel):
-
-        mode "shifted": sums from batchnorm_sums(x):  mean = x_0 + sums[0] / count,
-                        var = sums[1] / count - (sums[0] / count)^2
-        mode "group":   sums = (sum x, sum (x - mean)^2) over a group: mean = sums[0] / count,
-                        var = sums[1] / count
-        mode "eval":    mean, var = running_mean, running_var (sums unused)
-        invstd = 1 / sqrt(var + eps),  scale = gamma * invstd
-
-    and, in the train modes, running_mean += momentum (mean - running_mean), running_var
-    += momentum (var count / (count - 1) - running_var), in place (acc_dtype arrays)."""
+    """kernels.batchnorm.batchnorm_finalize (its docstring has the formulas) on CuPy arrays:
+    (mean, invstd, scale), each (C,) in acc_dtype, from one kernel (one thread per channel),
+    the running statistics updated in place in the train modes."""
     import cupy
     M, C = x.shape
     acc = acc_dtype(x.dtype)
