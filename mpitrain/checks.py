@@ -16,6 +16,7 @@ problem and the fix), with nothing written and no rank left waiting.
 Checks that read files are made by every rank alike, or by rank 0 with the verdict
 broadcast, so every rank raises the same error.
 """
+import numbers
 import os
 
 import numpy as np
@@ -55,7 +56,11 @@ def comm_options(cfg, world_size):
                           f"{', '.join(ALGORITHMS)}")
     if cfg["comm_dtype"] not in ("fp32", "fp16"):
         raise ConfigError(f"unknown --comm-dtype {cfg['comm_dtype']!r}; choose fp32 or fp16")
-    for key in ("fusion_threshold", "bn_group", "ranks_per_node"):
+    if cfg["fusion_threshold"] != "auto" and not (
+            isinstance(cfg["fusion_threshold"], numbers.Integral) and cfg["fusion_threshold"] >= 1):
+        raise ConfigError(f"--fusion-threshold must be a positive number of bytes or auto, "
+                          f"got {cfg['fusion_threshold']!r}")
+    for key in ("bn_group", "ranks_per_node"):
         if cfg[key] is not None and cfg[key] < 1:
             raise ConfigError(f"--{key.replace('_', '-')} must be positive, got {cfg[key]}")
     if cfg["bn_group"] > world_size:

@@ -47,6 +47,18 @@ nonnegative_float = _number(float, 0.0)
 fraction = _number(float, 0.0, 1.0, high_open=True)     # [0, 1)
 
 
+def fusion_threshold(text):
+    """A bucket size in bytes, or "auto" (chosen by timing the first steps)."""
+    if text == "auto":
+        return text
+    if not text.strip().lstrip("+-").isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of bytes nor auto")
+    return positive_int(text)
+
+
+fusion_threshold.__name__ = "bytes"
+
+
 def build_parser():
     from mpitrain.nets import MODELS
     from mpitrain.train import DEFAULTS as D
@@ -160,9 +172,12 @@ def build_parser():
                        default=D["allreduce"],
                        help="gradient all-reduce algorithm (hybrid: chosen per bucket from "
                             "size and topology, see mpitrain/comm/algorithms.py)")
-    train.add_argument("--fusion-threshold", type=positive_int, default=D["fusion_threshold"],
+    train.add_argument("--fusion-threshold", type=fusion_threshold, default=D["fusion_threshold"],
                        metavar="BYTES", help="gradients are summed in buckets of about this "
-                                             "many bytes of the gradient arena")
+                                             "many bytes of the gradient arena; auto: the "
+                                             "first steps try sizes from 16 KiB to 64 MiB and "
+                                             "the fastest is kept (printed, and saved in "
+                                             "metrics.jsonl and checkpoints)")
     train.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=D["overlap"],
                        help="sum the gradient buckets during backward (--overlap) or after it "
                             "(--no-overlap); auto: during on a GPU, after on a CPU, where "
@@ -246,8 +261,10 @@ def build_parser():
                       help="fp16: training's mixed precision (fp16 compute, fp32 master weights, "
                            "dynamic loss scale); PyTorch on a GPU: autocast + GradScaler")
     step.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
-    step.add_argument("--fusion-threshold", type=positive_int, default=D["fusion_threshold"],
-                      metavar="BYTES", help="under mpirun: gradient bucket size")
+    step.add_argument("--fusion-threshold", type=fusion_threshold, default=D["fusion_threshold"],
+                      metavar="BYTES", help="under mpirun: gradient bucket size; auto: tune it "
+                                            "as training does, then time the choice against "
+                                            "the fixed default")
     step.add_argument("--allreduce", choices=["flat", "hierarchical", "2d", "shm", "hybrid"],
                       default=D["allreduce"], help="under mpirun: all-reduce algorithm")
     step.add_argument("--comm-dtype", choices=["fp32", "fp16"], default=D["comm_dtype"],

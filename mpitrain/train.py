@@ -210,6 +210,7 @@ class Run:
 
     def __init__(self, cfg, mpi_comm, log):
         from mpitrain.comm import Communicator, syncbn
+        from mpitrain.comm.autotune import FusionTuner
         from mpitrain.comm.buckets import Reducer, share_gradients
         from mpitrain.datasets.loader import Loader
         from mpitrain.nets import build_model
@@ -279,6 +280,8 @@ class Run:
         self.saved_step = None                  # global step of the newest checkpoint written
         self.skipped_logged = 0                 # bad records counted in earlier log lines
         self.last_good = None                   # the newest written before a divergence began
+        self.tuner = (FusionTuner(model.arena, comm) if cfg["fusion_threshold"] == "auto"
+                      else None)
         self.resume(resume_from)
 
         # ----- gradients, timing, metrics, progress, signals, heartbeats, watchdog -----
@@ -287,11 +290,17 @@ class Run:
             timeline.trace_layer_groups(model)
         overlap = backend.xp is not np if cfg["overlap"] == "auto" else bool(cfg["overlap"])
         share_gradients(model.arena, comm, cfg["allreduce"])
-        self.reducer = Reducer(model.arena, comm, cfg["fusion_threshold"], cfg["allreduce"],
-                               np.float16 if cfg["comm_dtype"] == "fp16" else None, overlap,
-                               timeline)
-        say(f"gradients: {len(self.reducer.bounds)} bucket(s) of about "
-            f"{cfg['fusion_threshold']:,} bytes, all-reduce {cfg['allreduce']}, "
+        self.new_reducer = lambda threshold: Reducer(
+            model.arena, comm, threshold, cfg["allreduce"],
+            np.float16 if cfg["comm_dtype"] == "fp16" else None, overlap, timeline)
+        tuner = self.tuner
+        threshold = tuner.threshold if tuner else cfg["fusion_threshold"]
+        self.reducer = self.new_reducer(threshold)
+        tuning = ("" if tuner is None else " (chosen by --fusion-threshold auto)" if tuner.chosen
+                  else f" first (--fusion-threshold auto: {len(tuner.candidates)} sizes from "
+                       f"{tuner.candidates[0]:,} bytes, {tuner.steps} steps each)")
+        say(f"gradients: {len(self.reducer.bounds)} bucket(s) of about {threshold:,} bytes"
+            f"{tuning}, all-reduce {cfg['allreduce']}, "
             f"{cfg['comm_dtype']} on the wire, {'overlapped with' if overlap else 'after'} backward"
             + (f"; BatchNorm statistics over groups of {cfg['bn_group']} rank(s)"
                if bn_group else ""), flush=True)
@@ -325,6 +334,8 @@ class Run:
         self.train_data.load_state_dict({"epoch": meta["epoch"], "step": meta["step"]})
         self.loss_sum[:] = meta["progress"].get("loss_sum", (0.0, 0.0))
         self.loss_watch.load_state_dict(meta["progress"])
+        if self.tuner and "fusion" in meta["progress"]:
+            self.tuner.load_state_dict(meta["progress"]["fusion"])
         self.result["checkpoint"] = self.last_good = path
         self.saved_step = meta["global_step"]
         self.say(f"resumed from {path}: epoch {meta['epoch'] + 1}, step {meta['step']} "
@@ -350,10 +361,13 @@ class Run:
             self.timeline.add("data wait", "data", now - data.last_wait, now)
             lr = learning_rate(epoch + (s + 1) / steps, self.base_lr, self.epochs,
                                cfg["warmup_epochs"], cfg["schedule"], cfg["milestones"])
+            started = time.perf_counter()
             loss = train_step(self.model, self.optimizer, self.reducer, backend.xp.asarray(x),
                               backend.xp.asarray(y), lr, cfg["label_smoothing"], self.scaler,
                               self.timeline)
             global_step = epoch * steps + s + 1
+            if self.tuner:
+                self.tune_fusion(time.perf_counter() - started, global_step)
             self.beat(f"step {global_step}")
             if cfg["check_replicas"] and global_step % cfg["check_replicas"] == 0:
                 self.check_replicas(global_step)
@@ -380,6 +394,20 @@ class Run:
                 self.signals.acted()
                 return stop
         return None
+
+    def tune_fusion(self, seconds, global_step):
+        """--fusion-threshold auto: count the step's time; when the tuner moves on to another
+        size, or to its choice, the next step sums through a Reducer of that size."""
+        if not self.tuner.record(seconds):
+            return
+        self.reducer.close()
+        self.reducer = self.new_reducer(self.tuner.threshold)
+        if self.tuner.chosen is not None and self.progress:
+            self.progress.line(f"{self.tuner.describe()}; {len(self.reducer.bounds)} bucket(s) "
+                               f"from step {global_step + 1}")
+            if self.metrics:
+                self.metrics.write(dict(kind="fusion", global_step=global_step,
+                                        **self.tuner.state_dict()))
 
     def log_step(self, epoch, s, lr, global_step):
         """The mean loss over the ranks and the steps since the last log: the progress text
@@ -441,6 +469,8 @@ class Run:
         if global_step == self.saved_step:
             return
         progress = {"loss_sum": self.loss_sum.tolist(), **self.loss_watch.state_dict()}
+        if self.tuner:
+            progress["fusion"] = self.tuner.state_dict()
         with self.timeline.span("checkpoint", "checkpoint"):
             state = checkpoint.collect(self.model, self.comm, pos["epoch"], pos["step"],
                                        global_step, self.saved_cfg, self.optimizer, self.scaler,

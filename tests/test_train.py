@@ -43,3 +43,34 @@ def test_default_job_reaches_95_percent(tmp_path):
     assert len(final) == 1, r.stdout                        # rank 0 alone reports
     assert float(final[0]) >= 95.0, r.stdout
     assert (tmp_path / "digits_train.h5").exists()          # it trained from converted files
+
+
+@pytest.mark.launches
+def test_fusion_threshold_auto_chooses_saves_and_resumes_with_the_choice(tmp_path):
+    import json
+
+    from mpitrain import checkpoint
+    job = ("--epochs", "2", "--batch-size", "64", "--data-dir", str(tmp_path),
+           "--fusion-threshold", "auto")
+    r = run_train(2, *job, "--run-dir", str(tmp_path / "run"), timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    chosen = re.findall(r"fusion threshold auto: chose (\d+ [KM]iB); median step per "
+                        r"threshold: (.*); (\d+) bucket\(s\) from step (\d+)", r.stdout)
+    assert len(chosen) == 1, r.stdout                       # once, by rank 0
+    tried = re.findall(r"(\d+ [KM]iB) \((\d+) bucket\(s\)\) [\d.]+ ms", chosen[0][1])
+    assert len(tried) >= 2 and chosen[0][0] in [t for t, _ in tried], r.stdout
+    assert len({b for _, b in tried}) == len(tried)          # distinct layouts only
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    fusion = [rec for rec in records if rec["kind"] == "fusion"]
+    assert len(fusion) == 1 and fusion[0]["chosen"] in fusion[0]["candidates"]
+    assert fusion[0]["global_step"] == int(chosen[0][3]) - 1
+    mid = checkpoint.read(str(tmp_path / "run" / "checkpoint-000000022.h5"))
+    assert mid["progress"]["fusion"] == {k: fusion[0][k] for k in ("candidates", "times", "chosen")}
+    # resumed, the run keeps the choice instead of measuring again
+    r = run_train(2, *job, "--run-dir", str(tmp_path / "resumed"), "--resume",
+                  str(tmp_path / "run" / "checkpoint-000000022.h5"), timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"bytes (chosen by --fusion-threshold auto)" in r.stdout, r.stdout
+    assert "fusion threshold auto: chose" not in r.stdout
+    size = fusion[0]["chosen"]
+    assert f"of about {size:,} bytes (chosen by" in r.stdout

@@ -394,7 +394,7 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
 
     from mpitrain import backend
     from mpitrain.comm import Communicator
-    from mpitrain.comm.buckets import bucket_bounds, share_gradients
+    from mpitrain.comm.buckets import DEFAULT_THRESHOLD, bucket_bounds, share_gradients
     from mpitrain.train import limit_threads
     world = MPI.COMM_WORLD
     comm = Communicator(world)
@@ -410,9 +410,19 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
               "device": backend.device, "precision": precision, "blas": blas_info()}
     wire = np.float16 if comm_dtype == "fp16" else None
     share_gradients(model.arena, comm, algorithm)       # as training places them
+    trained = "overlap" if backend.xp is not np else "no_overlap"   # train's --overlap auto
+    tuner = None
+    if threshold == "auto":
+        tuner = tune_fusion(ParallelSteps(model, None, world, precision=precision), x, y, comm,
+                            algorithm, wire, trained == "overlap")
+        threshold = result["fusion_threshold"] = tuner.chosen
+    modes = [("overlap", True), ("no_overlap", False)]
     runs = {key: ParallelSteps(model, (comm, threshold, algorithm, wire, overlap), world,
-                               precision=precision)
-            for key, overlap in (("overlap", True), ("no_overlap", False))}
+                               precision=precision) for key, overlap in modes}
+    if tuner:       # the choice against the fixed default, as training would run both
+        runs["default_threshold"] = ParallelSteps(
+            model, (comm, DEFAULT_THRESHOLD, algorithm, wire, trained == "overlap"), world,
+            precision=precision)
     one = new_model(model_name, num_classes, seed, precision) if world.rank == 0 else None
     one_threads = threads * comm.host_size
     one_times = []
@@ -425,9 +435,18 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
         _sleep_until(world.Ibarrier())
         for key in (list(runs) if i % 2 else list(runs)[::-1]):
             runs[key].step(x, y, record=i >= warmup)
+    if tuner:
+        default = runs.pop("default_threshold").summary(world.size * batch)
     for key, run in runs.items():
         result[key] = run.summary(world.size * batch)
     result["buckets"] = len(bucket_bounds(model.arena, threshold))
+    if tuner:
+        result["autotune"] = {**tuner.state_dict(), "describe": tuner.describe(),
+                              "compared": trained, "chosen_ms": result[trained]["step_ms"],
+                              "default_ms": default["step_ms"],
+                              "default_threshold": DEFAULT_THRESHOLD,
+                              "default_buckets": len(bucket_bounds(model.arena,
+                                                                   DEFAULT_THRESHOLD))}
     if world.rank == 0:
         step = _median(one_times)
         result["one_rank"] = {"threads": one_threads, "images_per_s": 1e3 * batch / step,
@@ -439,6 +458,18 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
         result["saved_ms"] = result["no_overlap"]["step_ms"] - o["step_ms"]
     comm.free()
     return result
+
+
+def tune_fusion(steps, x, y, comm, algorithm, wire, overlap):
+    """--fusion-threshold auto as training runs it: ParallelSteps `steps` take training
+    steps, each with the tuner's current size, until the tuner has chosen. Returns it."""
+    from mpitrain.comm.autotune import FusionTuner
+    tuner = FusionTuner(steps.model.arena, comm)
+    while tuner.chosen is None:
+        steps.reducer_args = (comm, tuner.threshold, algorithm, wire, overlap)
+        steps.step(x, y)
+        tuner.record(steps.steps[-1])
+    return tuner
 
 
 def format_parallel(r):
@@ -461,6 +492,13 @@ def format_parallel(r):
                  f"backward; the overlapped step is {abs(r['saved_ms']):.1f} ms "
                  f"{'shorter' if r['saved_ms'] >= 0 else 'longer'} than the --no-overlap step, "
                  f"whose all-reduce took {r['no_overlap']['comm_total_ms']:.1f} ms")
+    if "autotune" in r:
+        a = r["autotune"]
+        mode = "overlapped" if a["compared"] == "overlap" else "--no-overlap"
+        lines.append(f"{a['describe']}; {mode} step {a['chosen_ms']:.1f} ms at the choice "
+                     f"({r['buckets']} bucket(s)) against {a['default_ms']:.1f} ms at the fixed "
+                     f"default {a['default_threshold']:,} bytes ({a['default_buckets']} bucket(s)): "
+                     f"{a['default_ms'] / a['chosen_ms']:.2f}x")
     return "\n".join(lines)
 
 
