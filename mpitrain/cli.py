@@ -307,6 +307,9 @@ def build_parser():
     comm.add_argument("--ranks-per-node", type=positive_int, metavar="K")
     comm.add_argument("--no-sweep", action="store_true", help="skip the buffer-size sweep")
     comm.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    comm.add_argument("--densities", default="0.1,0.01", metavar="D,D",
+                      help="top-k densities timed against dense sums over the model's "
+                           "buckets ('' for none)")
     check = commands.add_parser(
         "check-gpu", help="prove the GPU path on this machine (tests, CPU-vs-GPU step, NCCL, "
                           "throughput) and write a JSON report",
@@ -598,7 +601,7 @@ def main(argv=None):
         from mpitrain.bench.update import run
         run(args.model, args.repeats, args.json)
     elif args.bench == "comm":
-        from mpitrain.bench.comm import MiB, run
+        from mpitrain.bench.comm import MiB, densities, run
         run(args.model, tuple(args.algorithms.split(",")),
             tuple(int(f) * MiB for f in args.fusion_mib.split(",")), args.repeats,
-            args.ranks_per_node, not args.no_sweep, args.json)
+            args.ranks_per_node, not args.no_sweep, args.json, densities=densities(args.densities))
