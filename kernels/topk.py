@@ -47,6 +47,8 @@ from .segments import CPU_CHUNK, as_dtype, launch, pick
 BITS = 8                                   # bits of the key per radix pass
 SHIFTS = (24, 16, 8, 0)                    # the passes over a 31-bit key, from the top
 SIGN_CLEARED = 0x7FFFFFFF
+NO_BIN = 1 << BITS                         # the digit of a key that is no longer a candidate
+HIST_LANES = 4                             # CPU: element i counts in histogram i % 4
 
 
 # ----- the bodies, one for every target -----
@@ -65,10 +67,11 @@ def magnitude_key(bits, i):
 
 @register_jitable
 def digit(key, prefix, shift):
-    """The 8 bits of key at `shift`, or -1 where the bits above them differ from prefix's."""
+    """The 8 bits of key at `shift`, or NO_BIN where the bits above them differ from
+    prefix's."""
     if (key >> (shift + BITS)) != (prefix >> (shift + BITS)):
-        return -1
-    return (key >> shift) & ((1 << BITS) - 1)
+        return NO_BIN
+    return (key >> shift) & (NO_BIN - 1)
 
 
 @register_jitable
@@ -76,7 +79,7 @@ def choose_bin(hist, state, shift):
     """state = [prefix, need]: the highest bin b at which the count from the top reaches
     need; prefix gets b at `shift`, need loses what the bins above b held."""
     need = state[1]
-    for b in range((1 << BITS) - 1, -1, -1):
+    for b in range(NO_BIN - 1, -1, -1):
         if hist[b] >= need:
             state[0] |= b << shift
             state[1] = need
@@ -91,10 +94,8 @@ def count_chunk(bits, start, stop, threshold, counts, c):
     ties = 0
     for i in range(start, stop):
         key = magnitude_key(bits, i)
-        if key > threshold:
-            above += 1
-        elif key == threshold:
-            ties += 1
+        above += np.int64(key > threshold)     # an add of a bool would not vectorise
+        ties += np.int64(key == threshold)
     counts[c, 0] = above
     counts[c, 1] = ties
 
@@ -187,7 +188,10 @@ def scatter_sum_numpy(bucket, indices, values, parallel=True):
 # ----- Numba CPU -----
 
 def _select_loop(grad, residual, out, k, values, indices, scale, inv_scale, chunk):
-    """Threads take whole chunks: per-chunk histograms, added in chunk order."""
+    """Threads take whole chunks. Each chunk counts into HIST_LANES histograms in turn,
+    so that consecutive keys of one bin (most keys share their top bits) do not wait for
+    each other's increment, and counts the keys that are no candidate in a bin of their
+    own (NO_BIN) rather than branch on them."""
     n = out.size
     bits = out.view(np.int32)
     chunks = (n + chunk - 1) // chunk
@@ -195,17 +199,14 @@ def _select_loop(grad, residual, out, k, values, indices, scale, inv_scale, chun
         accumulate(grad, residual, out, scale, i)
     state = np.zeros(2, np.int64)
     state[1] = k
-    hists = np.zeros((chunks, 1 << BITS), np.int64)
+    hists = np.zeros((chunks, HIST_LANES, NO_BIN + 1), np.int64)
     for shift in SHIFTS:
         prefix = state[0]
         for c in prange(chunks):
-            for b in range(1 << BITS):
-                hists[c, b] = 0
+            hists[c] = 0
             for i in range(c * chunk, min((c + 1) * chunk, n)):
-                d = digit(magnitude_key(bits, i), prefix, shift)
-                if d >= 0:
-                    hists[c, d] += 1
-        choose_bin(hists.sum(axis=0), state, shift)
+                hists[c, i % HIST_LANES, digit(magnitude_key(bits, i), prefix, shift)] += 1
+        choose_bin(hists.sum(axis=0).sum(axis=0), state, shift)
     threshold = state[0]
     need = state[1]
     counts = np.empty((chunks, 2), np.int64)
@@ -260,7 +261,7 @@ def _histogram_cuda(bits, state, shift, hist):
     prefix = state[0]
     for i in range(cuda.grid(1), bits.size, cuda.gridsize(1)):
         d = digit(magnitude_key(bits, i), prefix, shift)
-        if d >= 0:
+        if d != NO_BIN:
             cuda.atomic.add(hist, d, 1)
 
 
@@ -320,7 +321,7 @@ def select_cuda(grad, residual, out, k, values, indices, scale, inv_scale, paral
     acc = xp.empty(n, np.float32)
     bits = acc.view(np.int32)
     state = xp.asarray(np.array([0, k], np.int64))
-    hist = xp.zeros(1 << BITS, np.int32)
+    hist = xp.zeros(NO_BIN, np.int32)
     launch(_accumulate_cuda, grid, threads, grad, residual, acc, scale)
     for shift in SHIFTS:
         launch(_histogram_cuda, grid, threads, bits, state, shift, hist)
