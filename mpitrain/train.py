@@ -10,7 +10,9 @@ Every rank holds a full replica of the model. One step, `train_step`:
     backward   model.backward(dlogits) writes every gradient into arena.grad; each
                layer says when a gradient is final (param.grad_ready())
     all-reduce the Reducer sums the gradient arena over the ranks in fusion buckets,
-               slices of it (mpitrain.comm.buckets), during backward on a GPU
+               slices of it (mpitrain.comm.buckets), during backward on a GPU; with
+               --compress topk each rank contributes only its largest entries and
+               keeps the rest for its next step (mpitrain.comm.topk)
     overflow   under loss scaling: an inf or NaN anywhere in the summed gradient, which
                holds the same bits on every rank, so every rank reaches the same
                verdict without a vote; such a step is skipped everywhere and its

@@ -122,6 +122,31 @@ def test_an_overflow_leaves_the_residual_and_the_loss_scale_does_not_matter(comm
     agree(check)
 
 
+def test_warm_up_sums_densely_and_leaves_the_residual(comm):
+    """topk.active False (the --compress-warmup epochs): the dense all-reduce's bits, and
+    the residual as it was."""
+    def check():
+        sums = []
+        for density in (None, 0.01):
+            model = small_net(seed=0)
+            a = model.arena
+            reducer = reducer_for(model, comm, threshold=400, density=density, overlap=False)
+            fill(a, a.grad, np.random.default_rng(50 + WORLD.rank))
+            if density is not None:
+                reducer.topk.active = False
+                fill(a, reducer.topk.residual, np.random.default_rng(60 + WORLD.rank))
+                before = reducer.topk.residual.copy()
+            reducer.begin(1.0)
+            reducer.finish()
+            reducer.settle(True)
+            reducer.close()
+            sums.append(a.grad.copy())
+        if not np.array_equal(reducer.topk.residual, before):
+            return "a dense step changed the residual"
+        return None if np.array_equal(*sums) else "the warm-up sum is not the dense sum"
+    agree(check)
+
+
 def test_density_one_takes_the_steps_of_dense_sums(comm):
     """5 training steps with every entry sent equal the dense all-reduce's: bit for bit on
     1 and 2 ranks (a sum of two does not depend on the order), within float32 rounding
