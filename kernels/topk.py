@@ -23,8 +23,8 @@ running count reaches `need` (k less what the higher bins held) is the next 8 bi
 In index order without a sort (compaction): the bucket is cut into chunks; one pass counts
 each chunk's keys above T and equal to T (`count_chunk`), a scan over the chunks gives
 each chunk's first output position and the ties before it (`scan_chunks`), and a last
-pass writes each chunk's picks from there (`write_chunk`). So a bucket is read six times
-(the sum, four histograms, the counts) and written twice, whatever k is.
+pass writes each chunk's picks from there (`write_chunk`). So a bucket takes seven passes
+(the sum, four histograms, the counts, the writes), whatever k is.
 
 Implementations (kernels/segments.py: pick): "numpy", the reference (a full sort by
 (-key, index): the definition above); "numba" (CPU: chunks in parallel, or on the
