@@ -9,6 +9,9 @@ File layout (no pickle anywhere; format_version 1):
                              wrote it (the rows are equal after an evaluation, which
                              averages them; mid-epoch they differ, and keeping every
                              rank's row is what makes a mid-epoch resume exact)
+    /residual          (R, P) top-k runs only: each rank's residual (mpitrain.comm.topk),
+                             packed like /master; restored to each rank when as many
+                             ranks resume, else started from zero
     /params/name, /params/offset, /params/shape   the arena's table, checked on load
     /buffer_names, /buffer_shapes
     /optimizer/<key>   arrays of optimizer.state_dict() (arena-sized ones packed like
@@ -61,12 +64,14 @@ def set_rng_states(model, states):
 
 
 def collect(model, comm, epoch, step, global_step, config, optimizer=None, scaler=None,
-            progress=None):
+            progress=None, residual=None):
     """Everything a checkpoint holds, as host arrays and JSON-able values, on rank 0
     (None on the other ranks). Collective over the Communicator `comm`. progress: the
     trainer's JSON-able bookkeeping between two log lines (the loss summed since the
-    last one), so that a resumed run logs what the uninterrupted one would."""
+    last one), so that a resumed run logs what the uninterrupted one would. residual:
+    this rank's top-k residual (arena layout; given on every rank or on none)."""
     rows = comm.gather(model.buffer_arena.pack(model.buffer_arena.data), root=0)
+    residuals = None if residual is None else comm.gather(model.arena.pack(residual), root=0)
     rngs = comm.gather(rng_states(model), root=0)
     if comm.rank != 0:
         return None
@@ -79,7 +84,8 @@ def collect(model, comm, epoch, step, global_step, config, optimizer=None, scale
                  buffer_shapes=[list(b.shape) for b in model.buffer_arena.buffers],
                  epoch=int(epoch), step=int(step), global_step=int(global_step),
                  world_size=comm.size, config=config, rng=rngs, optimizer={}, scaler=None,
-                 progress=progress or {})
+                 progress=progress or {},
+                 residual=None if residuals is None else np.stack(residuals))
     if optimizer is not None and hasattr(optimizer, "state_dict"):
         state["optimizer"] = {k: a.pack(v) if hasattr(v, "shape") else v
                               for k, v in optimizer.state_dict().items()}
@@ -103,6 +109,8 @@ def write(path, state, before_rename=None):
             f["master"] = state["master"]
             f["momentum"] = state["momentum"]
             f["buffers"] = state["buffers"]
+            if state.get("residual") is not None:
+                f["residual"] = state["residual"]
             text = h5py.string_dtype()
             f["params/name"] = np.array(state["names"], dtype=object).astype(text)
             f["params/offset"] = np.asarray(state["offsets"], np.int64)
@@ -169,7 +177,8 @@ def read(path):
                 global_step=int(f.attrs["global_step"]), world_size=int(f.attrs["world_size"]),
                 config=json.loads(f.attrs["config"]), scaler=json.loads(f.attrs["scaler"]),
                 rng=json.loads(f.attrs["rng"]),
-                progress=json.loads(f.attrs.get("progress", "{}")), path=path)
+                progress=json.loads(f.attrs.get("progress", "{}")),
+                residual=f["residual"][...] if "residual" in f else None, path=path)
     except (OSError, KeyError) as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
 
@@ -251,6 +260,30 @@ def restore(path, model, comm, optimizer=None, scaler=None):
     if scaler is not None and hasattr(scaler, "load_state_dict") and meta["scaler"] is not None:
         scaler.load_state_dict(meta["scaler"])
     return meta
+
+
+def restore_residual(path, arena, residual, comm, say=print):
+    """Each rank's top-k residual from `path` into `residual` (arena layout), when as many
+    ranks wrote it; otherwise zeros, and rank 0 says why: a residual is what its rank
+    held back of its own share of the batches, which another rank count reshuffles.
+    Call after restore(), which has checked the file. Collective over `comm`."""
+    rows, why = [None] * comm.size, None
+    if comm.rank == 0:
+        import h5py
+        with h5py.File(path, "r") as f:
+            saved = f["residual"][...] if "residual" in f else None
+        if saved is None:
+            why = "it was written without --compress topk"
+        elif saved.shape[0] != comm.size:
+            why = f"it holds the residuals of {saved.shape[0]} rank(s), this run has {comm.size}"
+        else:
+            rows = list(saved)
+    mine = comm.scatter(rows, root=0)
+    residual[...] = 0
+    if mine is not None:
+        arena.unpack(mine, residual)
+    if why:
+        say(f"warning: the top-k residuals start from zero: {why} ({path})", flush=True)
 
 
 def _restore_arena(comm, arena, target, packed):

@@ -65,6 +65,16 @@ def comm_options(cfg, world_size):
             raise ConfigError(f"--{key.replace('_', '-')} must be positive, got {cfg[key]}")
     if cfg["bn_group"] > world_size:
         raise ConfigError(f"--bn-group {cfg['bn_group']} exceeds the {world_size} rank(s)")
+    if cfg["compress"] not in ("none", "topk"):
+        raise ConfigError(f"unknown --compress {cfg['compress']!r}; choose none or topk")
+    if not 0 < cfg["density"] <= 1:
+        raise ConfigError(f"--density must be in (0, 1], got {cfg['density']}")
+    if cfg["compress_warmup"] < 0:
+        raise ConfigError(f"--compress-warmup must be 0 or more epochs, got {cfg['compress_warmup']}")
+    if cfg["compress"] == "topk" and cfg["comm_dtype"] != "fp32":
+        raise ConfigError("--compress topk sends its values in fp32 and cannot take --comm-dtype "
+                          "fp16 (the indices would stay 4 bytes and the values' rounding would "
+                          "escape the residual); drop --comm-dtype fp16")
 
 
 def resolve_data(cfg, comm):

@@ -43,6 +43,7 @@ def _number(kind, low=None, high=None, low_open=False, high_open=False):
 positive_int = _number(int, 1)
 nonnegative_int = _number(int, 0)
 positive_float = _number(float, 0.0, low_open=True)
+density = _number(float, 0.0, 1.0, low_open=True)
 nonnegative_float = _number(float, 0.0)
 fraction = _number(float, 0.0, 1.0, high_open=True)     # [0, 1)
 
@@ -184,6 +185,15 @@ def build_parser():
                             "the ranks' cores have no idle time to hide the sum in")
     train.add_argument("--comm-dtype", choices=["fp32", "fp16"], default=D["comm_dtype"],
                        help="dtype of the gradients on the wire (fp16 halves the bytes)")
+    train.add_argument("--compress", choices=["none", "topk"], default=D["compress"],
+                       help="topk: each rank sends only the --density largest fraction of "
+                            "each gradient bucket (indices and values, all-gathered) and keeps "
+                            "the rest as a residual added to its next gradient")
+    train.add_argument("--density", type=density, default=D["density"], metavar="D",
+                       help="with --compress topk: the fraction of each bucket sent, in (0, 1]")
+    train.add_argument("--compress-warmup", type=nonnegative_int, default=D["compress_warmup"],
+                       metavar="EPOCHS", help="with --compress topk: dense sums for the first "
+                                              "EPOCHS epochs")
     train.add_argument("--check-replicas", type=nonnegative_int, default=D["check_replicas"],
                        metavar="N", help="every N steps compare a checksum of the master "
                                          "weights across ranks and stop if they differ (0: never)")
@@ -314,6 +324,9 @@ def build_parser():
     comm.add_argument("--ranks-per-node", type=positive_int, metavar="K")
     comm.add_argument("--no-sweep", action="store_true", help="skip the buffer-size sweep")
     comm.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    comm.add_argument("--densities", default="0.1,0.01", metavar="D,D",
+                      help="top-k densities timed against dense sums over the model's "
+                           "buckets ('' for none)")
     check = commands.add_parser(
         "check-gpu", help="prove the GPU path on this machine (tests, CPU-vs-GPU step, NCCL, "
                           "throughput) and write a JSON report",
@@ -605,7 +618,7 @@ def main(argv=None):
         from mpitrain.bench.update import run
         run(args.model, args.repeats, args.json)
     elif args.bench == "comm":
-        from mpitrain.bench.comm import MiB, run
+        from mpitrain.bench.comm import MiB, densities, run
         run(args.model, tuple(args.algorithms.split(",")),
             tuple(int(f) * MiB for f in args.fusion_mib.split(",")), args.repeats,
-            args.ranks_per_node, not args.no_sweep, args.json)
+            args.ranks_per_node, not args.no_sweep, args.json, densities=densities(args.densities))

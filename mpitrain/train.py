@@ -10,7 +10,9 @@ Every rank holds a full replica of the model. One step, `train_step`:
     backward   model.backward(dlogits) writes every gradient into arena.grad; each
                layer says when a gradient is final (param.grad_ready())
     all-reduce the Reducer sums the gradient arena over the ranks in fusion buckets,
-               slices of it (mpitrain.comm.buckets), during backward on a GPU
+               slices of it (mpitrain.comm.buckets), during backward on a GPU; with
+               --compress topk each rank contributes only its largest entries and
+               keeps the rest for its next step (mpitrain.comm.topk)
     overflow   under loss scaling: an inf or NaN anywhere in the summed gradient, which
                holds the same bits on every rank, so every rank reaches the same
                verdict without a vote; such a step is skipped everywhere and its
@@ -68,6 +70,10 @@ DEFAULTS.update(run_dir=None, checkpoint_every=1, keep_checkpoints=3, resume=Non
 # gradient dtype on the wire, replica checks, distributed BatchNorm.
 DEFAULTS.update(ranks_per_node=None, allreduce="hybrid", fusion_threshold=4 << 20, overlap="auto",
                 comm_dtype="fp32", check_replicas=0, bn_group=1)
+
+# Top-k sparsified gradients with error feedback (mpitrain.comm.topk): "topk" sends the
+# `density` fraction of each bucket, after `compress_warmup` epochs of dense sums.
+DEFAULTS.update(compress="none", density=0.01, compress_warmup=0)
 
 NO_TIMELINE = Timeline.off()      # train_step's default: no timing
 
@@ -153,7 +159,7 @@ def train_step(model, optimizer, reducer, x, y, lr, label_smoothing=0.0, scaler=
             logits = model.forward(x, train=True)
             loss, dlogits = softmax_cross_entropy(logits, y, label_smoothing=label_smoothing,
                                                   scale=scaler.scale)
-        reducer.begin()
+        reducer.begin(scaler.scale)
         with timeline.span("backward", "backward"):
             model.backward(dlogits)
     with timeline.span("all-reduce", "comm"):
@@ -163,7 +169,9 @@ def train_step(model, optimizer, reducer, x, y, lr, label_smoothing=0.0, scaler=
     flag = nonfinite_flag(model.arena.grad) if scaler.check else None
     loss, overflow = backend.to_host_scalars(loss, flag)
     inv_scale = reducer.postscale / scaler.scale    # the scale this gradient was made with
-    if scaler.update(bool(overflow)):
+    applied = scaler.update(bool(overflow))
+    reducer.settle(applied)             # top-k keeps the step's residuals only if applied
+    if applied:
         with timeline.span("update", "update"):
             optimizer.step(lr, inv_scale=inv_scale)
     else:
@@ -292,7 +300,8 @@ class Run:
         share_gradients(model.arena, comm, cfg["allreduce"])
         self.new_reducer = lambda threshold: Reducer(
             model.arena, comm, threshold, cfg["allreduce"],
-            np.float16 if cfg["comm_dtype"] == "fp16" else None, overlap, timeline)
+            np.float16 if cfg["comm_dtype"] == "fp16" else None, overlap, timeline,
+            density=cfg["density"] if cfg["compress"] == "topk" else None)
         tuner = self.tuner
         threshold = tuner.threshold if tuner else cfg["fusion_threshold"]
         self.reducer = self.new_reducer(threshold)
@@ -304,6 +313,13 @@ class Run:
             f"{cfg['comm_dtype']} on the wire, {'overlapped with' if overlap else 'after'} backward"
             + (f"; BatchNorm statistics over groups of {cfg['bn_group']} rank(s)"
                if bn_group else ""), flush=True)
+        if self.reducer.topk:
+            say(f"top-k: each bucket's {cfg['density']:g} largest fraction sent, the rest kept "
+                f"as a residual ({self.reducer.topk.bytes_per_step():,} bytes sent per rank "
+                f"per step); dense for the first {cfg['compress_warmup']} epoch(s)", flush=True)
+            if resume_from:
+                checkpoint.restore_residual(resume_from, model.arena, self.reducer.topk.residual,
+                                            comm, say)
         self.metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl")) if rank == 0 else None
         position = self.train_data.state_dict()
         self.first_epoch = position["epoch"]
@@ -356,6 +372,8 @@ class Run:
         self.epoch_start = self.last_log = time.perf_counter()
         self.wait_start = data.wait_time
         self.line = ""
+        if self.reducer.topk:
+            self.reducer.topk.active = epoch >= cfg["compress_warmup"]
         for s, (x, y) in enumerate(data, data.state_dict()["step"]):
             now = time.perf_counter()
             self.timeline.add("data wait", "data", now - data.last_wait, now)
@@ -400,8 +418,11 @@ class Run:
         size, or to its choice, the next step sums through a Reducer of that size."""
         if not self.tuner.record(seconds):
             return
-        self.reducer.close()
+        previous = self.reducer
+        previous.close()
         self.reducer = self.new_reducer(self.tuner.threshold)
+        if previous.topk:
+            self.reducer.topk.carry_over(previous.topk)
         if self.tuner.chosen is not None and self.progress:
             self.progress.line(f"{self.tuner.describe()}; {len(self.reducer.bounds)} bucket(s) "
                                f"from step {global_step + 1}")
@@ -471,10 +492,11 @@ class Run:
         progress = {"loss_sum": self.loss_sum.tolist(), **self.loss_watch.state_dict()}
         if self.tuner:
             progress["fusion"] = self.tuner.state_dict()
+        residual = self.reducer.topk.residual if self.reducer.topk else None
         with self.timeline.span("checkpoint", "checkpoint"):
             state = checkpoint.collect(self.model, self.comm, pos["epoch"], pos["step"],
                                        global_step, self.saved_cfg, self.optimizer, self.scaler,
-                                       progress)
+                                       progress, residual)
             path = None
             if self.comm.rank == 0:
                 path = checkpoint.write(os.path.join(

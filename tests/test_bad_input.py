@@ -239,3 +239,11 @@ def test_an_mpi_without_thread_multiple_is_refused(digits, tmp_path):
                        timeout=120, env=environment(1))
     refused(r, "the MPI library gives thread level SERIALIZED; mpitrain needs "
                "MPI_THREAD_MULTIPLE")
+
+
+def test_bad_compression_options_are_refused():
+    refused(quick("train", "--compress", "topk", "--density", "0"), "--density", "must be > 0.0")
+    refused(quick("train", "--compress", "topk", "--density", "1.5"), "--density", "must be <= 1.0")
+    refused(quick("train", "--compress", "topk", "--comm-dtype", "fp16"),
+            "--compress topk", "cannot take --comm-dtype fp16")
+    refused(quick("train", "--compress-warmup", "-1"), "--compress-warmup", "must be >= 0")

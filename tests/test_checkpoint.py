@@ -236,6 +236,27 @@ def test_sigterm_then_resume_is_bitwise_exact(straight_run, tmp_path):
 
 
 @pytest.mark.launches
+def test_topk_resume_is_bitwise_exact(tmp_path):
+    """A top-k run resumed from its epoch-1 checkpoint ends with the uninterrupted run's
+    weights, momentum, statistics and every rank's residual, bit for bit."""
+    topk = ("--compress", "topk", "--density", "0.05")
+    data, straight, resumed = tmp_path / "data", tmp_path / "straight", tmp_path / "resumed"
+    r = run(2, "train", *JOB, *topk, "--data-dir", str(data), "--run-dir", str(straight))
+    assert r.returncode == 0, r.stdout + r.stderr
+    resumed.mkdir()
+    shutil.copy(straight / "checkpoint-000000022.h5", resumed)
+    r = run(2, "train", *JOB, *topk, "--data-dir", str(data), "--run-dir", str(resumed),
+            "--resume", "auto")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resumed from" in r.stdout and "start from zero" not in r.stdout, r.stdout
+    final = "checkpoint-000000044.h5"
+    a, b = checkpoint.read(str(straight / final)), checkpoint.read(str(resumed / final))
+    assert a["residual"].shape[0] == 2 and np.any(a["residual"])
+    for key in ("master", "momentum", "buffers", "residual"):
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+@pytest.mark.launches
 def test_resume_on_one_rank_keeps_the_global_batch(straight_run, tmp_path):
     run_dir0, data, _ = straight_run
     mid = tmp_path / "checkpoint-000000022.h5"

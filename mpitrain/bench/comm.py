@@ -17,6 +17,13 @@ of single buffers from 4 KiB to 64 MiB per algorithm, the data behind the
 `hybrid` rule. Each time is the slowest rank's, the median of `repeats` runs
 after one warm-up. Bandwidth is the algorithmic bus bandwidth
 2 (p-1)/p * bytes / time (p ranks), the rate each rank's link must sustain.
+
+Top-k sparsification (`densities`, mpitrain.comm.topk) against dense sums, over the
+model's own bucket layout as training builds it (the Reducer on the arena, 4 MiB
+buckets, summed after backward): for each, the bytes one rank sends per step (dense:
+the 4 n bytes of the buffer it contributes, of which a ring all-reduce moves 2 (p-1)/p
+per rank; top-k: 4 + 4 bytes per pick, k = ceil(D n) per bucket), the step's time,
+and for top-k the time of the selection alone (no communication).
 The figures measured so far, and the rule they led to: docs/benchmarks.md.
 """
 import argparse
@@ -92,7 +99,7 @@ def _slices(n, itemsize, fusion_bytes):
 
 def run(model="resnet50", algorithms=("flat", "hierarchical", "2d", "shm", "hybrid"),
         fusion=(1 * MiB, 4 * MiB, 16 * MiB), repeats=5, ranks_per_node=None,
-        sweep=True, json_out=False, mpi_comm=None):
+        sweep=True, json_out=False, mpi_comm=None, densities=(0.1, 0.01)):
     """Time the all-reduce of `model`'s gradients; rank 0 prints a table (or one JSON
     object with json_out) and every rank returns the result dict."""
     comm = Communicator(mpi_comm or MPI.COMM_WORLD, ranks_per_node)
@@ -156,11 +163,50 @@ def run(model="resnet50", algorithms=("flat", "hierarchical", "2d", "shm", "hybr
 
     result = dict(model=model, tensors=len(sizes), values=n, source=source, ranks=p,
                   topology=comm.describe(), node_sizes=comm.node_sizes, repeats=repeats,
-                  rows=rows, sweep=sweep_rows)
+                  rows=rows, sweep=sweep_rows,
+                  topk=sparse_rows(comm, model, densities, repeats) if densities else [])
     if comm.rank == 0:
         print(json.dumps(result) if json_out else format_table(result), flush=True)
     comm.free()
     return result
+
+
+def sparse_rows(comm, model, densities, repeats, threshold=4 * MiB):
+    """Dense sums against top-k at each density over `model`'s buckets, as training sums
+    them (module docstring); one row each."""
+    from mpitrain.comm.buckets import Reducer, share_gradients
+    from mpitrain.kernels import topk
+    from mpitrain.nets import build_model
+    arena = build_model(model).arena
+    share_gradients(arena, comm, "hybrid")
+    # gradient-like values; a sum replaces them, so they change from one repeat to the next
+    arena.grad[...] = np.random.default_rng(comm.rank).standard_normal(arena.size) * 1e-3
+    rows = []
+    for density in (None, *densities):
+        reducer = Reducer(arena, comm, threshold, "hybrid", overlap=False, density=density)
+
+        def step():
+            reducer.begin()
+            reducer.finish()
+            reducer.settle(True)
+        med, low = _time(comm, {"step": step}, repeats)["step"]
+        row = dict(compress="dense" if density is None else f"top-k {density:g}",
+                   buckets=len(reducer.bounds), ms=round(med * 1e3, 3), min_ms=round(low * 1e3, 3))
+        if density is None:
+            row["bytes"] = sum(b - a for a, b in reducer.bounds) * arena.grad.itemsize
+        else:
+            tk = reducer.topk
+            row["bytes"] = tk.bytes_per_step()
+            scratch = [(np.empty(k, np.float32), np.empty(k, np.int32), np.empty(b - a, np.float32))
+                       for k, (a, b) in zip(tk.k, reducer.bounds)]
+
+            def select():
+                for (a, b), k, (v, i, out) in zip(reducer.bounds, tk.k, scratch):
+                    topk.select(arena.grad[a:b], tk.residual[a:b], out, k, v, i)
+            row["select_ms"] = round(_time(comm, {"select": select}, repeats)["select"][0] * 1e3, 3)
+        reducer.close()
+        rows.append(row)
+    return rows
 
 
 def format_table(r):
@@ -180,6 +226,16 @@ def format_table(r):
         for e in r["sweep"]:
             lines.append(f"{e['wire']:<5} {e['bytes']:>10} {e['flat']:>9.3f} {e['hierarchical']:>13.3f} "
                          f"{e['2d']:>9.3f} {e['shm']:>9.3f}  {e['hybrid']}")
+    if r["topk"]:
+        dense = r["topk"][0]
+        lines += ["", f"dense against top-k over the buckets of {r['model']} (4 MiB, after backward; "
+                  f"bytes: what one rank sends per step, dense: the buffer it contributes)",
+                  f"{'compress':<12} {'buckets':>7} {'bytes':>12} {'x dense':>8} {'ms':>9} "
+                  f"{'min ms':>9} {'select ms':>10}"]
+        for row in r["topk"]:
+            lines.append(f"{row['compress']:<12} {row['buckets']:>7} {row['bytes']:>12,} "
+                         f"{row['bytes'] / dense['bytes']:>8.3f} {row['ms']:>9.2f} "
+                         f"{row['min_ms']:>9.2f} {row.get('select_ms', float('nan')):>10.2f}")
     return "\n".join(lines)
 
 
@@ -192,9 +248,15 @@ def main(argv=None):
     ap.add_argument("--ranks-per-node", type=int, default=None)
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--densities", default="0.1,0.01")
     a = ap.parse_args(argv)
     run(a.model, tuple(a.algorithms.split(",")), tuple(int(f) * MiB for f in a.fusion_mib.split(",")),
-        a.repeats, a.ranks_per_node, not a.no_sweep, a.json)
+        a.repeats, a.ranks_per_node, not a.no_sweep, a.json, densities=densities(a.densities))
+
+
+def densities(text):
+    """'0.1,0.01' -> (0.1, 0.01); '' -> () (no top-k rows)."""
+    return tuple(float(d) for d in text.split(",") if d.strip())
 
 
 if __name__ == "__main__":

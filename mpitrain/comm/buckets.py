@@ -75,6 +75,13 @@ while the main thread's wait in `finish()` (category "comm" in train_step) is
 the part that backward did not hide. With NCCL the span is only the time to
 queue the bucket; the device time shows where the host next waits.
 
+Top-k sparsification (density=D): instead of an all-reduce, each bucket goes through
+mpitrain.comm.topk.TopK.exchange: every rank's k = ceil(D n) largest entries (after
+adding its residual) all-gathered and added in rank order, the rest kept as the
+residual for the next step. The step then ends with `settle(applied)`, which keeps
+the new residuals only when the step was applied (not skipped on overflow); begin()
+takes the loss scale, since the residual is kept unscaled.
+
 Averaging. The reducer sums; dividing by the number of ranks is folded into
 the update's inverse loss scale (`postscale`). With float16 on the wire the
 gradients are divided before they are summed instead (Horovod's prescale), so
@@ -90,6 +97,8 @@ import numpy as np
 
 from mpitrain import backend
 from mpitrain.metrics import Timeline
+
+from .topk import TopK
 
 DEFAULT_THRESHOLD = 4 << 20      # bytes
 POLL = float(os.environ.get("MPITRAIN_COMM_POLL", 2e-4))   # seconds; 0: blocking collectives
@@ -140,10 +149,14 @@ class Reducer:
     collectives block the host, i.e. unless the arena is on a GPU with NCCL).
     streams: the backend.HostStreams-like object that orders the work (default: the
     arena's device's, backend.streams).
+    density: top-k sparsification of every bucket at this density (mpitrain.comm.topk;
+    None: dense sums); `reducer.topk` then holds the residuals, and `topk.active` False
+    sums densely (warm-up).
     """
 
     def __init__(self, arena, comm, threshold=DEFAULT_THRESHOLD, algorithm="hybrid",
-                 wire_dtype=None, overlap=True, timeline=None, threaded=None, streams=None):
+                 wire_dtype=None, overlap=True, timeline=None, threaded=None, streams=None,
+                 density=None):
         if arena.on_grad_ready is not None:
             raise ValueError("this arena already has a Reducer; close() it first")
         self.comm, self.algorithm, self.overlap = comm, algorithm, overlap
@@ -151,6 +164,10 @@ class Reducer:
         self.timeline = timeline or Timeline.off()
         self.arena = arena
         self.bounds = bucket_bounds(arena, threshold)
+        if density is not None and self.wire_dtype not in (None, arena.grad.dtype):
+            raise ValueError("top-k sends its values in the gradient's dtype; drop wire_dtype")
+        self.topk = None if density is None else TopK(arena, self.bounds, density)
+        self.loss_scale = 1.0
         half = self.wire_dtype is not None and self.wire_dtype.itemsize < arena.grad.dtype.itemsize
         self.prescale = 1.0 / comm.size if half else None
         self.postscale = 1.0 if half else 1.0 / comm.size
@@ -171,8 +188,10 @@ class Reducer:
         arena.on_grad_ready = self.ready
 
     # ----- one step -----
-    def begin(self):
-        """Arm the listener for one backward pass."""
+    def begin(self, loss_scale=1.0):
+        """Arm the listener for one backward pass, whose gradients are `loss_scale` times
+        the loss's."""
+        self.loss_scale = loss_scale
         self.pending[:] = self.counts
         self.next, self.error, self.armed = 0, None, True
         if self.overlap and self.threaded and self._thread is None:
@@ -207,6 +226,12 @@ class Reducer:
         s = self.streams
         s.wait(s.current(), s.record(s.comm()))     # the update comes after the last sum
 
+    def settle(self, applied):
+        """The step's overflow verdict (applied: not skipped); top-k keeps this step's
+        residuals only when it was applied."""
+        if self.topk is not None:
+            self.topk.settle(applied)
+
     def close(self):
         """Stop the communication thread (after a finish()) and detach from the arena."""
         if self._thread is not None:
@@ -237,10 +262,13 @@ class Reducer:
         t0 = time.perf_counter()
         buf = self.arena.grad[start:stop]
         polite = self._thread is not None and POLL and backend.array_module(buf) is np
+        wait = self._wait if polite else None
         with s.using(comm_stream):
-            self.comm.allreduce(buf, self.algorithm, self.wire_dtype, self.prescale,
-                                wait=self._wait if polite else None)
-        nbytes = (stop - start) * (self.wire_dtype or self.arena.grad.dtype).itemsize
+            if self.topk is not None and self.topk.active:
+                nbytes = self.topk.exchange(self.comm, b, buf, self.loss_scale, wait)
+            else:
+                self.comm.allreduce(buf, self.algorithm, self.wire_dtype, self.prescale, wait=wait)
+                nbytes = (stop - start) * (self.wire_dtype or self.arena.grad.dtype).itemsize
         self.timeline.add(f"bucket {b} ({nbytes} bytes)", "bucket", t0, time.perf_counter())
 
     def _wait(self, request):

@@ -53,7 +53,8 @@ class NcclEngine:
         self.cross = _communicator(nccl, comm.cross_comm)
         self._types = {np.dtype(np.float16): nccl.NCCL_FLOAT16,
                        np.dtype(np.float32): nccl.NCCL_FLOAT32,
-                       np.dtype(np.float64): nccl.NCCL_FLOAT64}
+                       np.dtype(np.float64): nccl.NCCL_FLOAT64,
+                       np.dtype(np.int32): nccl.NCCL_INT32}       # top-k's indices
 
     # ---------------- the algorithms ----------------
     def allreduce(self, buf, algorithm):

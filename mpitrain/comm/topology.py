@@ -161,6 +161,25 @@ class Communicator:
                 algorithms.HOST[algorithm](self, host)
         return algorithm
 
+    def allgather_array(self, send, recv, wait=None):
+        """recv = every rank's 1-D array `send` (the same size on every rank), one after
+        another in rank order (MPI Allgather; NCCL's all-gather, queued on the current
+        stream, for CuPy arrays where there is NCCL). wait: as for allreduce (the MPI
+        path then starts an Iallgather). The sparse gradient exchange (comm/topk.py)."""
+        if recv.size != send.size * self.size:
+            raise ValueError(f"all-gather of {send.size} elements from {self.size} ranks needs "
+                             f"{send.size * self.size} to receive into, got {recv.size}")
+        engine = self.nccl() if array_module(send) is not np else None
+        if engine is not None:
+            engine.all_gather(engine.world, send, recv, send.size)
+            return recv
+        with self.staged(send, write_back=False) as host_send, self.staged(recv) as host_recv:
+            if wait is None:
+                self.world.Allgather(host_send, host_recv)
+            else:
+                wait(self.world.Iallgather(host_send, host_recv))
+        return recv
+
     def nccl(self):
         """The NCCL engine for CuPy buffers, created on first use (collectively); None without NCCL."""
         if self._nccl is None:

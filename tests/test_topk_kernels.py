@@ -1,0 +1,134 @@
+"""The top-k selection and scatter-sum kernels (mpitrain.kernels.topk) against a float64
+sort of the definition: the numba CPU kernels here, the CUDA kernels under the numba-cuda
+simulator in a subprocess (NUMBA_ENABLE_CUDASIM must be set before numba is imported)."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpitrain.kernels import topk
+
+
+def reference(grad, residual, k, scale):
+    """(values, indices, new residual) by the definition, in float64: acc = grad + scale *
+    residual (rounded to float32, as the kernels compute it), the k largest |acc| with ties
+    by index, the rest / scale. NaN counts above inf, inf above any finite value."""
+    acc = (grad.astype(np.float64) + np.float64(np.float32(scale)) * residual).astype(np.float32)
+    magnitude = np.abs(acc.astype(np.float64))
+    magnitude[np.isnan(acc)] = np.inf
+    rank = np.isnan(acc).astype(np.int64)                 # NaN first, then by magnitude
+    order = np.lexsort((np.arange(acc.size), -magnitude, -rank))
+    chosen = np.sort(order[:k])
+    rest = acc.astype(np.float64) / np.float64(np.float32(scale))
+    rest[chosen] = 0
+    return acc[chosen], chosen.astype(np.int32), rest.astype(np.float32)
+
+
+def cases():
+    """(grad, residual, k, scale): random, ties across chunk boundaries, k = n and k = 1,
+    non-finite values, a non-unit loss scale."""
+    rng = np.random.default_rng(5)
+    out = []
+    for n, k, scale in ((1, 1, 1.0), (37, 5, 1.0), (300, 300, 4.0), (300, 1, 1.0), (513, 17, 1024.0)):
+        g = rng.standard_normal(n).astype(np.float32)
+        r = (rng.standard_normal(n) * 0.1).astype(np.float32)
+        out.append((g, r, k, scale))
+    g = np.full(200, 0.5, np.float32)                     # all tied: the first k indices win
+    g[::3] = -0.5
+    out.append((g, np.zeros(200, np.float32), 23, 1.0))
+    g = np.zeros(64, np.float32)                          # zeros and signed zeros only
+    g[1::2] = -0.0
+    out.append((g, np.zeros(64, np.float32), 10, 1.0))
+    g = rng.standard_normal(90).astype(np.float32)
+    g[[4, 50]] = np.inf
+    g[70] = -np.inf
+    g[33] = np.nan
+    out.append((g, np.zeros(90, np.float32), 3, 2.0))
+    return out
+
+
+def check_select(impl, sizes=None):
+    for grad, residual, k, scale in cases():
+        if sizes is not None and grad.size > sizes:
+            continue
+        values, indices = np.empty(k, np.float32), np.empty(k, np.int32)
+        out = np.empty_like(grad)
+        topk.select(grad, residual, out, k, values, indices, scale, impl=impl)
+        want_v, want_i, want_r = reference(grad, residual, k, scale)
+        np.testing.assert_array_equal(indices, want_i)
+        np.testing.assert_array_equal(values.view(np.int32), want_v.view(np.int32))
+        np.testing.assert_array_equal(out, want_r)
+
+
+def check_scatter(impl):
+    """Three ranks' picks summed in rank order, against float64 sums, into a bucket that
+    held other values before."""
+    rng = np.random.default_rng(1)
+    n, k, p = 40, 7, 3
+    indices = np.stack([np.sort(rng.choice(n, k, replace=False)) for _ in range(p)]).astype(np.int32)
+    values = rng.standard_normal((p, k)).astype(np.float32)
+    bucket = rng.standard_normal(n).astype(np.float32)
+    topk.scatter_sum(bucket, indices, values, impl=impl)
+    want = np.zeros(n)
+    for r in range(p):
+        want[indices[r]] += values[r]
+    np.testing.assert_allclose(bucket, want, rtol=1e-6, atol=1e-7)
+    untouched = np.setdiff1d(np.arange(n), indices)
+    assert np.all(bucket[untouched] == 0)
+    # the same order as the definition: float32 additions rank after rank
+    order = np.zeros(n, np.float32)
+    for r in range(p):
+        order[indices[r]] += values[r]
+    np.testing.assert_array_equal(bucket, order)
+
+
+@pytest.mark.parametrize("impl", ["numpy", "numba"])
+def test_select_matches_the_sorted_definition(impl):
+    check_select(impl)
+
+
+@pytest.mark.parametrize("impl", ["numpy", "numba"])
+def test_scatter_sum_adds_the_ranks_in_order(impl):
+    check_scatter(impl)
+
+
+def test_numba_select_on_the_calling_thread_and_over_many_chunks():
+    """parallel=False (the Reducer's communication thread) and a bucket of several CPU
+    chunks with ties at the threshold in more than one chunk."""
+    n = 3 * topk.CPU_CHUNK + 11
+    rng = np.random.default_rng(2)
+    grad = rng.integers(-40, 40, n).astype(np.float32)      # many equal magnitudes
+    residual = np.zeros(n, np.float32)
+    k = 4321
+    for parallel in (True, False):
+        values, indices, out = np.empty(k, np.float32), np.empty(k, np.int32), np.empty_like(grad)
+        topk.select(grad, residual, out, k, values, indices, impl="numba", parallel=parallel)
+        want_v, want_i, want_r = reference(grad, residual, k, 1.0)
+        np.testing.assert_array_equal(indices, want_i)
+        np.testing.assert_array_equal(values, want_v)
+        np.testing.assert_array_equal(out, want_r)
+
+
+def test_bad_arguments_are_refused():
+    g = np.ones(8, np.float32)
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        topk.select(g, g, np.empty_like(g), 9, np.empty(9, np.float32), np.empty(9, np.int32))
+    with pytest.raises(ValueError, match="float32"):
+        d = np.ones(8)
+        topk.select(d, d, np.empty_like(d), 2, np.empty(2), np.empty(2, np.int32))
+
+
+def sim_kernels():
+    check_select("cuda", sizes=300)
+    check_scatter("cuda")
+
+
+def test_cuda_kernels_under_the_simulator():
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+            f"import test_topk_kernels as t; t.sim_kernels()")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
