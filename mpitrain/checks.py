@@ -60,6 +60,15 @@ def comm_options(cfg, world_size):
             raise ConfigError(f"--{key.replace('_', '-')} must be positive, got {cfg[key]}")
     if cfg["bn_group"] > world_size:
         raise ConfigError(f"--bn-group {cfg['bn_group']} exceeds the {world_size} rank(s)")
+    if cfg["shard_update"]:
+        # the reduce-scatter replaces the bucketed all-reduce: its options cannot apply
+        for key, value, fix in (("comm_dtype", "fp32", "drop --comm-dtype fp16"),
+                                ("allreduce", "hybrid", "drop --allreduce"),
+                                ("overlap", "auto", "drop --overlap / --no-overlap")):
+            if cfg[key] != value:
+                raise ConfigError(f"--shard-update sums fp32 gradients with one reduce-scatter "
+                                  f"after backward, so --{key.replace('_', '-')} {cfg[key]} "
+                                  f"does not apply: {fix}")
 
 
 def resolve_data(cfg, comm):

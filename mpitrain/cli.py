@@ -175,6 +175,11 @@ def build_parser():
     train.add_argument("--bn-group", type=positive_int, default=D["bn_group"], metavar="G",
                        help="BatchNorm batch statistics over groups of G consecutive ranks "
                             "(1: per rank)")
+    train.add_argument("--shard-update", action="store_true", default=D["shard_update"],
+                       help="weight-update sharding: the gradients are reduce-scattered, each "
+                            "rank updates 1/N of the weights and holds only that part's "
+                            "optimizer state, then the weights are all-gathered "
+                            "(mpitrain/shard.py); fp32 on the wire, after backward")
     train.set_defaults(command_parser=train)     # for errors found after parsing
 
     inspect = commands.add_parser(

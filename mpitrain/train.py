@@ -11,13 +11,15 @@ Every rank holds a full replica of the model. One step, `train_step`:
                layer says when a gradient is final (param.grad_ready())
     all-reduce the Reducer sums the gradient arena over the ranks in fusion buckets,
                slices of it (mpitrain.comm.buckets), during backward on a GPU
+               (--shard-update: a reduce-scatter into each rank's shard, mpitrain.shard)
     overflow   under loss scaling: an inf or NaN anywhere in the summed gradient, which
                holds the same bits on every rank, so every rank reaches the same
                verdict without a vote; such a step is skipped everywhere and its
                BatchNorm statistics are put back (mpitrain.precision)
     update     SGD / LARS / LAMB over the arena (mpitrain.optim), one fused kernel that
                unscales and averages over the ranks, updates the fp32 master and
-               refreshes the (fp16) working weights
+               refreshes the (fp16) working weights (--shard-update: over this rank's
+               shard, then the masters all-gathered)
 
 After the step the ranks agree on two flags in one all-reduce (MAX): a stop
 signal received, a non-finite loss.
@@ -44,10 +46,10 @@ from . import backend, checkpoint
 from .checks import (ConfigError, check_batch, check_image_size, check_launch, check_threads,
                      comm_options, describe_data, find_resume, prepare_run_dir, resolve_data)
 from .control import Heartbeats, LossWatch, StopSignals, Watchdog, stop_signal
-from .kernels.update import nonfinite_flag
 from .metrics import MetricsLog, StepProgress, Timeline
 from .optim import learning_rate, make_optimizer, scaled_lr
 from .precision import LossScaler, make_scaler
+from .shard import ShardedOptimizer, ShardedReducer
 
 # The default job: resnet_small on the digits with 2 ranks reaches >= 95% validation top-1.
 DEFAULTS = dict(model="resnet_small", data="digits", val_data=None, data_dir="data",
@@ -67,7 +69,7 @@ DEFAULTS.update(run_dir=None, checkpoint_every=1, keep_checkpoints=3, resume=Non
 # with backward ("auto": on for a GPU arena, off for a host one, see comm/buckets.py), the
 # gradient dtype on the wire, replica checks, distributed BatchNorm.
 DEFAULTS.update(ranks_per_node=None, allreduce="hybrid", fusion_threshold=4 << 20, overlap="auto",
-                comm_dtype="fp32", check_replicas=0, bn_group=1)
+                comm_dtype="fp32", check_replicas=0, bn_group=1, shard_update=False)
 
 NO_TIMELINE = Timeline.off()      # train_step's default: no timing
 
@@ -158,9 +160,9 @@ def train_step(model, optimizer, reducer, x, y, lr, label_smoothing=0.0, scaler=
             model.backward(dlogits)
     with timeline.span("all-reduce", "comm"):
         reducer.finish()
-    # the summed gradient holds the same bits on every rank, and so does this flag; the
-    # loss and the flag come to the host together, the step's one device-to-host copy
-    flag = nonfinite_flag(model.arena.grad) if scaler.check else None
+    # the same flag on every rank (reducer.nonfinite_flag); the loss and the flag come to
+    # the host together, the step's one device-to-host copy
+    flag = reducer.nonfinite_flag() if scaler.check else None
     loss, overflow = backend.to_host_scalars(loss, flag)
     inv_scale = reducer.postscale / scaler.scale    # the scale this gradient was made with
     if scaler.update(bool(overflow)):
@@ -257,7 +259,12 @@ class Run:
         broadcast_model(model, comm)
         say(comm.describe(), flush=True)
         bn_group = syncbn.attach(model, comm, cfg["bn_group"])
-        self.optimizer = make_optimizer(cfg["optimizer"], model.arena, **optimizer_options(cfg))
+        if cfg["shard_update"]:
+            self.optimizer = ShardedOptimizer(cfg["optimizer"], model.arena, comm,
+                                              **optimizer_options(cfg))
+        else:
+            self.optimizer = make_optimizer(cfg["optimizer"], model.arena,
+                                            **optimizer_options(cfg))
         self.scaler = scaler = make_scaler(cfg["loss_scale"], cfg["precision"])
         self.base_lr = scaled_lr(cfg["lr"], batch, cfg["lr_ref_batch"])
         self.steps = steps = self.train_data.steps_per_epoch
@@ -286,15 +293,21 @@ class Run:
         if cfg["trace"]:
             timeline.trace_layer_groups(model)
         overlap = backend.xp is not np if cfg["overlap"] == "auto" else bool(cfg["overlap"])
-        share_gradients(model.arena, comm, cfg["allreduce"])
-        self.reducer = Reducer(model.arena, comm, cfg["fusion_threshold"], cfg["allreduce"],
-                               np.float16 if cfg["comm_dtype"] == "fp16" else None, overlap,
-                               timeline)
-        say(f"gradients: {len(self.reducer.bounds)} bucket(s) of about "
-            f"{cfg['fusion_threshold']:,} bytes, all-reduce {cfg['allreduce']}, "
-            f"{cfg['comm_dtype']} on the wire, {'overlapped with' if overlap else 'after'} backward"
-            + (f"; BatchNorm statistics over groups of {cfg['bn_group']} rank(s)"
-               if bn_group else ""), flush=True)
+        if cfg["shard_update"]:
+            self.reducer = ShardedReducer(self.optimizer.shard, comm)
+            sizes = np.diff(self.optimizer.shard.bounds)
+            how = (f"reduce-scatter into {size} shard(s) of {sizes.min():,}-{sizes.max():,} "
+                   f"elements after backward, each rank's update on its shard, all-gather")
+        else:
+            share_gradients(model.arena, comm, cfg["allreduce"])
+            self.reducer = Reducer(model.arena, comm, cfg["fusion_threshold"], cfg["allreduce"],
+                                   np.float16 if cfg["comm_dtype"] == "fp16" else None, overlap,
+                                   timeline)
+            how = (f"{len(self.reducer.bounds)} bucket(s) of about {cfg['fusion_threshold']:,} "
+                   f"bytes, all-reduce {cfg['allreduce']}, {cfg['comm_dtype']} on the wire, "
+                   f"{'overlapped with' if overlap else 'after'} backward")
+        say(f"gradients: {how}" + (f"; BatchNorm statistics over groups of {cfg['bn_group']} "
+                                   f"rank(s)" if bn_group else ""), flush=True)
         self.metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl")) if rank == 0 else None
         position = self.train_data.state_dict()
         self.first_epoch = position["epoch"]

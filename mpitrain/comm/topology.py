@@ -161,6 +161,40 @@ class Communicator:
                 algorithms.HOST[algorithm](self, host)
         return algorithm
 
+    # ----- the sharded update's collectives (mpitrain.shard) -----
+    def reduce_scatter(self, buf, bounds):
+        """Sum the contiguous 1-D array `buf` over all ranks into this rank's shard: rank r
+        ends with the sum in buf[bounds[r]:bounds[r + 1]] (`bounds`: size + 1 increasing
+        offsets from 0 to buf.size, the same on every rank; shards may differ in size);
+        the rest of buf is left as it was. Each element is summed by its shard's owner
+        alone. MPI: Reduce_scatter with per-rank counts into a scratch shard (an in-place
+        one would leave the sum at the front of buf); NCCL: one reduce per shard."""
+        engine = self.nccl() if array_module(buf) is not np else None
+        if engine is not None:
+            engine.reduce_scatter_shards(buf, bounds)
+            return
+        dt, op = algorithms.wire(buf)
+        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        with self.staged(buf) as host:
+            mine = self.scratch(host.dtype, hi - lo, like=host, purpose="reduce-scatter")
+            self.world.Reduce_scatter([host, dt], [mine, dt],
+                                      recvcounts=np.diff(bounds).tolist(), op=op)
+            host[lo:hi] = mine
+
+    def all_gather(self, buf, bounds):
+        """Every rank's shard of the contiguous 1-D array `buf` (rank r's:
+        buf[bounds[r]:bounds[r + 1]]) copied into every rank's buf, in place: MPI
+        Allgatherv, or one NCCL broadcast per shard."""
+        engine = self.nccl() if array_module(buf) is not np else None
+        if engine is not None:
+            engine.all_gather_shards(buf, bounds)
+            return
+        dt, _ = algorithms.wire(buf)
+        bounds = np.asarray(bounds)
+        with self.staged(buf) as host:
+            self.world.Allgatherv(MPI.IN_PLACE, [host, np.diff(bounds).tolist(),
+                                                 bounds[:-1].tolist(), dt])
+
     def nccl(self):
         """The NCCL engine for CuPy buffers, created on first use (collectively); None without NCCL."""
         if self._nccl is None:
