@@ -126,19 +126,18 @@ class ShardedOptimizer:
     def state_bytes(self):
         """Bytes of optimizer state this rank holds (its shard's)."""
         return self.shard.momentum.nbytes + sum(v.nbytes for v in self.inner.state_dict().values()
-                                                if hasattr(v, "nbytes"))
+                                                if np.ndim(v))
 
     def state_dict(self):
         """The state of an unsharded optimizer, plus "momentum": every array arena-sized,
         gathered from every rank's shard (collective)."""
         state = {"momentum": self.shard.momentum, **self.inner.state_dict()}
-        return {k: self._gather(v) if hasattr(v, "shape") else v for k, v in state.items()}
+        return {k: self._gather(v) if np.ndim(v) else v for k, v in state.items()}
 
     def load_state_dict(self, state):
         """Keep this rank's part of an arena-sized state (as from state_dict, or an
         unsharded run's checkpoint: "momentum" and the optimizer's own arrays)."""
-        part = {k: v[self.shard.lo:self.shard.hi] if hasattr(v, "shape") else v
-                for k, v in state.items()}
+        part = {k: v[self.shard.lo:self.shard.hi] if np.ndim(v) else v for k, v in state.items()}
         self.shard.momentum[...] = part.pop("momentum")
         self.inner.load_state_dict(part)
 
