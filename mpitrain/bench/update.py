@@ -211,5 +211,88 @@ def _table(r):
     return "\n".join(lines)
 
 
+# ----- --shard-update: the optimizer per rank, sharded and not (under mpirun) -----
+SHARD_HYPER = {"sgd": dict(momentum=0.9, weight_decay=5e-5),
+               "lars": dict(momentum=0.9, weight_decay=5e-5, eta=0.001),
+               "lamb": dict(weight_decay=5e-5)}
+
+
+def run_sharded(model="resnet50", optimizer="lars", repeats=7, json_out=False):
+    """Under mpirun: one optimizer step per rank over a model's whole arena (unsharded,
+    the step of every rank after the all-reduce) and over this rank's shard (mpitrain.shard:
+    update with the norms' all-reduce, then the masters' all-gather and the working-copy
+    refresh), fp32 master and fp16 working copy; and the bytes of optimizer state each
+    rank holds either way. Two arenas of the same model, timed interleaved round by round
+    (a barrier before each call); medians of `repeats`. Prints a table on rank 0 (or one
+    JSON object) and returns the figures there (None on the other ranks)."""
+    from mpi4py import MPI
+
+    from mpitrain.comm import Communicator
+    from mpitrain.nets import build_model
+    from mpitrain.optim import make_optimizer
+    from mpitrain.shard import ShardedOptimizer
+
+    comm = Communicator(MPI.COMM_WORLD)
+    hyper = SHARD_HYPER[optimizer]
+    whole, sharded = (build_model(model, num_classes=1000, dtype=np.float32,
+                                  working_dtype=np.float16).arena for _ in range(2))
+    grad = np.random.default_rng(1).standard_normal(whole.size, np.float32) * 1e-3 * 1024
+    whole.grad[...] = sharded.grad[...] = grad
+    opt = make_optimizer(optimizer, whole, **hyper)
+    shard_opt = ShardedOptimizer(optimizer, sharded, comm, **hyper)
+    step = dict(lr=0.1, inv_scale=1 / 1024)
+
+    def timed(fn):
+        def call():
+            comm.barrier()
+            fn()
+        return call
+    times = _times({"unsharded": timed(lambda: opt.step(**step)),
+                    "sharded": timed(lambda: shard_opt.step(**step)),
+                    "shard update": timed(lambda: shard_opt.inner.step(**step)),
+                    "all-gather": timed(lambda: comm.all_gather(sharded.master,
+                                                                shard_opt.shard.bounds))},
+                   repeats)
+    unsharded_bytes = whole.momentum.nbytes + sum(v.nbytes for v in opt.state_dict().values()
+                                                  if np.ndim(v))
+    mine = {"shard_elements": shard_opt.shard.size,
+            **{f"{k.replace(' ', '_').replace('-', '_')}_ms": 1e3 * float(np.median(v))
+               for k, v in times.items()},
+            "unsharded_state_bytes": unsharded_bytes, "sharded_state_bytes": shard_opt.state_bytes()}
+    mine["time_ratio"] = mine["sharded_ms"] / mine["unsharded_ms"]
+    mine["memory_ratio"] = mine["sharded_state_bytes"] / mine["unsharded_state_bytes"]
+    ranks = comm.gather(mine)
+    comm.free()
+    if ranks is None:
+        return None
+    report = {"model": model, "optimizer": optimizer, "params": int(whole.size),
+              "ranks": len(ranks), "repeats": repeats, "per_rank": ranks,
+              "max_time_ratio": max(r["time_ratio"] for r in ranks),
+              "max_memory_ratio": max(r["memory_ratio"] for r in ranks)}
+    print(json.dumps(report) if json_out else _sharded_table(report))
+    return report
+
+
+def _sharded_table(r):
+    lines = [f"bench update --shard-update: {r['model']} ({r['params']:,} arena elements), "
+             f"{r['optimizer']}, fp32 master, fp16 working, {r['ranks']} rank(s), medians of "
+             f"{r['repeats']}",
+             "sharded = shard update (norms' all-reduce included) + all-gather of the masters "
+             "+ working-copy refresh",
+             "",
+             f"{'rank':>4s} {'shard':>11s} {'unsharded ms':>13s} {'sharded ms':>11s} "
+             f"{'(update':>8s} {'gather)':>8s} {'x':>6s} {'state MB':>9s} {'sharded MB':>11s} "
+             f"{'x':>6s}"]
+    for rank, x in enumerate(r["per_rank"]):
+        lines.append(f"{rank:4d} {x['shard_elements']:11,d} {x['unsharded_ms']:13.1f} "
+                     f"{x['sharded_ms']:11.1f} {x['shard_update_ms']:8.1f} "
+                     f"{x['all_gather_ms']:8.1f} {x['time_ratio']:6.2f} "
+                     f"{x['unsharded_state_bytes'] / 1e6:9.1f} "
+                     f"{x['sharded_state_bytes'] / 1e6:11.1f} {x['memory_ratio']:6.2f}")
+    lines.append(f"worst rank: time x{r['max_time_ratio']:.2f}, optimizer memory "
+                 f"x{r['max_memory_ratio']:.2f} of the unsharded step's")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     run()

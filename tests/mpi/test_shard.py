@@ -65,16 +65,18 @@ def test_shards_are_aligned_uneven_and_cover_the_arena(comm):
     agree(check)
 
 
+@pytest.mark.parametrize("impl", ["numba", "numpy"])
 @pytest.mark.parametrize("name", ["sgd", "lars", "lamb"])
-def test_sharded_updates_equal_unsharded_after_20_steps(comm, name):
+def test_sharded_updates_equal_unsharded_after_20_steps(comm, name, impl):
     """20 steps of the sharded path and of the unsharded one (all-reduce, whole-arena
-    update) from the same weights and gradients: masters, momentum (and LAMB's second
+    update) from the same weights and gradients, with the Numba kernels and with the
+    NumPy references: masters, momentum (and LAMB's second
     moment) and the per-parameter rates agree to float32 rounding, the fp16 working
     copies to fp16 rounding (and are the cast of the gathered masters)."""
     def check():
         whole, sharded = arena(), arena()
-        opt = make_optimizer(name, whole, **HYPER[name])
-        shard_opt = ShardedOptimizer(name, sharded, comm, **HYPER[name])
+        opt = make_optimizer(name, whole, impl=impl, **HYPER[name])
+        shard_opt = ShardedOptimizer(name, sharded, comm, impl=impl, **HYPER[name])
         reducer = ShardedReducer(shard_opt.shard, comm)
         inv_scale = reducer.postscale / LOSS_SCALE
         for step in range(20):
