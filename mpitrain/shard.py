@@ -120,7 +120,7 @@ class ShardedOptimizer:
         ratios = self.inner.step(lr, inv_scale)
         a = self.arena
         self.comm.all_gather(a.master, self.shard.bounds)
-        refresh_working(a.master, a.working, a.segments)
+        refresh_working(a.master, a.working)        # one pass, zero padding included
         return ratios
 
     def state_bytes(self):

@@ -218,13 +218,14 @@ SHARD_HYPER = {"sgd": dict(momentum=0.9, weight_decay=5e-5),
 
 
 def run_sharded(model="resnet50", optimizer="lars", repeats=7, json_out=False):
-    """Under mpirun: one optimizer step per rank over a model's whole arena (unsharded,
-    the step of every rank after the all-reduce) and over this rank's shard (mpitrain.shard:
-    update with the norms' all-reduce, then the masters' all-gather and the working-copy
-    refresh), fp32 master and fp16 working copy; and the bytes of optimizer state each
-    rank holds either way. Two arenas of the same model, timed interleaved round by round
-    (a barrier before each call); medians of `repeats`. Prints a table on rank 0 (or one
-    JSON object) and returns the figures there (None on the other ranks)."""
+    """Under mpirun: per rank, the optimizer step over a model's whole arena (unsharded:
+    what every rank runs after the all-reduce) and over this rank's shard (mpitrain.shard:
+    the shard's update with the norms' all-reduce, then the masters' all-gather and the
+    working-copy refresh), fp32 master and fp16 working copy; the gradient sums that go
+    with each (a flat all-reduce of the arena; the reduce-scatter); and the bytes of
+    optimizer state each rank holds either way. Two arenas of the same model, every call
+    after a barrier, timed interleaved round by round; medians of `repeats`. Prints a
+    table on rank 0 (or one JSON object) and returns the figures there (None elsewhere)."""
     from mpi4py import MPI
 
     from mpitrain.comm import Communicator
@@ -240,6 +241,7 @@ def run_sharded(model="resnet50", optimizer="lars", repeats=7, json_out=False):
     whole.grad[...] = sharded.grad[...] = grad
     opt = make_optimizer(optimizer, whole, **hyper)
     shard_opt = ShardedOptimizer(optimizer, sharded, comm, **hyper)
+    bounds = shard_opt.shard.bounds
     step = dict(lr=0.1, inv_scale=1 / 1024)
 
     def timed(fn):
@@ -247,19 +249,20 @@ def run_sharded(model="resnet50", optimizer="lars", repeats=7, json_out=False):
             comm.barrier()
             fn()
         return call
-    times = _times({"unsharded": timed(lambda: opt.step(**step)),
+    times = _times({"update": timed(lambda: opt.step(**step)),
                     "sharded": timed(lambda: shard_opt.step(**step)),
-                    "shard update": timed(lambda: shard_opt.inner.step(**step)),
-                    "all-gather": timed(lambda: comm.all_gather(sharded.master,
-                                                                shard_opt.shard.bounds))},
+                    "shard_update": timed(lambda: shard_opt.inner.step(**step)),
+                    "all_gather": timed(lambda: comm.all_gather(sharded.master, bounds)),
+                    "allreduce": timed(lambda: comm.allreduce(grad, "flat")),
+                    "reduce_scatter": timed(lambda: comm.reduce_scatter(grad, bounds))},
                    repeats)
-    unsharded_bytes = whole.momentum.nbytes + sum(v.nbytes for v in opt.state_dict().values()
-                                                  if np.ndim(v))
-    mine = {"shard_elements": shard_opt.shard.size,
-            **{f"{k.replace(' ', '_').replace('-', '_')}_ms": 1e3 * float(np.median(v))
-               for k, v in times.items()},
-            "unsharded_state_bytes": unsharded_bytes, "sharded_state_bytes": shard_opt.state_bytes()}
-    mine["time_ratio"] = mine["sharded_ms"] / mine["unsharded_ms"]
+    mine = {f"{k}_ms": 1e3 * float(np.median(v)) for k, v in times.items()}
+    mine.update(shard_elements=shard_opt.shard.size, sharded_state_bytes=shard_opt.state_bytes(),
+                unsharded_state_bytes=whole.momentum.nbytes + sum(
+                    v.nbytes for v in opt.state_dict().values() if np.ndim(v)))
+    mine["time_ratio"] = mine["sharded_ms"] / mine["update_ms"]
+    mine["with_sums_ratio"] = ((mine["reduce_scatter_ms"] + mine["sharded_ms"])
+                               / (mine["allreduce_ms"] + mine["update_ms"]))
     mine["memory_ratio"] = mine["sharded_state_bytes"] / mine["unsharded_state_bytes"]
     ranks = comm.gather(mine)
     comm.free()
@@ -267,8 +270,8 @@ def run_sharded(model="resnet50", optimizer="lars", repeats=7, json_out=False):
         return None
     report = {"model": model, "optimizer": optimizer, "params": int(whole.size),
               "ranks": len(ranks), "repeats": repeats, "per_rank": ranks,
-              "max_time_ratio": max(r["time_ratio"] for r in ranks),
-              "max_memory_ratio": max(r["memory_ratio"] for r in ranks)}
+              **{f"max_{k}": max(r[k] for r in ranks)
+                 for k in ("time_ratio", "with_sums_ratio", "memory_ratio")}}
     print(json.dumps(report) if json_out else _sharded_table(report))
     return report
 
@@ -276,23 +279,25 @@ def run_sharded(model="resnet50", optimizer="lars", repeats=7, json_out=False):
 def _sharded_table(r):
     lines = [f"bench update --shard-update: {r['model']} ({r['params']:,} arena elements), "
              f"{r['optimizer']}, fp32 master, fp16 working, {r['ranks']} rank(s), medians of "
-             f"{r['repeats']}",
-             "sharded = shard update (norms' all-reduce included) + all-gather of the masters "
-             "+ working-copy refresh",
+             f"{r['repeats']} (ms; state in MB)",
+             "unsharded: update of the whole arena; after a flat all-reduce",
+             "sharded: shard update (norms' all-reduce included) + all-gather + working-copy "
+             "refresh; after a reduce-scatter",
              "",
-             f"{'rank':>4s} {'shard':>11s} {'unsharded ms':>13s} {'sharded ms':>11s} "
-             f"{'(update':>8s} {'gather)':>8s} {'x':>6s} {'state MB':>9s} {'sharded MB':>11s} "
-             f"{'x':>6s}"]
+             f"{'rank':>4s} {'shard':>11s} | {'update':>7s} {'sharded':>8s} {'(shard':>7s} "
+             f"{'gather)':>7s} {'x':>5s} | {'all-red':>7s} {'red-sc':>7s} {'x':>5s} | "
+             f"{'state':>6s} {'sharded':>7s} {'x':>5s}"]
     for rank, x in enumerate(r["per_rank"]):
-        lines.append(f"{rank:4d} {x['shard_elements']:11,d} {x['unsharded_ms']:13.1f} "
-                     f"{x['sharded_ms']:11.1f} {x['shard_update_ms']:8.1f} "
-                     f"{x['all_gather_ms']:8.1f} {x['time_ratio']:6.2f} "
-                     f"{x['unsharded_state_bytes'] / 1e6:9.1f} "
-                     f"{x['sharded_state_bytes'] / 1e6:11.1f} {x['memory_ratio']:6.2f}")
-    lines.append(f"worst rank: time x{r['max_time_ratio']:.2f}, optimizer memory "
-                 f"x{r['max_memory_ratio']:.2f} of the unsharded step's")
+        lines.append(f"{rank:4d} {x['shard_elements']:11,d} | {x['update_ms']:7.1f} "
+                     f"{x['sharded_ms']:8.1f} {x['shard_update_ms']:7.1f} "
+                     f"{x['all_gather_ms']:7.1f} {x['time_ratio']:5.2f} | "
+                     f"{x['allreduce_ms']:7.1f} {x['reduce_scatter_ms']:7.1f} "
+                     f"{x['with_sums_ratio']:5.2f} | {x['unsharded_state_bytes'] / 1e6:6.1f} "
+                     f"{x['sharded_state_bytes'] / 1e6:7.1f} {x['memory_ratio']:5.2f}")
+    lines.append(f"worst rank: optimizer time x{r['max_time_ratio']:.2f}, with the gradient "
+                 f"sums x{r['max_with_sums_ratio']:.2f}, optimizer state "
+                 f"x{r['max_memory_ratio']:.2f} of the unsharded")
     return "\n".join(lines)
-
 
 if __name__ == "__main__":
     run()

@@ -184,7 +184,9 @@ class Communicator:
     def all_gather(self, buf, bounds):
         """Every rank's shard of the contiguous 1-D array `buf` (rank r's:
         buf[bounds[r]:bounds[r + 1]]) copied into every rank's buf, in place: MPI
-        Allgatherv, or one NCCL broadcast per shard."""
+        Iallgatherv, or one NCCL broadcast per shard. (MPICH 5.0.2's blocking in-place
+        Allgatherv took 10 to 50 times as long as the non-blocking one on one host:
+        docs/benchmarks.md.)"""
         engine = self.nccl() if array_module(buf) is not np else None
         if engine is not None:
             engine.all_gather_shards(buf, bounds)
@@ -192,8 +194,8 @@ class Communicator:
         dt, _ = algorithms.wire(buf)
         bounds = np.asarray(bounds)
         with self.staged(buf) as host:
-            self.world.Allgatherv(MPI.IN_PLACE, [host, np.diff(bounds).tolist(),
-                                                 bounds[:-1].tolist(), dt])
+            self.world.Iallgatherv(MPI.IN_PLACE, [host, np.diff(bounds).tolist(),
+                                                  bounds[:-1].tolist(), dt]).Wait()
 
     def nccl(self):
         """The NCCL engine for CuPy buffers, created on first use (collectively); None without NCCL."""
