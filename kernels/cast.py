@@ -127,7 +127,12 @@ def refresh_working(master, working, segments=None):
 
 
 def _store(dst, src):
-    dst[...] = src.astype(np.float32, copy=False) if dst.dtype == np.float16 else src
+    """dst = cast(src) for flat arrays; into fp16 through fp32 and to_half (NumPy's own
+    cast is a scalar loop)."""
+    if dst.dtype == np.float16:
+        to_half(src.astype(np.float32, copy=False), dst)
+    else:
+        dst[...] = src
 
 
 def _check(src, dst, src_dtype, dst_dtype):

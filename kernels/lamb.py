@@ -19,13 +19,17 @@ its weights may move, so the kernel makes two passes:
      (reads grad, m, v, w; writes m, v);
   2. apply: per segment trust_s, then recompute r from the new m, v and the
      unchanged w, and write w and working (reads m, v, w; writes w, working).
+Between the two, the per-segment sums [sum w^2; sum r^2] (a (2, segments)
+float64 array) go through `sum_partials` when one is given: a sharded update
+(mpitrain.shard) adds its ranks' partial sums there, so that trust_s is the
+whole parameter's (as kernels/update.py does for LARS).
 Recomputing r costs a few flops but no memory traffic: storing it would cost a
 write and a read of one more arena-sized buffer.
 
 Each formula (r, pass 1 and pass 2 on one element, the trust ratio of one
 segment) is one plain Python function marked `register_jitable`, compiled by
 the Numba CPU loops and by the CUDA kernels that call it, as in
-kernels/update.py, whose square, segment_norm and store_half it shares
+kernels/update.py, whose square, pieces_to_segments and store_half it shares
 (Numba's on-disk cache checks only the file of the function it caches: after
 changing those in update.py, delete kernels/__pycache__/lamb.*.nb?). Only the
 parameters' elements are read and written: the padding between segments keeps
@@ -45,8 +49,8 @@ from mpitrain.backend import array_module, to_numpy
 
 from .cast import refresh_working
 from .segments import LANES, as_dtype, cuda_shape, device_layout, launch, layout, pick
-from .update import (segment_norm, square, store_block_sums, store_half, store_working,
-                     working_args)
+from .update import (pieces_to_segments, pieces_to_segments_cuda, square, store_block_sums,
+                     store_half, store_working, working_args)
 
 
 def lamb_state(master):
@@ -79,10 +83,11 @@ def lamb_apply(w, m, v, step, bc1, bc2, eps, wd):
 
 
 @register_jitable
-def lamb_coefficients(s, part_w, part_r, seg_first, lars, lr, trust, step, ratio):
-    """Segment s: ||w||, ||r|| from its pieces' sums; ratio[s] = ||w|| / ||r|| where trust
-    and lars[s] and both norms are > 0, else 1; step[s] = lr * ratio[s]."""
-    w_norm, r_norm = segment_norm(part_w, part_r, seg_first, s)
+def lamb_coefficients(s, sum_w, sum_r, lars, lr, trust, step, ratio):
+    """Segment s: ||w|| = sqrt(sum_w[s]), ||r|| = sqrt(sum_r[s]); ratio[s] = ||w|| / ||r||
+    where trust and lars[s] and both norms are > 0, else 1; step[s] = lr * ratio[s]."""
+    w_norm = math.sqrt(sum_w[s])
+    r_norm = math.sqrt(sum_r[s])
     t = 1.0
     if trust and lars[s] and w_norm > 0.0 and r_norm > 0.0:
         t = w_norm / r_norm
@@ -91,24 +96,32 @@ def lamb_coefficients(s, part_w, part_r, seg_first, lars, lr, trust, step, ratio
 
 
 def lamb_update(master, working, grad, exp_avg, exp_avg_sq, segments, lr, step, beta1=0.9,
-                beta2=0.999, eps=1e-6, weight_decay=0.0, inv_scale=1.0, trust=True, impl=None):
+                beta2=0.999, eps=1e-6, weight_decay=0.0, inv_scale=1.0, trust=True, impl=None,
+                sum_partials=None):
     """Apply LAMB step number `step` (1 for the first) in place; see the module docstring.
 
-    exp_avg, exp_avg_sq: the moments m and v (lamb_state). Returns trust_s, one
-    float64 per segment, in the arrays' module."""
+    exp_avg, exp_avg_sq: the moments m and v (lamb_state). sum_partials: None, or a
+    function that adds the (2, segments) float64 sums [sum w^2; sum r^2] over the ranks
+    in place, when the table holds only part of each parameter (a shard); called when
+    trust is on. Returns trust_s, one float64 per segment, in the arrays' module."""
     if step < 1:
         raise ValueError(f"LAMB steps count from 1, got {step}")
     return _IMPLS[pick(impl, master)](master, working, grad, exp_avg, exp_avg_sq, segments, lr,
-                                      step, beta1, beta2, eps, weight_decay, inv_scale, trust)
+                                      step, beta1, beta2, eps, weight_decay, inv_scale, trust,
+                                      sum_partials)
 
 
 def lamb_update_numpy(master, working, grad, exp_avg, exp_avg_sq, segments, lr, step, beta1,
-                      beta2, eps, weight_decay, inv_scale, trust):
-    """Reference, one parameter at a time (formula in the module docstring)."""
+                      beta2, eps, weight_decay, inv_scale, trust, sum_partials):
+    """Reference, one parameter at a time (formula in the module docstring): the moments
+    and r of every parameter, the sums of squares (through sum_partials), then the
+    weights."""
     xp = array_module(master)
     bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
-    ratios = np.ones(len(segments))
-    for s, (offset, size, decay, lars) in enumerate(segments[["offset", "size", "decay", "lars"]]):
+    table = list(enumerate(segments[["offset", "size", "decay", "lars"]]))
+    directions = []
+    sums = np.zeros((2, len(segments)))
+    for s, (offset, size, decay, lars) in table:
         sl = slice(offset, offset + size)
         w, m, v = master[sl], exp_avg[sl], exp_avg_sq[sl]
         g = grad[sl] * inv_scale
@@ -119,12 +132,16 @@ def lamb_update_numpy(master, working, grad, exp_avg, exp_avg_sq, segments, lr, 
         r = (m / bc1) / (xp.sqrt(v / bc2) + eps)
         if decay:
             r += weight_decay * w
-        if trust and lars:
-            w_norm = float(to_numpy(xp.linalg.norm(w.astype(np.float64))))
-            r_norm = float(to_numpy(xp.linalg.norm(r.astype(np.float64))))
-            if w_norm > 0 and r_norm > 0:
-                ratios[s] = w_norm / r_norm
-        w -= float(lr * ratios[s]) * r
+        directions.append(r)
+        sums[:, s] = [float(to_numpy(xp.dot(a, a))) for a in
+                      (w.astype(np.float64), r.astype(np.float64))]
+    _sum_segments(sums, sum_partials, trust)
+    ratios = np.ones(len(segments))
+    for (s, (offset, size, decay, lars)), r in zip(table, directions):
+        w_norm, r_norm = np.sqrt(sums[:, s])
+        if trust and lars and w_norm > 0 and r_norm > 0:
+            ratios[s] = w_norm / r_norm
+        master[offset:offset + size] -= float(lr * ratios[s]) * r
     refresh_working(master, working, segments)
     return xp.asarray(ratios)
 
@@ -167,10 +184,10 @@ def _moments_cpu(master, grad, m, v, piece_seg, piece_start, piece_stop, chunk_f
 
 
 @njit(cache=True)
-def _lamb_coefficients(part_w, part_r, seg_first, lars, lr, trust, step, ratio):
+def _lamb_coefficients(sum_w, sum_r, lars, lr, trust, step, ratio):
     """lamb_coefficients for every segment, one after another."""
     for s in range(step.size):
-        lamb_coefficients(s, part_w, part_r, seg_first, lars, lr, trust, step, ratio)
+        lamb_coefficients(s, sum_w, sum_r, lars, lr, trust, step, ratio)
 
 
 @njit(cache=True)
@@ -202,8 +219,14 @@ def _scalars(master, step, beta1, beta2, eps, inv_scale):
                     1.0 - beta1 ** step, 1.0 - beta2 ** step, eps)
 
 
+def _sum_segments(sums, sum_partials, trust):
+    """Add the per-segment sums over the ranks (sum_partials) when the trust ratio needs them."""
+    if trust and sum_partials is not None:
+        sum_partials(sums)
+
+
 def lamb_update_numba(master, working, grad, exp_avg, exp_avg_sq, segments, lr, step, beta1,
-                      beta2, eps, weight_decay, inv_scale, trust):
+                      beta2, eps, weight_decay, inv_scale, trust, sum_partials):
     """Numba CPU version of lamb_update_numpy: the two passes, threads take whole chunks."""
     lay = layout(segments)
     inv, b1, c1, b2, c2, bc1, bc2, eps_ = _scalars(master, step, beta1, beta2, eps, inv_scale)
@@ -213,9 +236,12 @@ def lamb_update_numba(master, working, grad, exp_avg, exp_avg_sq, segments, lr, 
     _moments_cpu(master, grad, exp_avg, exp_avg_sq, lay.piece_seg, lay.piece_start,
                  lay.piece_stop, lay.chunk_first, wd, inv, b1, c1, b2, c2, bc1, bc2, eps_,
                  part_w, part_r)
+    sums = np.zeros((2, lay.num_segments))
+    pieces_to_segments(part_w, part_r, lay.seg_first, sums[0], sums[1])
+    _sum_segments(sums, sum_partials, trust)
     steps = np.empty(lay.num_segments, master.dtype)
     ratio = np.empty(lay.num_segments)
-    _lamb_coefficients(part_w, part_r, lay.seg_first, lay.lars, lr, trust, steps, ratio)
+    _lamb_coefficients(sums[0], sums[1], lay.lars, lr, trust, steps, ratio)
     fused_half = working is not master and working.dtype == np.float16
     half = working.view(np.uint16) if fused_half else np.empty(0, np.uint16)
     _apply_cpu(master, half, exp_avg, exp_avg_sq, lay.piece_seg, lay.piece_start, lay.piece_stop,
@@ -245,11 +271,11 @@ def _moments_cuda(master, grad, m, v, piece_seg, piece_start, piece_stop, wd, in
 
 
 @cuda.jit
-def _lamb_coefficients_cuda(part_w, part_r, seg_first, lars, lr, trust, step, ratio):
+def _lamb_coefficients_cuda(sum_w, sum_r, lars, lr, trust, step, ratio):
     """One thread per segment: lamb_coefficients."""
     s = cuda.grid(1)
     if s < step.size:
-        lamb_coefficients(s, part_w, part_r, seg_first, lars, lr, trust, step, ratio)
+        lamb_coefficients(s, sum_w, sum_r, lars, lr, trust, step, ratio)
 
 
 @cuda.jit
@@ -266,7 +292,7 @@ def _apply_cuda(master, m, v, piece_seg, piece_start, piece_stop, step, wd, bc1,
 
 
 def lamb_update_cuda(master, working, grad, exp_avg, exp_avg_sq, segments, lr, step, beta1,
-                     beta2, eps, weight_decay, inv_scale, trust):
+                     beta2, eps, weight_decay, inv_scale, trust, sum_partials):
     """Numba CUDA version of lamb_update_numpy: pass 1 one block per piece, the per-segment
     sums and ratios one thread per segment, pass 2 one block per piece."""
     threads, chunk = cuda_shape()
@@ -277,14 +303,20 @@ def lamb_update_cuda(master, working, grad, exp_avg, exp_avg_sq, segments, lr, s
     wd = xp.where(lay.decay, weight_decay, 0.0).astype(master.dtype)
     part_w = xp.zeros(pieces)
     part_r = xp.zeros(pieces)
+    sums = xp.zeros((2, nseg))
     steps = xp.empty(nseg, master.dtype)
     ratio = xp.ones(nseg)
+    blocks = (nseg + threads - 1) // threads
     if pieces:
         launch(_moments_cuda, pieces, threads, master, grad, exp_avg, exp_avg_sq, lay.piece_seg,
                lay.piece_start, lay.piece_stop, wd, inv, b1, c1, b2, c2, bc1, bc2, eps_,
                part_w, part_r)
-        launch(_lamb_coefficients_cuda, (nseg + threads - 1) // threads, threads,
-               part_w, part_r, lay.seg_first, lay.lars, lr, trust, steps, ratio)
+        launch(pieces_to_segments_cuda, blocks, threads, part_w, part_r, lay.seg_first,
+               sums[0], sums[1])
+    _sum_segments(sums, sum_partials, trust)     # every rank, with pieces in its shard or not
+    if pieces:
+        launch(_lamb_coefficients_cuda, blocks, threads, sums[0], sums[1], lay.lars, lr, trust,
+               steps, ratio)
         launch(_apply_cuda, pieces, threads, master, exp_avg, exp_avg_sq, lay.piece_seg,
                lay.piece_start, lay.piece_stop, steps, wd, bc1, bc2, eps_,
                *working_args(master, working))

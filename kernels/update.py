@@ -14,6 +14,13 @@
    number of threads. A non-finite gradient gives a non-finite g_norm for its
    segment.
 
+   The sums of squares come first (`segment_sums`), the square roots last, so
+   that a table covering only part of each parameter (one rank's shard of a
+   sharded update, mpitrain.shard) can have its partial sums added over the
+   ranks in between: the update kernels take a `sum_partials` function for
+   that, called on the (2, segments) float64 array [sum w^2; sum g^2] before
+   the square roots (LAMB: [sum w^2; sum r^2]), on every rank alike.
+
 2. The non-finite check of loss scaling: does the gradient arena hold an inf
    or a NaN?
 
@@ -44,7 +51,10 @@
        ||g||_s    = ||grad||_s * inv_scale          the norm of the unscaled gradient
        local_lr_s = 1 when ||w||_s or ||g||_s is 0, and wherever trust is off or not lars_s.
 
-   Norms (1.) are per parameter, on the master weights before the update.
+   Norms (1.) are per parameter, on the master weights before the update;
+   with `sum_partials` the table's sums of squares are partial ones, added over
+   the ranks by that function before the square roots (see 1.), so every rank
+   applies the trust ratio of the whole parameter to its part of it.
    With trust off this is SGD with momentum in the "lr inside the momentum"
    form, v = m v + lr g; w -= v. PyTorch's form is v' = m v' + g; w -= lr v'.
    The two agree exactly while lr is constant (v = lr v'); when lr changes,
@@ -97,21 +107,29 @@ def segment_norms(master, grad, segments, impl=None):
     w_norm[s] = sqrt(sum_{i in s} master_i^2), g_norm[s] = sqrt(sum_{i in s} grad_i^2).
     impl: "numpy" | "numba" | "cuda", or None to choose by array type
     (kernels.segments.pick)."""
-    return _NORMS[pick(impl, master)](master, grad, segments)
+    w_norm, g_norm = array_module(master).sqrt(segment_sums(master, grad, segments, impl))
+    return w_norm, g_norm
 
 
-def segment_norms_numpy(master, grad, segments):
-    """Reference: w_norm[s] = sqrt(sum w_i^2), g_norm[s] = sqrt(sum g_i^2) over segment s,
-    each element converted to float64 before squaring."""
+def segment_sums(master, grad, segments, impl=None):
+    """sums[0, s] = sum_{i in s} master_i^2, sums[1, s] = sum_{i in s} grad_i^2: a new
+    (2, segments) float64 array in the arrays' module (the norms before their square
+    roots)."""
+    impl = pick(impl, master)
+    sums = array_module(master).zeros((2, len(segments)))
+    _SUMS[impl](master, grad, segments, sums)
+    return sums
+
+
+def segment_sums_numpy(master, grad, segments, sums):
+    """Reference: sums[0, s] = sum w_i^2, sums[1, s] = sum g_i^2 over segment s, each element
+    converted to float64 before squaring."""
     xp = array_module(master)
-    w_norm = np.zeros(len(segments))
-    g_norm = np.zeros(len(segments))
     for s, (offset, size) in enumerate(zip(segments["offset"], segments["size"])):
         w = master[offset:offset + size].astype(np.float64)
         g = grad[offset:offset + size].astype(np.float64)
-        w_norm[s] = float(xp.sqrt(xp.dot(w, w)))
-        g_norm[s] = float(xp.sqrt(xp.dot(g, g)))
-    return xp.asarray(w_norm), xp.asarray(g_norm)
+        sums[0, s] = xp.dot(w, w)
+        sums[1, s] = xp.dot(g, g)
 
 
 @register_jitable
@@ -122,15 +140,15 @@ def square(x):
 
 
 @register_jitable
-def segment_norm(part_x, part_y, seg_first, s):
-    """(sqrt(sum of part_x over the pieces of segment s), the same of part_y): the
-    pieces' float64 sums added in piece order."""
+def segment_sum(part_x, part_y, seg_first, s):
+    """(sum of part_x over the pieces of segment s, the same of part_y): the pieces'
+    float64 sums added in piece order."""
     sx = 0.0
     sy = 0.0
     for p in range(seg_first[s], seg_first[s + 1]):
         sx += part_x[p]
         sy += part_y[p]
-    return math.sqrt(sx), math.sqrt(sy)
+    return sx, sy
 
 
 # ----- Numba CPU -----
@@ -162,9 +180,9 @@ def sum_squares(x, y):
 
 @njit(cache=True)
 def pieces_to_segments(part_x, part_y, seg_first, out_x, out_y):
-    """out[s] = segment_norm(...) for every segment s, one after another."""
+    """out[s] = segment_sum(...) for every segment s, one after another."""
     for s in range(out_x.size):
-        out_x[s], out_y[s] = segment_norm(part_x, part_y, seg_first, s)
+        out_x[s], out_y[s] = segment_sum(part_x, part_y, seg_first, s)
 
 
 @njit(parallel=True, cache=True)
@@ -178,16 +196,13 @@ def _piece_sums_cpu(master, grad, piece_start, piece_stop, chunk_first, part_w, 
             part_w[p], part_g[p] = sum_squares(master[a:b], grad[a:b])
 
 
-def segment_norms_numba(master, grad, segments):
-    """Numba CPU version of segment_norms_numpy (threads take whole chunks)."""
+def segment_sums_numba(master, grad, segments, sums):
+    """Numba CPU version of segment_sums_numpy (threads take whole chunks)."""
     lay = layout(segments)
     part_w = np.empty(lay.piece_start.size)
     part_g = np.empty(lay.piece_start.size)
     _piece_sums_cpu(master, grad, lay.piece_start, lay.piece_stop, lay.chunk_first, part_w, part_g)
-    w_norm = np.empty(lay.num_segments)
-    g_norm = np.empty(lay.num_segments)
-    pieces_to_segments(part_w, part_g, lay.seg_first, w_norm, g_norm)
-    return w_norm, g_norm
+    pieces_to_segments(part_w, part_g, lay.seg_first, sums[0], sums[1])
 
 
 # ----- Numba CUDA -----
@@ -234,14 +249,14 @@ def _piece_sums_cuda(master, grad, piece_start, piece_stop, part_w, part_g):
 
 @cuda.jit
 def pieces_to_segments_cuda(part_x, part_y, seg_first, out_x, out_y):
-    """One thread per segment: out[s] = segment_norm(...)."""
+    """One thread per segment: out[s] = segment_sum(...)."""
     s = cuda.grid(1)
     if s < out_x.size:
-        out_x[s], out_y[s] = segment_norm(part_x, part_y, seg_first, s)
+        out_x[s], out_y[s] = segment_sum(part_x, part_y, seg_first, s)
 
 
-def segment_norms_cuda(master, grad, segments):
-    """Numba CUDA version of segment_norms_numpy: one block per piece reduces in shared
+def segment_sums_cuda(master, grad, segments, sums):
+    """Numba CUDA version of segment_sums_numpy: one block per piece reduces in shared
     memory, then one thread per segment adds its pieces."""
     threads, chunk = cuda_shape()
     xp = array_module(master)
@@ -249,17 +264,14 @@ def segment_norms_cuda(master, grad, segments):
     pieces = lay.piece_start.size
     part_w = xp.zeros(pieces)
     part_g = xp.zeros(pieces)
-    w_norm = xp.zeros(lay.num_segments)
-    g_norm = xp.zeros(lay.num_segments)
     if pieces:
         launch(_piece_sums_cuda, pieces, threads, master, grad, lay.piece_start,
                lay.piece_stop, part_w, part_g)
         launch(pieces_to_segments_cuda, (lay.num_segments + threads - 1) // threads, threads,
-               part_w, part_g, lay.seg_first, w_norm, g_norm)
-    return w_norm, g_norm
+               part_w, part_g, lay.seg_first, sums[0], sums[1])
 
 
-_NORMS = {"numpy": segment_norms_numpy, "numba": segment_norms_numba, "cuda": segment_norms_cuda}
+_SUMS = {"numpy": segment_sums_numpy, "numba": segment_sums_numba, "cuda": segment_sums_cuda}
 
 
 # ===== 2. The non-finite check =====
@@ -378,28 +390,42 @@ def sgd_element(w, g, v, step, wd, inv_scale, m, nesterov):
 
 
 def sgd_update(master, working, grad, velocity, segments, lr, momentum=0.9, weight_decay=0.0,
-               inv_scale=1.0, nesterov=False, trust=False, eta=0.001, eps=1e-9, impl=None):
+               inv_scale=1.0, nesterov=False, trust=False, eta=0.001, eps=1e-9, impl=None,
+               sum_partials=None):
     """Apply one SGD (trust=False) or LARS (trust=True) step in place; see the module docstring.
 
     master, grad, velocity: flat arrays of one float dtype (velocity is arena.momentum);
     working: the layers' copy, fp16 or master itself; segments: the arena's segment table
     (gaps between segments are padding, left untouched).
     impl: "numpy" | "numba" | "cuda", or None to choose by array type.
+    sum_partials: None, or a function that adds the (2, segments) float64 sums of squares
+    over the ranks in place, when the table holds only part of each parameter (a shard).
     Returns local_lr, one float64 per segment, in the arrays' module."""
     if nesterov and momentum <= 0:
         raise ValueError("Nesterov momentum needs momentum > 0")
     return _SGD[pick(impl, master)](master, working, grad, velocity, segments, lr, momentum,
-                                    weight_decay, inv_scale, nesterov, trust, eta, eps)
+                                    weight_decay, inv_scale, nesterov, trust, eta, eps,
+                                    sum_partials)
+
+
+def whole_norms(sums, sum_partials):
+    """(w_norm, g_norm) from the (2, segments) sums of squares, added over the ranks first
+    by sum_partials when it is given."""
+    if sum_partials is not None:
+        sum_partials(sums)
+    w_norm, g_norm = array_module(sums).sqrt(sums)
+    return w_norm, g_norm
 
 
 def sgd_update_numpy(master, working, grad, velocity, segments, lr, momentum, weight_decay,
-                     inv_scale, nesterov, trust, eta, eps):
+                     inv_scale, nesterov, trust, eta, eps, sum_partials):
     """Reference, one parameter at a time (formula in the module docstring)."""
     xp = array_module(master)
     n = len(segments)
     local_lr = np.ones(n)
     if trust:
-        w_norm, g_norm = (to_numpy(a) for a in segment_norms_numpy(master, grad, segments))
+        sums = segment_sums(master, grad, segments, "numpy")
+        w_norm, g_norm = (to_numpy(a) for a in whole_norms(sums, sum_partials))
     for s, (offset, size, decay, lars) in enumerate(segments[["offset", "size", "decay", "lars"]]):
         wd = weight_decay if decay else 0.0
         if trust and lars:
@@ -420,13 +446,19 @@ def sgd_update_numpy(master, working, grad, velocity, segments, lr, momentum, we
     return xp.asarray(local_lr)
 
 
-def _per_segment(master, grad, segments, trust, xp, norms):
+def _per_segment(master, grad, segments, trust, xp, sums, sum_partials):
     """What the fused versions need before the coefficients, in the module xp: whether
-    any segment takes the trust ratio, the norms (by `norms`; zeros when none does), and
-    empty step, wd (master's dtype) and local_lr (float64), one value per segment."""
+    any segment takes the trust ratio, the norms (`sums`, an implementation of
+    segment_sums, then whole_norms; zeros when no segment takes it), and empty step, wd
+    (master's dtype) and local_lr (float64), one value per segment. Whether the norms are
+    taken depends on the table's flags only, so every rank of a sharded update calls
+    sum_partials alike."""
     n = len(segments)
     trust = trust and bool(layout(segments).lars.any())
-    w_norm, g_norm = norms(master, grad, segments) if trust else (xp.zeros(n), xp.zeros(n))
+    partial = xp.zeros((2, n))
+    if trust:
+        sums(master, grad, segments, partial)
+    w_norm, g_norm = whole_norms(partial, sum_partials if trust else None)
     return trust, w_norm, g_norm, xp.empty(n, master.dtype), xp.empty(n, master.dtype), xp.empty(n)
 
 
@@ -473,12 +505,12 @@ def _sgd_cpu(master, half, grad, velocity, piece_seg, piece_start, piece_stop, c
 
 
 def sgd_update_numba(master, working, grad, velocity, segments, lr, momentum, weight_decay,
-                     inv_scale, nesterov, trust, eta, eps):
+                     inv_scale, nesterov, trust, eta, eps, sum_partials):
     """Numba CPU version of sgd_update_numpy: norms pass (if trust), then the fused pass;
     threads take whole chunks of the arena."""
     lay = layout(segments)
     trust, w_norm, g_norm, step, wd, local_lr = _per_segment(master, grad, segments, trust, np,
-                                                             segment_norms_numba)
+                                                             segment_sums_numba, sum_partials)
     coefficients(w_norm, g_norm, lay.decay, lay.lars, lr, weight_decay, inv_scale, trust, eta,
                  eps, step, wd, local_lr)
     fused_half = working is not master and working.dtype == np.float16
@@ -541,14 +573,14 @@ def _sgd_cuda(master, grad, velocity, piece_seg, piece_start, piece_stop, step, 
 
 
 def sgd_update_cuda(master, working, grad, velocity, segments, lr, momentum, weight_decay,
-                    inv_scale, nesterov, trust, eta, eps):
+                    inv_scale, nesterov, trust, eta, eps, sum_partials):
     """Numba CUDA version of sgd_update_numpy: norms kernels (if trust), one thread per
     segment for the coefficients, then one block per piece for the fused pass."""
     threads, chunk = cuda_shape()
     xp = array_module(master)
     lay = device_layout(segments, chunk, xp)
     trust, w_norm, g_norm, step, wd, local_lr = _per_segment(master, grad, segments, trust, xp,
-                                                             segment_norms_cuda)
+                                                             segment_sums_cuda, sum_partials)
     if lay.num_segments:
         launch(coefficients_cuda, (lay.num_segments + threads - 1) // threads, threads,
                w_norm, g_norm, lay.decay, lay.lars, lr, weight_decay, inv_scale, trust, eta,

@@ -4,7 +4,8 @@
     working   the dtype the layers compute in: the master itself in fp32, an
               fp16 copy under mixed precision (refreshed by the update kernel)
     grad      the dtype of master; backward writes each gradient straight here
-    momentum  the dtype of master; optimizer state
+    momentum  the dtype of master; optimizer state (None under a sharded update,
+              whose optimizer holds its shard's: mpitrain.shard)
 
 Parameters sit in the order backward produces their gradients (last layer
 first), so a fusion bucket is a contiguous slice that is complete as soon as
@@ -174,6 +175,13 @@ class Arena(_Packing):
         self.grad = buf
         for p in self.params:
             p.grad = buf[p.offset:p.offset + p.size].reshape(p.shape)
+
+    def release_momentum(self):
+        """Free the momentum buffer: a sharded update (mpitrain.shard) keeps the optimizer
+        state of its shard only. arena.momentum and every param.momentum become None."""
+        self.momentum = None
+        for p in self.params:
+            p.momentum = None
 
     def sync_working(self):
         """Refresh the working copy from the master weights (a no-op when they are one buffer)."""

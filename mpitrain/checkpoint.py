@@ -4,7 +4,8 @@ File layout (no pickle anywhere; format_version 1):
 
     /master            (P,)  fp32 master weights: the parameters one after another, as
                              the arena holds them but without its alignment padding
-    /momentum          (P,)  the arena's momentum buffer, likewise
+    /momentum          (P,)  the arena's momentum buffer, likewise (under --shard-update
+                             gathered from every rank's shard: the same file either way)
     /buffers           (R, B) BatchNorm running statistics of each of the R ranks that
                              wrote it (the rows are equal after an evaluation, which
                              averages them; mid-epoch they differ, and keeping every
@@ -73,10 +74,13 @@ def collect(model, comm, epoch, step, global_step, config, optimizer=None, scale
     rows = comm.gather(model.buffer_arena.pack(model.buffer_arena.data), root=0)
     residuals = None if residual is None else comm.gather(model.arena.pack(residual), root=0)
     rngs = comm.gather(rng_states(model), root=0)
+    # a sharded optimizer (mpitrain.shard) gathers its state here, the momentum included
+    opt_state = dict(optimizer.state_dict()) if hasattr(optimizer, "state_dict") else {}
     if comm.rank != 0:
         return None
     a = model.arena
-    state = dict(master=a.pack(a.master), momentum=a.pack(a.momentum), buffers=np.stack(rows),
+    momentum = opt_state.pop("momentum", a.momentum)
+    state = dict(master=a.pack(a.master), momentum=a.pack(momentum), buffers=np.stack(rows),
                  names=[p.name for p in a.params],
                  offsets=np.cumsum([0] + [p.size for p in a.params[:-1]]).tolist(),
                  shapes=[list(p.shape) for p in a.params],
@@ -86,9 +90,8 @@ def collect(model, comm, epoch, step, global_step, config, optimizer=None, scale
                  world_size=comm.size, config=config, rng=rngs, optimizer={}, scaler=None,
                  progress=progress or {},
                  residual=None if residuals is None else np.stack(residuals))
-    if optimizer is not None and hasattr(optimizer, "state_dict"):
-        state["optimizer"] = {k: a.pack(v) if hasattr(v, "shape") else v
-                              for k, v in optimizer.state_dict().items()}
+    state["optimizer"] = {k: a.pack(v) if hasattr(v, "shape") else v
+                          for k, v in opt_state.items()}
     if scaler is not None and hasattr(scaler, "state_dict"):
         state["scaler"] = scaler.state_dict()
     return state
@@ -242,7 +245,9 @@ def restore(path, model, comm, optimizer=None, scaler=None):
     a = model.arena
     _restore_arena(comm, a, a.master, state["master"] if state else None)
     a.sync_working()
-    _restore_arena(comm, a, a.momentum, state["momentum"] if state else None)
+    # a sharded optimizer has no arena.momentum: it keeps its shard of this one
+    momentum = a.zeros() if a.momentum is None else a.momentum
+    _restore_arena(comm, a, momentum, state["momentum"] if state else None)
     buffers = model.buffer_arena
     rows = None
     if comm.rank == 0:
@@ -252,7 +257,7 @@ def restore(path, model, comm, optimizer=None, scaler=None):
     rngs = meta["rng"]
     set_rng_states(model, rngs[comm.rank] if len(rngs) == comm.size else rngs[0])
     if optimizer is not None and hasattr(optimizer, "load_state_dict"):
-        opt = dict(meta["optimizer"])
+        opt = dict(meta["optimizer"], momentum=momentum)
         for key in meta["optimizer_arrays"]:
             opt[key] = a.zeros()
             _restore_arena(comm, a, opt[key], state["optimizer"][key] if state else None)

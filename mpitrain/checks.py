@@ -75,6 +75,17 @@ def comm_options(cfg, world_size):
         raise ConfigError("--compress topk sends its values in fp32 and cannot take --comm-dtype "
                           "fp16 (the indices would stay 4 bytes and the values' rounding would "
                           "escape the residual); drop --comm-dtype fp16")
+    if cfg["shard_update"]:
+        # the reduce-scatter replaces the bucketed all-reduce: its options cannot apply
+        for key, value, fix in (("comm_dtype", "fp32", "drop --comm-dtype fp16"),
+                                ("allreduce", "hybrid", "drop --allreduce"),
+                                ("overlap", "auto", "drop --overlap / --no-overlap"),
+                                ("fusion_threshold", 4 << 20, "drop --fusion-threshold"),
+                                ("compress", "none", "drop --compress")):
+            if cfg[key] != value:
+                raise ConfigError(f"--shard-update sums fp32 gradients with one reduce-scatter "
+                                  f"after backward, so --{key.replace('_', '-')} {cfg[key]} "
+                                  f"does not apply: {fix}")
 
 
 def resolve_data(cfg, comm):

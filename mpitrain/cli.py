@@ -200,6 +200,11 @@ def build_parser():
     train.add_argument("--bn-group", type=positive_int, default=D["bn_group"], metavar="G",
                        help="BatchNorm batch statistics over groups of G consecutive ranks "
                             "(1: per rank)")
+    train.add_argument("--shard-update", action="store_true", default=D["shard_update"],
+                       help="weight-update sharding: the gradients are reduce-scattered, each "
+                            "rank updates 1/N of the weights and holds only that part's "
+                            "optimizer state, then the weights are all-gathered "
+                            "(mpitrain/shard.py); fp32 on the wire, after backward")
     train.set_defaults(command_parser=train)     # for errors found after parsing
 
     inspect = commands.add_parser(
@@ -309,6 +314,11 @@ def build_parser():
     update.add_argument("--model", choices=models, default="resnet50")
     update.add_argument("--repeats", type=positive_int, default=7, help="timed runs (median)")
     update.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    update.add_argument("--shard-update", action="store_true",
+                        help="under mpirun: optimizer time and optimizer-state memory per rank "
+                             "with weight-update sharding (train --shard-update) and without")
+    update.add_argument("--optimizer", choices=["sgd", "lars", "lamb"], default="lars",
+                        help="the optimizer of --shard-update")
     comm = benches.add_parser(
         "comm", help="gradient all-reduce: algorithms, fused vs per-tensor, fp16 vs fp32",
         description="Under mpirun: time one step's gradient sum of a model's arena for each "
@@ -615,8 +625,11 @@ def main(argv=None):
         run(args.data, args.workers, args.batch, args.image_size, args.reference, args.json,
             args.batches)
     elif args.bench == "update":
-        from mpitrain.bench.update import run
-        run(args.model, args.repeats, args.json)
+        from mpitrain.bench.update import run, run_sharded
+        if args.shard_update:
+            run_sharded(args.model, args.optimizer, args.repeats, args.json)
+        else:
+            run(args.model, args.repeats, args.json)
     elif args.bench == "comm":
         from mpitrain.bench.comm import MiB, densities, run
         run(args.model, tuple(args.algorithms.split(",")),

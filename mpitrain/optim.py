@@ -17,6 +17,11 @@ precision), so the layers see the new weights without a separate cast.
 implementation follows the arrays: Numba CPU for NumPy arenas, Numba CUDA for
 CuPy arenas.
 
+Under --shard-update an optimizer runs over one rank's shard of the arena
+(mpitrain.shard.Shard, which offers the arena's buffers and table for its part)
+with `sum_partials` adding the per-parameter sums of squares of the trust ratio
+over the ranks: the same kernels, the same formulas.
+
 SGD keeps the learning rate inside the velocity (Goyal et al., You et al.):
 with a constant rate this equals PyTorch's v' = m v' + d; w -= lr v' with
 v = lr v'; when the rate changes, the velocity keeps the rate it was built with.
@@ -33,14 +38,18 @@ class SGD:
     step(lr, inv_scale) updates arena.master and arena.momentum (the velocity)
     in place from arena.grad * inv_scale, refreshes arena.working, and returns
     the per-parameter local learning rates (all ones for SGD).
+    sum_partials: for an arena that is one rank's shard, the function that adds the
+    norms' partial sums over the ranks (kernels.update.sgd_update); None otherwise.
     """
 
     trust = False
 
-    def __init__(self, arena, momentum=0.9, weight_decay=0.0, nesterov=False, impl=None):
+    def __init__(self, arena, momentum=0.9, weight_decay=0.0, nesterov=False, impl=None,
+                 sum_partials=None):
         if nesterov and momentum <= 0:
             raise ValueError("Nesterov momentum needs momentum > 0")
         self.arena = arena
+        self.sum_partials = sum_partials
         self.momentum = float(momentum)
         self.weight_decay = float(weight_decay)
         self.nesterov = bool(nesterov)
@@ -52,14 +61,15 @@ class SGD:
         return sgd_update(a.master, a.working, a.grad, a.momentum, a.segments, lr,
                           momentum=self.momentum, weight_decay=self.weight_decay,
                           inv_scale=inv_scale, nesterov=self.nesterov, trust=self.trust,
-                          eta=self.eta, eps=self.eps, impl=self.impl)
+                          eta=self.eta, eps=self.eps, impl=self.impl,
+                          sum_partials=self.sum_partials)
 
     def state_dict(self):
         """Optimizer state beyond the arena (the velocity lives in arena.momentum): none."""
         return {}
 
     def load_state_dict(self, state):
-        pass
+        """Nothing to load: the checkpoint puts the velocity into arena.momentum itself."""
 
 
 class LARS(SGD):
@@ -70,8 +80,8 @@ class LARS(SGD):
     trust = True
 
     def __init__(self, arena, momentum=0.9, weight_decay=0.0, nesterov=False, eta=0.001,
-                 eps=1e-9, impl=None):
-        super().__init__(arena, momentum, weight_decay, nesterov, impl)
+                 eps=1e-9, impl=None, sum_partials=None):
+        super().__init__(arena, momentum, weight_decay, nesterov, impl, sum_partials)
         if eta <= 0:
             raise ValueError(f"the LARS coefficient eta must be positive, got {eta}")
         self.eta, self.eps = float(eta), float(eps)
@@ -84,7 +94,8 @@ class LAMB:
     The first moment lives in arena.momentum, the second in a buffer of the same
     size; `t` counts the steps taken (the bias corrections need it)."""
 
-    def __init__(self, arena, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.0, impl=None):
+    def __init__(self, arena, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.0, impl=None,
+                 sum_partials=None):
         for name, b in (("beta1", beta1), ("beta2", beta2)):
             if not 0 <= b < 1:
                 raise ValueError(f"LAMB {name} must lie in [0, 1), got {b}")
@@ -92,6 +103,7 @@ class LAMB:
         self.beta1, self.beta2, self.eps = float(beta1), float(beta2), float(eps)
         self.weight_decay = float(weight_decay)
         self.impl = impl
+        self.sum_partials = sum_partials
         self.exp_avg_sq = arena.zeros()      # aligned like the arena's buffers
         self.t = 0
 
@@ -100,7 +112,8 @@ class LAMB:
         self.t += 1
         return lamb_update(a.master, a.working, a.grad, a.momentum, self.exp_avg_sq, a.segments,
                            lr, self.t, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
-                           weight_decay=self.weight_decay, inv_scale=inv_scale, impl=self.impl)
+                           weight_decay=self.weight_decay, inv_scale=inv_scale, impl=self.impl,
+                           sum_partials=self.sum_partials)
 
     def state_dict(self):
         """What a checkpoint needs beyond the arena (the first moment is arena.momentum)."""
@@ -117,7 +130,7 @@ OPTIMIZERS = {"sgd": SGD, "lars": LARS, "lamb": LAMB}
 def make_optimizer(name, arena, **hyper):
     """The optimizer `name` (sgd, lars, lamb) over `arena`; hyper: its keyword arguments
     (SGD: momentum, weight_decay, nesterov; LARS: also eta, eps; LAMB: beta1, beta2, eps,
-    weight_decay)."""
+    weight_decay; any: impl, sum_partials)."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
     return OPTIMIZERS[name](arena, **hyper)

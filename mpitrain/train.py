@@ -13,13 +13,15 @@ Every rank holds a full replica of the model. One step, `train_step`:
                slices of it (mpitrain.comm.buckets), during backward on a GPU; with
                --compress topk each rank contributes only its largest entries and
                keeps the rest for its next step (mpitrain.comm.topk)
+               (--shard-update: a reduce-scatter into each rank's shard, mpitrain.shard)
     overflow   under loss scaling: an inf or NaN anywhere in the summed gradient, which
                holds the same bits on every rank, so every rank reaches the same
                verdict without a vote; such a step is skipped everywhere and its
                BatchNorm statistics are put back (mpitrain.precision)
     update     SGD / LARS / LAMB over the arena (mpitrain.optim), one fused kernel that
                unscales and averages over the ranks, updates the fp32 master and
-               refreshes the (fp16) working weights
+               refreshes the (fp16) working weights (--shard-update: over this rank's
+               shard, then the masters all-gathered)
 
 After the step the ranks agree on two flags in one all-reduce (MAX): a stop
 signal received, a non-finite loss.
@@ -46,10 +48,10 @@ from . import backend, checkpoint
 from .checks import (ConfigError, check_batch, check_image_size, check_launch, check_threads,
                      comm_options, describe_data, find_resume, prepare_run_dir, resolve_data)
 from .control import Heartbeats, LossWatch, StopSignals, Watchdog, stop_signal
-from .kernels.update import nonfinite_flag
 from .metrics import MetricsLog, StepProgress, Timeline
 from .optim import learning_rate, make_optimizer, scaled_lr
 from .precision import LossScaler, make_scaler
+from .shard import ShardedOptimizer, ShardedReducer
 
 # The default job: resnet_small on the digits with 2 ranks reaches >= 95% validation top-1.
 DEFAULTS = dict(model="resnet_small", data="digits", val_data=None, data_dir="data",
@@ -69,7 +71,7 @@ DEFAULTS.update(run_dir=None, checkpoint_every=1, keep_checkpoints=3, resume=Non
 # with backward ("auto": on for a GPU arena, off for a host one, see comm/buckets.py), the
 # gradient dtype on the wire, replica checks, distributed BatchNorm.
 DEFAULTS.update(ranks_per_node=None, allreduce="hybrid", fusion_threshold=4 << 20, overlap="auto",
-                comm_dtype="fp32", check_replicas=0, bn_group=1)
+                comm_dtype="fp32", check_replicas=0, bn_group=1, shard_update=False)
 
 # Top-k sparsified gradients with error feedback (mpitrain.comm.topk): "topk" sends the
 # `density` fraction of each bucket, after `compress_warmup` epochs of dense sums.
@@ -164,9 +166,9 @@ def train_step(model, optimizer, reducer, x, y, lr, label_smoothing=0.0, scaler=
             model.backward(dlogits)
     with timeline.span("all-reduce", "comm"):
         reducer.finish()
-    # the summed gradient holds the same bits on every rank, and so does this flag; the
-    # loss and the flag come to the host together, the step's one device-to-host copy
-    flag = nonfinite_flag(model.arena.grad) if scaler.check else None
+    # the same flag on every rank (reducer.nonfinite_flag); the loss and the flag come to
+    # the host together, the step's one device-to-host copy
+    flag = reducer.nonfinite_flag() if scaler.check else None
     loss, overflow = backend.to_host_scalars(loss, flag)
     inv_scale = reducer.postscale / scaler.scale    # the scale this gradient was made with
     applied = scaler.update(bool(overflow))
@@ -266,7 +268,12 @@ class Run:
         broadcast_model(model, comm)
         say(comm.describe(), flush=True)
         bn_group = syncbn.attach(model, comm, cfg["bn_group"])
-        self.optimizer = make_optimizer(cfg["optimizer"], model.arena, **optimizer_options(cfg))
+        if cfg["shard_update"]:
+            self.optimizer = ShardedOptimizer(cfg["optimizer"], model.arena, comm,
+                                              **optimizer_options(cfg))
+        else:
+            self.optimizer = make_optimizer(cfg["optimizer"], model.arena,
+                                            **optimizer_options(cfg))
         self.scaler = scaler = make_scaler(cfg["loss_scale"], cfg["precision"])
         self.base_lr = scaled_lr(cfg["lr"], batch, cfg["lr_ref_batch"])
         self.steps = steps = self.train_data.steps_per_epoch
@@ -297,22 +304,29 @@ class Run:
         if cfg["trace"]:
             timeline.trace_layer_groups(model)
         overlap = backend.xp is not np if cfg["overlap"] == "auto" else bool(cfg["overlap"])
-        share_gradients(model.arena, comm, cfg["allreduce"])
-        self.new_reducer = lambda threshold: Reducer(
-            model.arena, comm, threshold, cfg["allreduce"],
-            np.float16 if cfg["comm_dtype"] == "fp16" else None, overlap, timeline,
-            density=cfg["density"] if cfg["compress"] == "topk" else None)
-        tuner = self.tuner
-        threshold = tuner.threshold if tuner else cfg["fusion_threshold"]
-        self.reducer = self.new_reducer(threshold)
-        tuning = ("" if tuner is None else " (chosen by --fusion-threshold auto)" if tuner.chosen
-                  else f" first (--fusion-threshold auto: {len(tuner.candidates)} sizes from "
-                       f"{tuner.candidates[0]:,} bytes, {tuner.steps} steps each)")
-        say(f"gradients: {len(self.reducer.bounds)} bucket(s) of about {threshold:,} bytes"
-            f"{tuning}, all-reduce {cfg['allreduce']}, "
-            f"{cfg['comm_dtype']} on the wire, {'overlapped with' if overlap else 'after'} backward"
-            + (f"; BatchNorm statistics over groups of {cfg['bn_group']} rank(s)"
-               if bn_group else ""), flush=True)
+        if cfg["shard_update"]:
+            self.reducer = ShardedReducer(self.optimizer.shard, comm)
+            sizes = np.diff(self.optimizer.shard.bounds)
+            how = (f"reduce-scatter into {size} shard(s) of {sizes.min():,}-{sizes.max():,} "
+                   f"elements after backward, each rank's update on its shard, all-gather")
+        else:
+            share_gradients(model.arena, comm, cfg["allreduce"])
+            self.new_reducer = lambda threshold: Reducer(
+                model.arena, comm, threshold, cfg["allreduce"],
+                np.float16 if cfg["comm_dtype"] == "fp16" else None, overlap, timeline,
+                density=cfg["density"] if cfg["compress"] == "topk" else None)
+            tuner = self.tuner
+            threshold = tuner.threshold if tuner else cfg["fusion_threshold"]
+            self.reducer = self.new_reducer(threshold)
+            tuning = ("" if tuner is None else " (chosen by --fusion-threshold auto)"
+                      if tuner.chosen else
+                      f" first (--fusion-threshold auto: {len(tuner.candidates)} sizes from "
+                      f"{tuner.candidates[0]:,} bytes, {tuner.steps} steps each)")
+            how = (f"{len(self.reducer.bounds)} bucket(s) of about {threshold:,} bytes{tuning}, "
+                   f"all-reduce {cfg['allreduce']}, {cfg['comm_dtype']} on the wire, "
+                   f"{'overlapped with' if overlap else 'after'} backward")
+        say(f"gradients: {how}" + (f"; BatchNorm statistics over groups of {cfg['bn_group']} "
+                                   f"rank(s)" if bn_group else ""), flush=True)
         if self.reducer.topk:
             say(f"top-k: each bucket's {cfg['density']:g} largest fraction sent, the rest kept "
                 f"as a residual ({self.reducer.topk.bytes_per_step():,} bytes sent per rank "

@@ -17,6 +17,16 @@ def test_check_batch():
         check_batch(128, 2, num_train=100)
 
 
+def test_shard_update_refuses_the_all_reduce_options():
+    from mpitrain.checks import comm_options
+    from mpitrain.train import DEFAULTS
+    comm_options({**DEFAULTS, "shard_update": True}, 2)
+    for key, value in (("comm_dtype", "fp16"), ("allreduce", "2d"), ("overlap", True)):
+        with pytest.raises(ConfigError, match=f"--shard-update .* --{key.replace('_', '-')} "
+                                              f"{value} does not apply"):
+            comm_options({**DEFAULTS, "shard_update": True, key: value}, 2)
+
+
 # ----- the command, under mpirun -----
 def run_train(ranks, *args, timeout):
     """`mpirun -np ranks python -m mpitrain train args`, with each rank's share of the cores
@@ -87,3 +97,19 @@ def test_topk_job_at_density_001_reaches_97_percent(tmp_path):
     final = re.findall(r"final validation accuracy: ([\d.]+)% top-1", r.stdout)
     assert len(final) == 1, r.stdout
     assert float(final[0]) >= 97.0, r.stdout
+
+
+def final_top1(r):
+    assert r.returncode == 0, r.stdout + r.stderr
+    return float(re.findall(r"final validation accuracy: ([\d.]+)% top-1", r.stdout)[0])
+
+
+@pytest.mark.launches
+def test_shard_update_reaches_the_unsharded_accuracy(tmp_path):
+    """Two epochs of the default job, sharded and not, from the same seed: the same numbers
+    up to float32 rounding, hence the same accuracy."""
+    args = ("--data-dir", str(tmp_path), "--epochs", "2", "--checkpoint-every", "0")
+    plain = final_top1(run_train(2, *args, "--run-dir", str(tmp_path / "a"), timeout=600))
+    r = run_train(2, *args, "--run-dir", str(tmp_path / "b"), "--shard-update", timeout=600)
+    assert "reduce-scatter into 2 shard(s)" in r.stdout
+    assert abs(final_top1(r) - plain) <= 1.0, r.stdout

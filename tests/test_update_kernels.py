@@ -689,8 +689,62 @@ def sim_padding():
     lamb_padded("cuda", SIM_SIZES, SIM_GAPS, SIM_DECAY, SIM_LARS, tail=3)
 
 
+def adding(other):
+    """A sum_partials that adds the other half's partial sums, as a 2-rank all-reduce would."""
+    def add(sums):
+        sums += other
+    return add
+
+
+def halves_match_whole(impl):
+    """LARS and LAMB on the two halves of an arena cut inside a parameter (each half's table
+    clipped as mpitrain.shard clips a shard's), each given the other half's partial sums
+    through sum_partials, take the whole arena's step: the whole parameters' norms."""
+    from mpitrain.shard import clip_segments
+    seg, master0, grad, momentum0 = sim_arena()
+    cut = 100                                           # inside the 150-element parameter
+    halves = [(0, cut, clip_segments(seg, 0, cut)), (cut, master0.size,
+                                                     clip_segments(seg, cut, master0.size))]
+    kw = dict(STEP, trust=True)
+    w_ref, v_ref = master0.copy(), momentum0.copy()
+    rates = update.sgd_update(w_ref, w_ref, grad, v_ref, seg, impl="numpy", **kw)
+    partial = [update.segment_sums(master0[lo:hi], grad[lo:hi], t, "numpy") for lo, hi, t in halves]
+    w, v = master0.copy(), momentum0.copy()
+    for (lo, hi, t), other in zip(halves, partial[::-1]):
+        got = update.sgd_update(w[lo:hi], w[lo:hi], grad[lo:hi], v[lo:hi], t, impl=impl,
+                                sum_partials=adding(other), **kw)
+        np.testing.assert_allclose(got, rates, rtol=1e-12)
+    np.testing.assert_allclose(w, w_ref, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(v, v_ref, rtol=1e-5, atol=1e-7)
+
+    hp = dict(lr=0.01, step=1, weight_decay=1e-2, inv_scale=1 / 8)
+    w_ref, (m_ref, s_ref) = master0.copy(), lamb.lamb_state(master0)
+    ratios = lamb.lamb_update(w_ref, w_ref, grad, m_ref, s_ref, seg, impl="numpy", **hp)
+    partial = []
+    for lo, hi, t in halves:                            # each half's own sums, on copies
+        w_half, (m, s) = master0[lo:hi].copy(), lamb.lamb_state(master0[lo:hi])
+        lamb.lamb_update(w_half, w_half, grad[lo:hi], m, s, t, impl="numpy",
+                         sum_partials=lambda sums: partial.append(sums.copy()), **hp)
+    w, (m, s) = master0.copy(), lamb.lamb_state(master0)
+    for (lo, hi, t), other in zip(halves, partial[::-1]):
+        got = lamb.lamb_update(w[lo:hi], w[lo:hi], grad[lo:hi], m[lo:hi], s[lo:hi], t,
+                               impl=impl, sum_partials=adding(other), **hp)
+        np.testing.assert_allclose(got, ratios, rtol=1e-10)
+    np.testing.assert_allclose(w, w_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m, m_ref, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("impl", ["numpy", "numba"])
+def test_sum_partials_gives_halves_the_norms_of_whole_parameters(impl):
+    halves_match_whole(impl)
+
+
+def sim_halves():
+    halves_match_whole("cuda")
+
+
 @pytest.mark.parametrize("check", ["sim_norms", "sim_update", "sim_lamb", "sim_overflow_and_casts",
-                                   "sim_padding"])
+                                   "sim_padding", "sim_halves"])
 def test_cuda_kernels_under_the_simulator(check):
     code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
             f"import test_update_kernels as t; t.{check}()")

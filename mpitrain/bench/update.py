@@ -211,5 +211,93 @@ def _table(r):
     return "\n".join(lines)
 
 
+# ----- --shard-update: the optimizer per rank, sharded and not (under mpirun) -----
+SHARD_HYPER = {"sgd": dict(momentum=0.9, weight_decay=5e-5),
+               "lars": dict(momentum=0.9, weight_decay=5e-5, eta=0.001),
+               "lamb": dict(weight_decay=5e-5)}
+
+
+def run_sharded(model="resnet50", optimizer="lars", repeats=7, json_out=False):
+    """Under mpirun: per rank, the optimizer step over a model's whole arena (unsharded:
+    what every rank runs after the all-reduce) and over this rank's shard (mpitrain.shard:
+    the shard's update with the norms' all-reduce, then the masters' all-gather and the
+    working-copy refresh), fp32 master and fp16 working copy; the gradient sums that go
+    with each (a flat all-reduce of the arena; the reduce-scatter); and the bytes of
+    optimizer state each rank holds either way. Two arenas of the same model, every call
+    after a barrier, timed interleaved round by round; medians of `repeats`. Prints a
+    table on rank 0 (or one JSON object) and returns the figures there (None elsewhere)."""
+    from mpi4py import MPI
+
+    from mpitrain.comm import Communicator
+    from mpitrain.nets import build_model
+    from mpitrain.optim import make_optimizer
+    from mpitrain.shard import ShardedOptimizer
+
+    comm = Communicator(MPI.COMM_WORLD)
+    hyper = SHARD_HYPER[optimizer]
+    whole, sharded = (build_model(model, num_classes=1000, dtype=np.float32,
+                                  working_dtype=np.float16).arena for _ in range(2))
+    grad = np.random.default_rng(1).standard_normal(whole.size, np.float32) * 1e-3 * 1024
+    whole.grad[...] = sharded.grad[...] = grad
+    opt = make_optimizer(optimizer, whole, **hyper)
+    shard_opt = ShardedOptimizer(optimizer, sharded, comm, **hyper)
+    bounds = shard_opt.shard.bounds
+    step = dict(lr=0.1, inv_scale=1 / 1024)
+
+    def timed(fn):
+        def call():
+            comm.barrier()
+            fn()
+        return call
+    times = _times({"update": timed(lambda: opt.step(**step)),
+                    "sharded": timed(lambda: shard_opt.step(**step)),
+                    "shard_update": timed(lambda: shard_opt.inner.step(**step)),
+                    "all_gather": timed(lambda: comm.all_gather(sharded.master, bounds)),
+                    "allreduce": timed(lambda: comm.allreduce(grad, "flat")),
+                    "reduce_scatter": timed(lambda: comm.reduce_scatter(grad, bounds))},
+                   repeats)
+    mine = {f"{k}_ms": 1e3 * float(np.median(v)) for k, v in times.items()}
+    mine.update(shard_elements=shard_opt.shard.size, sharded_state_bytes=shard_opt.state_bytes(),
+                unsharded_state_bytes=whole.momentum.nbytes + sum(
+                    v.nbytes for v in opt.state_dict().values() if np.ndim(v)))
+    mine["time_ratio"] = mine["sharded_ms"] / mine["update_ms"]
+    mine["with_sums_ratio"] = ((mine["reduce_scatter_ms"] + mine["sharded_ms"])
+                               / (mine["allreduce_ms"] + mine["update_ms"]))
+    mine["memory_ratio"] = mine["sharded_state_bytes"] / mine["unsharded_state_bytes"]
+    ranks = comm.gather(mine)
+    comm.free()
+    if ranks is None:
+        return None
+    report = {"model": model, "optimizer": optimizer, "params": int(whole.size),
+              "ranks": len(ranks), "repeats": repeats, "per_rank": ranks,
+              **{f"max_{k}": max(r[k] for r in ranks)
+                 for k in ("time_ratio", "with_sums_ratio", "memory_ratio")}}
+    print(json.dumps(report) if json_out else _sharded_table(report))
+    return report
+
+
+def _sharded_table(r):
+    lines = [f"bench update --shard-update: {r['model']} ({r['params']:,} arena elements), "
+             f"{r['optimizer']}, fp32 master, fp16 working, {r['ranks']} rank(s), medians of "
+             f"{r['repeats']} (ms; state in MB)",
+             "unsharded: update of the whole arena; after a flat all-reduce",
+             "sharded: shard update (norms' all-reduce included) + all-gather + working-copy "
+             "refresh; after a reduce-scatter",
+             "",
+             f"{'rank':>4s} {'shard':>11s} | {'update':>7s} {'sharded':>8s} {'(shard':>7s} "
+             f"{'gather)':>7s} {'x':>5s} | {'all-red':>7s} {'red-sc':>7s} {'x':>5s} | "
+             f"{'state':>6s} {'sharded':>7s} {'x':>5s}"]
+    for rank, x in enumerate(r["per_rank"]):
+        lines.append(f"{rank:4d} {x['shard_elements']:11,d} | {x['update_ms']:7.1f} "
+                     f"{x['sharded_ms']:8.1f} {x['shard_update_ms']:7.1f} "
+                     f"{x['all_gather_ms']:7.1f} {x['time_ratio']:5.2f} | "
+                     f"{x['allreduce_ms']:7.1f} {x['reduce_scatter_ms']:7.1f} "
+                     f"{x['with_sums_ratio']:5.2f} | {x['unsharded_state_bytes'] / 1e6:6.1f} "
+                     f"{x['sharded_state_bytes'] / 1e6:7.1f} {x['memory_ratio']:5.2f}")
+    lines.append(f"worst rank: optimizer time x{r['max_time_ratio']:.2f}, with the gradient "
+                 f"sums x{r['max_with_sums_ratio']:.2f}, optimizer state "
+                 f"x{r['max_memory_ratio']:.2f} of the unsharded")
+    return "\n".join(lines)
+
 if __name__ == "__main__":
     run()

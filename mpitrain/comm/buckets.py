@@ -96,6 +96,7 @@ import time
 import numpy as np
 
 from mpitrain import backend
+from mpitrain.kernels.update import nonfinite_flag
 from mpitrain.metrics import Timeline
 
 from .topk import TopK
@@ -139,6 +140,7 @@ class Reducer:
         model.backward(dy)       # buckets start summing as their gradients land
         reducer.finish()         # every bucket summed (in place), same bits on every rank
         grad * reducer.postscale # the mean over the ranks
+        reducer.nonfinite_flag() # the loss scaler's overflow flag, alike on every rank
         reducer.close()          # the arena forgets the reducer
 
     wire_dtype=np.float16 sends each bucket as float16 (cast into the Communicator's
@@ -225,6 +227,12 @@ class Reducer:
                 raise self.error
         s = self.streams
         s.wait(s.current(), s.record(s.comm()))     # the update comes after the last sum
+
+    def nonfinite_flag(self):
+        """1 when the summed gradient holds an inf or a NaN, else 0 (kernels.update's
+        nonfinite_flag, left on the device): its bits are the same on every rank, so the
+        verdict is too, without a vote."""
+        return nonfinite_flag(self.arena.grad)
 
     def settle(self, applied):
         """The step's overflow verdict (applied: not skipped); top-k keeps this step's

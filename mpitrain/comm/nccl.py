@@ -121,3 +121,28 @@ class NcclEngine:
 
     def all_gather(self, nc, shard, dst, count):
         nc.allGather(shard.data.ptr, dst.data.ptr, count, self._types[dst.dtype], self._stream())
+
+    # ---------------- uneven shards (the sharded update) ----------------
+    def reduce_scatter_shards(self, buf, bounds):
+        """Rank r gets the sum of buf[bounds[r]:bounds[r+1]] there, in place: ncclReduceScatter
+        cuts equal shards only, so one reduce per shard to its owner, in one NCCL group."""
+        self._nccl.groupStart()
+        for r in range(len(bounds) - 1):
+            if bounds[r + 1] > bounds[r]:
+                self.reduce(self.world, buf[bounds[r]:bounds[r + 1]], root=r)
+        self._nccl.groupEnd()
+
+    def all_gather_shards(self, buf, bounds):
+        """buf[bounds[r]:bounds[r+1]] from rank r to every rank, in place: ncclAllGather
+        when the shards are equal (it takes equal counts only), else one broadcast per
+        shard, in one NCCL group."""
+        sizes = {bounds[r + 1] - bounds[r] for r in range(len(bounds) - 1)}
+        if len(sizes) == 1:
+            count, r = sizes.pop(), self.world.rank_id()
+            self.all_gather(self.world, buf[r * count:(r + 1) * count], buf, count)
+            return
+        self._nccl.groupStart()
+        for r in range(len(bounds) - 1):
+            if bounds[r + 1] > bounds[r]:
+                self.broadcast(self.world, buf[bounds[r]:bounds[r + 1]], root=r)
+        self._nccl.groupEnd()

@@ -9,7 +9,7 @@ gradient is lost, only delayed (error feedback). Per bucket, on every rank:
     picks     = the k largest |acc|, ties by index (mpitrain.kernels.topk.select)
     residual' = acc with the picks zeroed
     exchange  = all-gather of every rank's k (index, value) pairs: k int32 indices,
-                k float32 values, the same k on every rank (Communicator.allgather_array)
+                k float32 values, the same k on every rank (Communicator.all_gather)
     bucket    = 0, then each rank's pairs added in rank order (kernels.topk.scatter_sum)
 
 so every rank ends with the same bits, as after a dense all-reduce, and the Reducer's
@@ -67,21 +67,20 @@ class TopK:
         the ranks of every rank's picks; the new residual waits for settle(). Collective
         over the Communicator `comm`. Returns the bytes this rank sent."""
         start, stop = self.bounds[b]
-        k, p = self.k[b], comm.size
+        k, p, mine = self.k[b], comm.size, slice(comm.rank * self.k[b], (comm.rank + 1) * self.k[b])
         # Numba's parallel regions are entered from one thread only
         parallel = threading.current_thread() is threading.main_thread()
-        values = comm.scratch(buf.dtype, k, like=buf, purpose="topk values")
-        indices = comm.scratch(np.int32, k, like=buf, purpose="topk indices")
-        topk.select(buf, self.residual[start:stop], self._next[start:stop], k, values, indices,
-                    scale, parallel=parallel)
-        every_value = comm.scratch(buf.dtype, k * p, like=buf, purpose="topk gathered values")
-        every_index = comm.scratch(np.int32, k * p, like=buf, purpose="topk gathered indices")
-        comm.allgather_array(values, every_value, wait)
-        comm.allgather_array(indices, every_index, wait)
+        every_value = comm.scratch(buf.dtype, k * p, like=buf, purpose="topk values")
+        every_index = comm.scratch(np.int32, k * p, like=buf, purpose="topk indices")
+        topk.select(buf, self.residual[start:stop], self._next[start:stop], k, every_value[mine],
+                    every_index[mine], scale, parallel=parallel)
+        ranks = [r * k for r in range(p + 1)]       # rank r's picks: [r k, (r + 1) k)
+        comm.all_gather(every_value, ranks, wait)
+        comm.all_gather(every_index, ranks, wait)
         topk.scatter_sum(buf, every_index.reshape(p, k), every_value.reshape(p, k),
                          parallel=parallel)
         self.exchanged = True
-        return values.nbytes + indices.nbytes
+        return k * (every_value.itemsize + every_index.itemsize)
 
     def settle(self, applied):
         """The step's verdict: applied, the new residuals replace the old; skipped (an

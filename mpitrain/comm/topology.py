@@ -161,24 +161,44 @@ class Communicator:
                 algorithms.HOST[algorithm](self, host)
         return algorithm
 
-    def allgather_array(self, send, recv, wait=None):
-        """recv = every rank's 1-D array `send` (the same size on every rank), one after
-        another in rank order (MPI Allgather; NCCL's all-gather, queued on the current
-        stream, for CuPy arrays where there is NCCL). wait: as for allreduce (the MPI
-        path then starts an Iallgather). The sparse gradient exchange (comm/topk.py)."""
-        if recv.size != send.size * self.size:
-            raise ValueError(f"all-gather of {send.size} elements from {self.size} ranks needs "
-                             f"{send.size * self.size} to receive into, got {recv.size}")
-        engine = self.nccl() if array_module(send) is not np else None
+    # ----- the sharded update's collectives (mpitrain.shard) -----
+    def reduce_scatter(self, buf, bounds):
+        """Sum the contiguous 1-D array `buf` over all ranks into this rank's shard: rank r
+        ends with the sum in buf[bounds[r]:bounds[r + 1]] (`bounds`: size + 1 increasing
+        offsets from 0 to buf.size, the same on every rank; shards may differ in size);
+        the rest of buf is left as it was. Each element is summed by its shard's owner
+        alone. MPI: Reduce_scatter with per-rank counts into a scratch shard (an in-place
+        one would leave the sum at the front of buf); NCCL: one reduce per shard."""
+        engine = self.nccl() if array_module(buf) is not np else None
         if engine is not None:
-            engine.all_gather(engine.world, send, recv, send.size)
-            return recv
-        with self.staged(send, write_back=False) as host_send, self.staged(recv) as host_recv:
-            if wait is None:
-                self.world.Allgather(host_send, host_recv)
-            else:
-                wait(self.world.Iallgather(host_send, host_recv))
-        return recv
+            engine.reduce_scatter_shards(buf, bounds)
+            return
+        dt, op = algorithms.wire(buf)
+        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        with self.staged(buf) as host:
+            mine = self.scratch(host.dtype, hi - lo, like=host, purpose="reduce-scatter")
+            self.world.Reduce_scatter([host, dt], [mine, dt],
+                                      recvcounts=np.diff(bounds).tolist(), op=op)
+            host[lo:hi] = mine
+
+    def all_gather(self, buf, bounds, wait=None):
+        """Every rank's shard of the contiguous 1-D array `buf` (rank r's:
+        buf[bounds[r]:bounds[r + 1]]) copied into every rank's buf, in place: MPI
+        Iallgatherv; NCCL's all-gather for equal shards, else one broadcast per shard.
+        The sharded update's masters (mpitrain.shard) and the top-k exchange
+        (comm/topk.py). wait: as for allreduce. (MPICH 5.0.2's blocking in-place
+        Allgatherv took 10 to 50 times as long as the non-blocking one on one host:
+        docs/benchmarks.md.)"""
+        engine = self.nccl() if array_module(buf) is not np else None
+        if engine is not None:
+            engine.all_gather_shards(buf, bounds)
+            return
+        offsets = np.asarray(bounds) * buf.itemsize     # as bytes: a copy, any dtype
+        with self.staged(buf) as host:
+            request = self.world.Iallgatherv(MPI.IN_PLACE, [host.view(np.uint8),
+                                                            np.diff(offsets).tolist(),
+                                                            offsets[:-1].tolist(), MPI.BYTE])
+            (wait or MPI.Request.Wait)(request)
 
     def nccl(self):
         """The NCCL engine for CuPy buffers, created on first use (collectively); None without NCCL."""
