@@ -33,6 +33,7 @@ import shlex
 import subprocess
 import sys
 import time
+from importlib.util import find_spec
 
 SMALLEST_BATCH = 32
 MIN_STEPS = 2           # steps an epoch at the largest batch
@@ -87,7 +88,7 @@ def train_options(config, batch, seed, epochs, data, run_dir):
     if c["scaling"] == "linear":        # the trainer applies the rule itself
         options.update(lr=c["lr"], lr_ref_batch=SMALLEST_BATCH)
     else:
-        options["lr"] = round(peak_lr(config, batch), 6)
+        options["lr"] = float(f"{peak_lr(config, batch):.6g}")     # as the flag writes it
     return options
 
 
@@ -111,11 +112,9 @@ def check_inputs(data, data_dir, out):
     from mpitrain.checks import PRESETS, describe_file
     from mpitrain.datasets import convert
     from mpitrain.datasets.h5format import FormatError
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if find_spec("matplotlib") is None:
         raise StudyError("the study plots its results with matplotlib: pip install matplotlib "
-                         "(or pip install -e '.[plot]' in the checkout)") from None
+                         "(or pip install -e '.[plot]' in the checkout)")
     if data in PRESETS:
         train_file = os.path.join(data_dir, PRESETS[data]["train"])
     else:
@@ -218,13 +217,25 @@ def clock(seconds):
     return f"{seconds // 60}:{seconds % 60:02d}"
 
 
+def time_left(took, pending, running, parallel):
+    """Seconds until the last run ends, were each to take as long as the runs of its batch
+    size have taken so far (as the runs of any size, before one of its size has ended).
+    took: {name: (batch, seconds)}; pending: the options of runs not started; running:
+    (options, seconds so far) of those under way."""
+    def guess(options):
+        same = [t for b, t in took.values() if b == options["batch_size"]]
+        return sum(same or [t for _, t in took.values()]) / len(same or took)
+    work = sum(map(guess, pending)) + sum(max(0.0, guess(o) - t) for o, t in running)
+    return work / parallel
+
+
 def run_all(runs, launcher, parallel, say=print):
     """Run every (name, options) of `runs`, `parallel` at a time; returns {name: result}.
     Prints a line as each run ends: runs and points done, elapsed time, estimated time left."""
     points = {}
     for name, _ in runs:
         points.setdefault(name.rsplit("-s", 1)[0], []).append(name)
-    pending, running, results = list(runs), {}, {}
+    pending, running, results, took = list(runs), {}, {}, {}
     start = time.monotonic()
     try:
         while pending or running:
@@ -243,9 +254,12 @@ def run_all(runs, launcher, parallel, say=print):
                     continue
                 del running[name]
                 results[name] = result = read_result(options["run_dir"], log, status)
+                took[name] = (options["batch_size"], time.monotonic() - began)
                 done = len(results)
                 elapsed = time.monotonic() - start
-                eta = elapsed / done * (len(runs) - done)
+                eta = time_left(took, [o for _, o in pending],
+                                [(o, time.monotonic() - b) for _, o, _, b in running.values()],
+                                parallel)
                 finished = sum(all(n in results for n in names) for names in points.values())
                 outcome = "diverged" if result.get("diverged") else f"top-1 {result['top1']:.1%}"
                 say(f"[{done}/{len(runs)} runs, {finished}/{len(points)} points] {name}: "
