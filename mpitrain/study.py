@@ -135,7 +135,7 @@ def check_inputs(data, data_dir, out):
         num_train, classes, _ = describe_file(train_file)
     except FormatError as e:
         raise StudyError(str(e)) from None
-    if num_train // SMALLEST_BATCH < MIN_STEPS:
+    if len(batch_sizes(num_train)) < 2:
         raise StudyError(f"{train_file} has {num_train} training images: the study needs at "
                          f"least {MIN_STEPS * SMALLEST_BATCH * 2} to compare two batch sizes")
     return train_file, num_train, len(classes)

@@ -76,11 +76,16 @@ def run_study(*args, timeout=60):
                           env=launcher.environment())
 
 
-def test_missing_data_file_is_refused_with_nothing_written(tmp_path):
+def test_missing_or_foreign_data_file_is_refused_with_nothing_written(tmp_path):
     out = tmp_path / "out"
     r = run_study("--data", str(tmp_path / "nope.h5"), "--out", str(out), "--quick")
     assert r.returncode == 2, r.stdout + r.stderr
     assert "nope.h5 does not exist" in r.stderr and "mpitrain convert" in r.stderr
+    assert not out.exists()
+    for name in ("text.h5", "text_val.h5"):
+        (tmp_path / name).write_text("not HDF5")
+    r = run_study("--data", str(tmp_path / "text.h5"), "--out", str(out), "--quick")
+    assert r.returncode == 2 and "cannot be opened as HDF5" in r.stderr, r.stderr
     assert not out.exists()
 
 
