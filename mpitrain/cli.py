@@ -391,6 +391,7 @@ def add_study(commands, D):
     large.add_argument("--data", default=D["data"],
                        help="a training file made by `convert` (with its FILE_val.h5), or "
                             "'digits' (converted into --data-dir on first use)")
+    large.add_argument("--val-data", help="validation file (default: DATA's FILE_val.h5)")
     large.add_argument("--data-dir", default=D["data_dir"],
                        help="where named data sets (digits) are converted to")
     large.add_argument("--augment", action=argparse.BooleanOptionalAction,
@@ -416,7 +417,7 @@ def run_study(args, argv):
     from mpitrain.study import StudyError, large_batch
     try:
         large_batch(args.data, args.data_dir, args.out, args.quick, args.epochs, args.seeds,
-                    args.ranks, args.ranks_per_run, args.augment, argv[2:])
+                    args.ranks, args.ranks_per_run, args.augment, args.val_data, argv[2:])
     except StudyError as e:
         args.command_parser.error(str(e))
 

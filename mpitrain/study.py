@@ -105,7 +105,7 @@ def flags(options):
 
 
 # ----- checks before any run -----
-def check_inputs(data, data_dir, out):
+def check_inputs(data, val_data, data_dir, out):
     """(training file, number of training images, number of classes); refuses
     (StudyError) a data file that is missing or not mpitrain's format, too few images
     and an --out that cannot be written, before anything is written."""
@@ -119,12 +119,13 @@ def check_inputs(data, data_dir, out):
         train_file = os.path.join(data_dir, PRESETS[data]["train"])
     else:
         train_file = data
-        for what, path in (("--data", data), ("the validation file of --data",
-                                              convert.val_path(data))):
+        for what, path in (("--data", data), ("--val-data" if val_data else "the validation "
+                                              "file of --data", val_data or convert.val_path(data))):
             if not os.path.isfile(path):
                 raise StudyError(f"{what} {path} does not exist; make it with "
                                  f"`python -m mpitrain convert ...` (which writes FILE and "
-                                 f"FILE_val.h5), or leave --data out for the bundled digits")
+                                 f"FILE_val.h5) or name it with --val-data, or leave --data "
+                                 f"out for the bundled digits")
     problem = writable_problem(out)
     if problem:
         raise StudyError(problem)
@@ -361,8 +362,8 @@ def write_outputs(out, rows, lines, study_command, epochs, num_train, num_classe
 
 
 def large_batch(data="digits", data_dir="data", out="runs/study-large-batch", quick=False,
-                epochs=None, seeds=None, ranks=None, ranks_per_run=1, augment=None, argv=(),
-                say=print):
+                epochs=None, seeds=None, ranks=None, ranks_per_run=1, augment=None,
+                val_data=None, argv=(), say=print):
     """The study (see the module docstring); returns the table's rows."""
     from mpitrain.checks import PRESETS
     from mpitrain.launcher import cores
@@ -374,7 +375,7 @@ def large_batch(data="digits", data_dir="data", out="runs/study-large-batch", qu
                          f"{SMALLEST_BATCH}; use 1, 2, 4, 8, 16 or 32")
     if ranks < ranks_per_run:
         raise StudyError(f"--ranks {ranks} is fewer than --ranks-per-run {ranks_per_run}")
-    train_file, num_train, num_classes = check_inputs(data, data_dir, out)
+    train_file, num_train, num_classes = check_inputs(data, val_data, data_dir, out)
     parallel = ranks // ranks_per_run
     launcher = Launcher(ranks_per_run, max(1, cores() // ranks))
     batches = batch_sizes(num_train, quick)
@@ -387,6 +388,8 @@ def large_batch(data="digits", data_dir="data", out="runs/study-large-batch", qu
                                         os.path.join(out, "runs", name))
                 if data in PRESETS:
                     options["data_dir"] = data_dir
+                if val_data:
+                    options["val_data"] = val_data
                 if augment is not None:
                     options["augment"] = augment
                 grid.setdefault((config, batch), []).append(name)
