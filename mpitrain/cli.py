@@ -1,4 +1,4 @@
-"""`python -m mpitrain <command>`: train, eval, plot, convert, inspect, bench.
+"""`python -m mpitrain <command>`: train, eval, plot, convert, inspect, bench, study.
 
 Bad values are refused by argparse (exit status 2, with its usage message)
 before any work starts. NumPy and MPI are imported only by the command that
@@ -408,7 +408,58 @@ def build_parser():
     predict.add_argument("--data", metavar="FILE", help=stand_in)
     predict.add_argument("--json", action="store_true", help="print one JSON object")
     predict.set_defaults(command_parser=predict)
+    add_study(commands, D)
     return parser
+
+
+def add_study(commands, D):
+    """`study large-batch`: accuracy against the global batch (mpitrain/study.py)."""
+    study = commands.add_parser("study", help="experiments made of many training runs "
+                                              "(large-batch)")
+    studies = study.add_subparsers(dest="study", required=True, metavar="study")
+    large = studies.add_parser(
+        "large-batch", help="top-1 against the global batch for SGD, LARS, LARS fp16, LAMB",
+        description="Train resnet_small for the same epochs at global batches from 32 to the "
+                    "largest the data allows (powers of two, 2 or more steps an epoch) with "
+                    "SGD (linear scaling rule), LARS, LARS under fp16 and LAMB, all with "
+                    "warm-up and polynomial decay, several seeds each. Each run is a "
+                    "`train` job of --ranks-per-run ranks started with the venv's mpiexec; "
+                    "--ranks / --ranks-per-run run at once. Writes results.md, results.csv, "
+                    "accuracy.png and commands.sh (every run's command) into --out, once "
+                    "every run is done. Needs matplotlib.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    large.add_argument("--data", default=D["data"],
+                       help="a training file made by `convert` (with its FILE_val.h5), or "
+                            "'digits' (converted into --data-dir on first use)")
+    large.add_argument("--val-data", help="validation file (default: DATA's FILE_val.h5)")
+    large.add_argument("--data-dir", default=D["data_dir"],
+                       help="where named data sets (digits) are converted to")
+    large.add_argument("--augment", action=argparse.BooleanOptionalAction,
+                       help="random-resized-crop and flip (default: the data's own: off for "
+                            "digits, on for a file)")
+    large.add_argument("--out", default="runs/study-large-batch",
+                       help="directory for the results and the runs")
+    large.add_argument("--quick", action="store_true",
+                       help="3 batch sizes, 1 seed, 4 epochs (about a minute on 2 cores)")
+    large.add_argument("--epochs", type=positive_int,
+                       help="epochs of every run (default: 16, --quick 4)")
+    large.add_argument("--seeds", type=positive_int,
+                       help="runs per point, seeds 0..N-1 (default: 3, --quick 1)")
+    large.add_argument("--ranks", type=positive_int,
+                       help="ranks (cores) to spread the runs over (default: this machine's "
+                            "cores)")
+    large.add_argument("--ranks-per-run", type=positive_int, default=1,
+                       help="MPI ranks of each run (a divisor of 32)")
+    large.set_defaults(command_parser=large)
+
+
+def run_study(args, argv):
+    from mpitrain.study import StudyError, large_batch
+    try:
+        large_batch(args.data, args.data_dir, args.out, args.quick, args.epochs, args.seeds,
+                    args.ranks, args.ranks_per_run, args.augment, args.val_data, argv[2:])
+    except StudyError as e:
+        args.command_parser.error(str(e))
 
 
 def loss_scale(text):
@@ -614,6 +665,8 @@ def main(argv=None):
     elif args.command == "predict":
         from mpitrain.predict import run
         run(args)
+    elif args.command == "study":
+        run_study(args, argv)
     elif args.command == "check-gpu":
         from mpitrain.check_gpu import run
         sys.exit(run(args))

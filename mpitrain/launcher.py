@@ -8,13 +8,17 @@ Read before MPI starts, or to check MPI against it:
                            variable that says so; None when nothing says
     output_is_terminal()   whether a progress bar may be drawn on `stream`
 
-and for what starts jobs (launch.sh, the tests):
+and for what starts jobs (launch.sh, the tests, `study`):
 
     outside_environment()  an environment without the variables a launch sets, for a
                            job started from inside a launched process (or from a
                            singleton: Open MPI's puts its own in the C environment)
     mpi_family()           "mpich" or "openmpi" from MPI's library version string
     installed_mpi()        what launch.sh recorded of a venv's MPI (kind, impl, mpiexec)
+    find_mpiexec()         the venv's recorded mpiexec, else the one beside this Python
+    mpiexec_family()       "mpich" or "openmpi": the family of that mpiexec
+    launch_options()       the options that mpiexec needs for N ranks on this host
+    job_environment()      the environment for such a job, with each rank's threads
 """
 import os
 import sys
@@ -87,3 +91,52 @@ def installed_mpi(prefix=None):
     except OSError:
         return None
     return record if record.get("mpiexec") else None
+
+
+def find_mpiexec():
+    """The mpiexec launch.sh recorded for this venv, else the one beside this Python (the
+    mpich wheel), else the one on PATH; None when there is none."""
+    import shutil
+    record = installed_mpi()
+    if record and os.path.exists(record["mpiexec"]):
+        return record["mpiexec"]
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return here if os.path.exists(here) else shutil.which("mpiexec")
+
+
+def mpiexec_family(mpiexec):
+    """"mpich" or "openmpi": as launch.sh recorded it, else from `mpiexec --version`."""
+    import subprocess
+    record = installed_mpi()
+    if record and record.get("impl") in ("mpich", "openmpi"):
+        return record["impl"]
+    version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True)
+    text = version.stdout + version.stderr
+    return "openmpi" if "Open MPI" in text or "OpenRTE" in text else "mpich"
+
+
+def cores():
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def launch_options(ranks, family):
+    """mpiexec's options for `ranks` ranks on this host. Open MPI: no binding (each
+    rank's threads share the cores, as under MPICH) and more ranks than cores allowed."""
+    if family != "openmpi":
+        return []
+    return ["--bind-to", "none"] + (["--oversubscribe"] if ranks > cores() else [])
+
+
+def job_environment(family, threads=None):
+    """The environment for a job started from here: this one without launch variables
+    (a job started from inside another would join it, or be refused), Open MPI's consent
+    to run as root, and, when given, the threads each rank may use for OpenMP, BLAS
+    and Numba."""
+    env = outside_environment()
+    if family == "openmpi" and os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    if threads:
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
+            env[var] = str(threads)
+    return env

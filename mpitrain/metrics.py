@@ -202,7 +202,8 @@ class MetricsLog:
 
     Step records: {"kind": "step", "epoch", "step", "global_step", "loss", "lr",
     "loss_scale" (if any), "images_per_s", "time": {phase: seconds per step}}.
-    Evaluation records: {"kind": "eval", "epoch", "global_step", "top1", "top5"}.
+    Evaluation records: {"kind": "eval", "epoch", "global_step", "skipped_steps" (skipped
+    on overflow under loss scaling, so far), "top1", "top5"}.
     """
 
     def __init__(self, path):

@@ -4,7 +4,10 @@
     accuracy.png    validation top-1 / top-5 per evaluation
     lr.png          learning rate (and the loss scale, when there is one)
     throughput.png  images/s, and the time per step of each phase stacked
+
+and `plot_batch_study`: the large-batch study's top-1 against the global batch.
 """
+import math
 import os
 
 from .metrics import read_metrics
@@ -14,11 +17,8 @@ class PlotError(RuntimeError):
     """No metrics to plot, or no matplotlib."""
 
 
-def plot_run(run_dir, out=None):
-    """Write the PNG files into `out` (default run_dir); returns their paths."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        raise PlotError(f"{path} does not exist: RUN_DIR must be a training run's --run-dir")
+def pyplot():
+    """matplotlib.pyplot drawing into files (the Agg backend)."""
     try:
         import matplotlib
     except ImportError:
@@ -26,7 +26,15 @@ def plot_run(run_dir, out=None):
                         "(or pip install -e '.[plot]' in the checkout)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
 
+
+def plot_run(run_dir, out=None):
+    """Write the PNG files into `out` (default run_dir); returns their paths."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise PlotError(f"{path} does not exist: RUN_DIR must be a training run's --run-dir")
+    plt = pyplot()
     records = read_metrics(path)
     steps = [r for r in records if r.get("kind") == "step"]
     evals = [r for r in records if r.get("kind") == "eval"]
@@ -95,3 +103,31 @@ def _steps_per_epoch(steps):
         if r["epoch"] > 1:
             return (r["global_step"] - r["step"]) / (r["epoch"] - 1)
     return max(r["step"] for r in steps)
+
+
+def plot_batch_study(rows, path, title, chance):
+    """Top-1 (mean over seeds, bars: one standard deviation) against the global batch,
+    one line per recipe of mpitrain.study; `rows` as study.summarise makes them. The
+    PNG is written under a temporary name and renamed."""
+    plt = pyplot()
+    from matplotlib.ticker import ScalarFormatter
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    for config in dict.fromkeys(r["config"] for r in rows):
+        points = [r for r in rows if r["config"] == config and r["top1_runs"]]
+        ax.errorbar([r["batch"] for r in points], [100 * r["top1_mean"] for r in points],
+                    yerr=[0 if math.isnan(r["top1_sd"]) else 100 * r["top1_sd"]
+                          for r in points], marker="o", capsize=3, label=config)
+    ax.axhline(100 * chance, color="grey", linestyle=":", label="chance")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({r["batch"] for r in rows}))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.set_ylim(0, 100)
+    ax.set_title(title)
+    ax.set_xlabel("global batch size")
+    ax.set_ylabel("validation top-1 (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png")
+    plt.close(fig)
+    os.replace(path + ".tmp.png", path)

@@ -479,7 +479,8 @@ class Run:
             line += "".join(f"  val {k} {v:.2%}" for k, v in accuracy.items())
             if self.metrics:
                 self.metrics.write(dict(kind="eval", epoch=epoch + 1,
-                                        global_step=(epoch + 1) * self.steps, **accuracy))
+                                        global_step=(epoch + 1) * self.steps,
+                                        skipped_steps=self.scaler.skipped, **accuracy))
         every = cfg["checkpoint_every"]
         if every and ((epoch + 1) % every == 0 or epoch + 1 == self.epochs):
             self.save_checkpoint()

@@ -17,7 +17,6 @@ statuses mpitrain promises, and what the launchers report for them only as READM
 """
 import functools
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,18 +25,15 @@ from pathlib import Path
 
 import pytest
 
-from mpitrain.launcher import installed_mpi, mpi_family, outside_environment
+from mpitrain.launcher import (cores, find_mpiexec, installed_mpi, job_environment,
+                               launch_options, mpi_family, mpiexec_family)
 
 
 @functools.lru_cache(maxsize=None)
 def mpiexec():
     """The mpiexec launch.sh recorded for this venv, else the one beside this Python (the
     mpich wheel), else the one on PATH."""
-    record = installed_mpi()
-    if record and os.path.exists(record["mpiexec"]):
-        return record["mpiexec"]
-    here = Path(sys.executable).parent / "mpiexec"
-    found = str(here) if here.exists() else shutil.which("mpiexec")
+    found = find_mpiexec()
     if found is None:
         pytest.fail("no mpiexec: run ./launch.sh setup")
     return found
@@ -52,23 +48,12 @@ def family():
     found = None
     if "mpi4py.MPI" in sys.modules:              # never import it here: that starts MPI
         found = mpi_family(sys.modules["mpi4py.MPI"].Get_library_version())
-    if found is None:
-        version = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True)
-        found = "openmpi" if "Open MPI" in version.stdout + version.stderr \
-            or "OpenRTE" in version.stdout + version.stderr else "mpich"
-    return found
-
-
-def cores():
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return found or mpiexec_family(mpiexec())
 
 
 def options(ranks):
-    """The launcher's options for `ranks` ranks on this host. Open MPI: no binding (each
-    rank's threads share the cores, as under MPICH) and more ranks than cores allowed."""
-    if family() != "openmpi":
-        return []
-    return ["--bind-to", "none"] + (["--oversubscribe"] if ranks > cores() else [])
+    """The launcher's options for `ranks` ranks on this host (mpitrain.launcher)."""
+    return launch_options(ranks, family())
 
 
 def command(ranks, *argv):
@@ -84,14 +69,7 @@ def environment(ranks=None):
     """The environment for a job: this one without launch variables (a job started from
     inside another would join it, or be refused), Open MPI's consent to run as root, and,
     for `ranks` ranks, each rank's share of the cores in threads (as launch.sh gives)."""
-    env = outside_environment()
-    if family() == "openmpi" and os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    if ranks:
-        threads = str(max(1, cores() // ranks))
-        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
-            env[var] = threads
-    return env
+    return job_environment(family(), max(1, cores() // ranks) if ranks else None)
 
 
 class BackgroundJob:

@@ -1,0 +1,416 @@
+"""`python -m mpitrain study large-batch`: does top-1 hold as the global batch grows?
+
+The claim of Jia et al. (after Goyal et al. and You et al.) at small scale: train
+resnet_small for the same number of epochs at global batches from 32 to the largest
+the data allows (powers of two leaving MIN_STEPS steps an epoch), so a larger batch
+takes fewer, larger steps, with four recipes (CONFIGS):
+
+    sgd        SGD with momentum, the linear scaling rule (lr = 0.1 x batch / 32)
+    lars       LARS (trust ratio eta ||w|| / ||g||), lr = 1.0 x sqrt(batch / 32)
+    lars-fp16  the same under fp16 mixed precision with dynamic loss scaling
+    lamb       LAMB, lr = 0.01 x sqrt(batch / 32)
+
+all with linear warm-up over the first eighth of the epochs, then polynomial decay
+(power 2) to zero, and several seeds per point. Each run is an ordinary
+`mpiexec -np K python -m mpitrain train ...` job (K = --ranks-per-run, 1 by default)
+started through the venv's recorded mpiexec; --ranks // K of them run at once, each
+rank with its share of the cores in threads. One-rank runs side by side are the
+fastest way through many small runs: a run has no all-reduce to wait for, and its
+whole batch goes through each layer's GEMM at once.
+
+What it writes into --out, once every run is done (each file written whole, under a
+temporary name, then renamed):
+    results.md     the table (and the recipe), results.csv the same table
+    accuracy.png   top-1 against the global batch, one line per recipe
+    commands.sh    the exact command of every run
+    runs/NAME/     each run's directory (config.json, metrics.jsonl) and log.txt
+"""
+import csv
+import io
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from importlib.util import find_spec
+
+SMALLEST_BATCH = 32
+MIN_STEPS = 2           # steps an epoch at the largest batch
+MODEL = "resnet_small"
+
+# recipe -> its train options; "lr" is the peak rate at SMALLEST_BATCH and "scaling" how
+# it grows with the batch (linear: Goyal et al.; sqrt: the LAMB paper's rule, which
+# LARS, whose step is already relative to each layer's weights, follows here too)
+CONFIGS = {
+    "sgd": dict(optimizer="sgd", precision="fp32", lr=0.1, scaling="linear"),
+    "lars": dict(optimizer="lars", precision="fp32", lr=1.0, scaling="sqrt"),
+    "lars-fp16": dict(optimizer="lars", precision="fp16", lr=1.0, scaling="sqrt"),
+    "lamb": dict(optimizer="lamb", precision="fp32", lr=0.01, scaling="sqrt"),
+}
+# the same for every run (weight decay 5e-4, momentum 0.9, LARS eta 0.001: train's defaults)
+COMMON = dict(model=MODEL, schedule="poly", checkpoint_every=0)
+WARMUP_FRACTION = 1 / 8
+FULL = dict(epochs=16, seeds=3)
+QUICK = dict(epochs=4, seeds=1)
+
+
+class StudyError(ValueError):
+    """An option or input the study cannot work with, found before any run."""
+
+
+# ----- the grid -----
+def batch_sizes(num_train, quick=False):
+    """Powers of two from SMALLEST_BATCH up to the largest leaving MIN_STEPS steps an
+    epoch; quick: the smallest, a middle one and the largest."""
+    sizes = []
+    batch = SMALLEST_BATCH
+    while num_train // batch >= MIN_STEPS:
+        sizes.append(batch)
+        batch *= 2
+    if quick and len(sizes) > 3:
+        sizes = [sizes[0], sizes[len(sizes) // 2], sizes[-1]]
+    return sizes
+
+
+def peak_lr(config, batch):
+    c = CONFIGS[config]
+    ratio = batch / SMALLEST_BATCH
+    return c["lr"] * (ratio if c["scaling"] == "linear" else math.sqrt(ratio))
+
+
+def train_options(config, batch, seed, epochs, data, run_dir):
+    """The `train` options of one run, as flag -> value."""
+    c = CONFIGS[config]
+    options = dict(COMMON, data=data, batch_size=batch, seed=seed, epochs=epochs,
+                   eval_every=epochs, warmup_epochs=epochs * WARMUP_FRACTION,
+                   optimizer=c["optimizer"], precision=c["precision"], run_dir=run_dir)
+    if c["scaling"] == "linear":        # the trainer applies the rule itself
+        options.update(lr=c["lr"], lr_ref_batch=SMALLEST_BATCH)
+    else:
+        options["lr"] = float(f"{peak_lr(config, batch):.6g}")     # as the flag writes it
+    return options
+
+
+def flags(options):
+    """train's command line for `options` (True / False: --flag / --no-flag)."""
+    line = []
+    for key, value in options.items():
+        flag = key.replace("_", "-")
+        if isinstance(value, bool):
+            line.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            line += [f"--{flag}", f"{value:g}" if isinstance(value, float) else str(value)]
+    return line
+
+
+# ----- checks before any run -----
+def check_inputs(data, val_data, data_dir, out):
+    """(training file, number of training images, number of classes); refuses
+    (StudyError) a data file that is missing or not mpitrain's format, too few images
+    and an --out that cannot be written, before anything is written."""
+    from mpitrain.checks import PRESETS, describe_file
+    from mpitrain.datasets import convert
+    from mpitrain.datasets.h5format import FormatError
+    if find_spec("matplotlib") is None:
+        raise StudyError("the study plots its results with matplotlib: pip install matplotlib "
+                         "(or pip install -e '.[plot]' in the checkout)")
+    if data in PRESETS:
+        train_file = os.path.join(data_dir, PRESETS[data]["train"])
+    else:
+        train_file = data
+        for what, path in (("--data", data), ("--val-data" if val_data else "the validation "
+                                              "file of --data", val_data or convert.val_path(data))):
+            if not os.path.isfile(path):
+                raise StudyError(f"{what} {path} does not exist; make it with "
+                                 f"`python -m mpitrain convert ...` (which writes FILE and "
+                                 f"FILE_val.h5) or name it with --val-data, or leave --data "
+                                 f"out for the bundled digits")
+    problem = writable_problem(out)
+    if problem:
+        raise StudyError(problem)
+    if data in PRESETS and not os.path.exists(train_file):
+        print(f"study: converting {data} into {data_dir}/", flush=True)
+        getattr(convert, PRESETS[data]["convert"])(data_dir)
+    try:
+        num_train, classes, _ = describe_file(train_file)
+    except FormatError as e:
+        raise StudyError(str(e)) from None
+    if len(batch_sizes(num_train)) < 2:
+        raise StudyError(f"{train_file} has {num_train} training images: the study needs at "
+                         f"least {MIN_STEPS * SMALLEST_BATCH * 2} to compare two batch sizes")
+    return train_file, num_train, len(classes)
+
+
+def writable_problem(out):
+    """Why --out cannot hold the results (None: it can), without creating it."""
+    target = os.path.abspath(out)
+    if os.path.exists(target):
+        if not os.path.isdir(target):
+            return f"--out {out} is a file, not a directory; choose another name"
+        return None if os.access(target, os.W_OK | os.X_OK) else \
+            f"--out {out} is not writable; choose another directory"
+    parent = os.path.dirname(target)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        return f"--out {out} cannot be created ({parent} is not a writable directory); " \
+               f"choose another directory"
+    return None
+
+
+# ----- running -----
+class Launcher:
+    """Starts `train` runs as MPI jobs of `ranks_per_run` ranks through the venv's
+    mpiexec, each rank with `threads` threads."""
+
+    def __init__(self, ranks_per_run, threads):
+        from mpitrain.launcher import find_mpiexec, job_environment, launch_options, mpiexec_family
+        mpiexec = find_mpiexec()
+        if mpiexec is None:
+            raise StudyError("no mpiexec found: run ./launch.sh setup")
+        family = mpiexec_family(mpiexec)
+        self.prefix = [mpiexec, *launch_options(ranks_per_run, family), "-np",
+                       str(ranks_per_run), sys.executable, "-m", "mpitrain", "train"]
+        self.env = job_environment(family, threads)
+        self.threads = {k: self.env[k] for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                                 "NUMBA_NUM_THREADS")}
+
+    def command(self, options):
+        return self.prefix + flags(options)
+
+    def shell_line(self, options):
+        """The command as one shell line, with its thread variables."""
+        return " ".join(f"{k}={v}" for k, v in self.threads.items()) + " " + \
+            shlex.join(self.command(options))
+
+    def start(self, options, log):
+        with open(log, "w") as out:
+            return subprocess.Popen(self.command(options), stdout=out, stderr=subprocess.STDOUT,
+                                    env=self.env)
+
+
+def run_name(config, batch, seed):
+    return f"{config}-b{batch}-s{seed}"
+
+
+def read_result(run_dir, log, status):
+    """{top1, steps, skipped_steps} of a finished run, or {diverged: True} for one that
+    stopped on a non-finite or exploding loss. Raises RuntimeError for any other failure."""
+    from mpitrain.metrics import read_metrics
+    evals = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+             if r.get("kind") == "eval"] if os.path.exists(os.path.join(run_dir, "metrics.jsonl")) \
+        else []
+    if status == 0 and evals:
+        last = evals[-1]
+        return dict(top1=last["top1"], steps=last["global_step"],
+                    skipped_steps=last.get("skipped_steps", 0))
+    with open(log) as f:
+        text = f.read()
+    if status != 0 and "training diverged" in text:
+        return dict(diverged=True)
+    raise RuntimeError(f"run {run_dir} failed (exit status {status}); its output, "
+                       f"{log}, ends:\n{text[-2000:]}")
+
+
+def clock(seconds):
+    seconds = int(seconds)
+    return f"{seconds // 60}:{seconds % 60:02d}"
+
+
+def time_left(took, pending, running, parallel):
+    """Seconds until the last run ends, were each to take as long as the runs of its batch
+    size have taken so far (as the runs of any size, before one of its size has ended).
+    took: {name: (batch, seconds)}; pending: the options of runs not started; running:
+    (options, seconds so far) of those under way."""
+    def guess(options):
+        same = [t for b, t in took.values() if b == options["batch_size"]]
+        return sum(same or [t for _, t in took.values()]) / len(same or took)
+    work = sum(map(guess, pending)) + sum(max(0.0, guess(o) - t) for o, t in running)
+    return work / parallel
+
+
+def run_all(runs, launcher, parallel, say=print):
+    """Run every (name, options) of `runs`, `parallel` at a time; returns {name: result}.
+    Prints a line as each run ends: runs and points done, elapsed time, estimated time left."""
+    points = {}
+    for name, _ in runs:
+        points.setdefault(name.rsplit("-s", 1)[0], []).append(name)
+    pending, running, results, took = list(runs), {}, {}, {}
+    start = time.monotonic()
+    try:
+        while pending or running:
+            while pending and len(running) < parallel:
+                name, options = pending.pop(0)
+                os.makedirs(options["run_dir"], exist_ok=True)
+                stale = os.path.join(options["run_dir"], "metrics.jsonl")
+                if os.path.exists(stale):       # a previous study's run of the same name
+                    os.remove(stale)
+                log = os.path.join(options["run_dir"], "log.txt")
+                running[name] = (launcher.start(options, log), options, log, time.monotonic())
+            time.sleep(0.2)
+            for name, (proc, options, log, began) in list(running.items()):
+                status = proc.poll()
+                if status is None:
+                    continue
+                del running[name]
+                results[name] = result = read_result(options["run_dir"], log, status)
+                took[name] = (options["batch_size"], time.monotonic() - began)
+                done = len(results)
+                elapsed = time.monotonic() - start
+                eta = time_left(took, [o for _, o in pending],
+                                [(o, time.monotonic() - b) for _, o, _, b in running.values()],
+                                parallel)
+                finished = sum(all(n in results for n in names) for names in points.values())
+                outcome = "diverged" if result.get("diverged") else f"top-1 {result['top1']:.1%}"
+                say(f"[{done}/{len(runs)} runs, {finished}/{len(points)} points] {name}: "
+                    f"{outcome} ({time.monotonic() - began:.0f} s); elapsed {clock(elapsed)}, "
+                    f"left about {clock(eta)}", flush=True)
+    finally:
+        for proc, *_ in running.values():       # interrupted: end the jobs still running
+            proc.terminate()
+        for proc, *_ in running.values():
+            proc.wait()
+    return results
+
+
+# ----- the outputs -----
+def summarise(grid, results):
+    """One row per (batch, config): mean and spread of top-1 over its seeds."""
+    rows = []
+    for (config, batch), names in grid.items():
+        done = [results[n] for n in names if not results[n].get("diverged")]
+        accs = [r["top1"] for r in done]
+        mean = sum(accs) / len(accs) if accs else float("nan")
+        sd = math.sqrt(sum((a - mean) ** 2 for a in accs) / (len(accs) - 1)) \
+            if len(accs) > 1 else float("nan")
+        c = CONFIGS[config]
+        rows.append(dict(config=config, batch=batch, optimizer=c["optimizer"],
+                         precision=c["precision"], peak_lr=peak_lr(config, batch),
+                         steps=done[0]["steps"] if done else None,
+                         top1_mean=mean, top1_sd=sd, runs=len(names),
+                         diverged=len(names) - len(done), top1_runs=accs,
+                         skipped_steps=[r["skipped_steps"] for r in done]))
+    rows.sort(key=lambda r: (r["batch"], list(CONFIGS).index(r["config"])))
+    return rows
+
+
+def table_csv(rows):
+    out = io.StringIO()
+    fields = ["batch", "config", "optimizer", "precision", "peak_lr", "steps", "top1_mean",
+              "top1_sd", "runs", "diverged", "top1_runs", "skipped_steps"]
+    writer = csv.DictWriter(out, fields, lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({**{k: r[k] for k in fields},
+                         "peak_lr": f"{r['peak_lr']:.4g}",
+                         "top1_mean": f"{r['top1_mean']:.4f}", "top1_sd": f"{r['top1_sd']:.4f}",
+                         "top1_runs": " ".join(f"{a:.4f}" for a in r["top1_runs"]),
+                         "skipped_steps": " ".join(map(str, r["skipped_steps"]))})
+    return out.getvalue()
+
+
+def table_markdown(rows):
+    lines = ["| batch | recipe | optimizer | precision | peak lr | steps | top-1 (mean ± sd) "
+             "| runs | skipped fp16 steps |",
+             "|---:|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        top1 = "—" if math.isnan(r["top1_mean"]) else f"{r['top1_mean']:.1%}" + \
+            ("" if math.isnan(r["top1_sd"]) else f" ± {r['top1_sd']:.1%}")
+        runs = f"{r['runs']}" + (f" ({r['diverged']} diverged)" if r["diverged"] else "")
+        skipped = ", ".join(map(str, r["skipped_steps"])) if r["precision"] == "fp16" else "—"
+        lines.append(f"| {r['batch']} | {r['config']} | {r['optimizer']} | {r['precision']} | "
+                     f"{r['peak_lr']:.4g} | {r['steps'] if r['steps'] is not None else '—'} | "
+                     f"{top1} | {runs} | {skipped} |")
+    return "\n".join(lines) + "\n"
+
+
+def recipe_markdown(epochs):
+    lines = [f"Every run: {MODEL}, {epochs} epochs, linear warm-up over the first "
+             f"{epochs * WARMUP_FRACTION:g} epochs, then polynomial decay (power 2) to 0; "
+             f"momentum 0.9 (SGD, LARS), weight decay 5e-4 (not on biases and BatchNorm), "
+             f"LARS eta 0.001, LAMB betas 0.9/0.999; fp16 runs: dynamic loss scaling from 2^16.",
+             "", "| recipe | optimizer | precision | peak lr at batch B |", "|---|---|---|---|"]
+    for name, c in CONFIGS.items():
+        rule = f"{c['lr']:g} × B / {SMALLEST_BATCH}" if c["scaling"] == "linear" \
+            else f"{c['lr']:g} × sqrt(B / {SMALLEST_BATCH})"
+        lines.append(f"| {name} | {c['optimizer']} | {c['precision']} | {rule} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_whole(path, text):
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def write_outputs(out, rows, lines, study_command, epochs, num_train, num_classes, data,
+                  seconds):
+    from mpitrain.plot import plot_batch_study
+    header = (f"`{study_command}`: {MODEL} on {data} ({num_train} training images), "
+              f"{epochs} epochs at every batch, {clock(seconds)} (min:s) in all.\n")
+    write_whole(os.path.join(out, "results.md"),
+                f"# Large-batch study\n\n{header}\n{table_markdown(rows)}\n## Recipe\n\n"
+                f"{recipe_markdown(epochs)}")
+    write_whole(os.path.join(out, "results.csv"), table_csv(rows))
+    write_whole(os.path.join(out, "commands.sh"),
+                f"#!/bin/sh\n# Every run of: {study_command}\n# (in {os.getcwd()}); "
+                f"each line is one point's run, ending with its top-1.\n"
+                + "".join(f"{line}\n" for line in lines))
+    plot_batch_study(rows, os.path.join(out, "accuracy.png"),
+                     f"{MODEL}, {num_train} training images, {epochs} epochs", 1 / num_classes)
+
+
+def large_batch(data="digits", data_dir="data", out="runs/study-large-batch", quick=False,
+                epochs=None, seeds=None, ranks=None, ranks_per_run=1, augment=None,
+                val_data=None, argv=(), say=print):
+    """The study (see the module docstring); returns the table's rows."""
+    from mpitrain.checks import PRESETS
+    from mpitrain.launcher import cores
+    mode = QUICK if quick else FULL
+    epochs, seeds = epochs or mode["epochs"], seeds or mode["seeds"]
+    ranks = ranks or cores()
+    if SMALLEST_BATCH % ranks_per_run:
+        raise StudyError(f"--ranks-per-run {ranks_per_run} does not divide the smallest batch "
+                         f"{SMALLEST_BATCH}; use 1, 2, 4, 8, 16 or 32")
+    if ranks < ranks_per_run:
+        raise StudyError(f"--ranks {ranks} is fewer than --ranks-per-run {ranks_per_run}")
+    train_file, num_train, num_classes = check_inputs(data, val_data, data_dir, out)
+    parallel = ranks // ranks_per_run
+    launcher = Launcher(ranks_per_run, max(1, cores() // ranks))
+    batches = batch_sizes(num_train, quick)
+    grid, runs = {}, []
+    for batch in batches:
+        for config in CONFIGS:
+            for seed in range(seeds):
+                name = run_name(config, batch, seed)
+                options = train_options(config, batch, seed, epochs, data,
+                                        os.path.join(out, "runs", name))
+                if data in PRESETS:
+                    options["data_dir"] = data_dir
+                if val_data:
+                    options["val_data"] = val_data
+                if augment is not None:
+                    options["augment"] = augment
+                grid.setdefault((config, batch), []).append(name)
+                runs.append((name, options))
+    study_command = shlex.join(["python", "-m", "mpitrain", "study", "large-batch", *argv])
+    say(f"study: {len(batches)} batch sizes ({', '.join(map(str, batches))}) x "
+        f"{len(CONFIGS)} recipes ({', '.join(CONFIGS)}) x {seeds} seed(s) = {len(runs)} runs "
+        f"of {epochs} epochs on {train_file} ({num_train} images); {parallel} run(s) at once "
+        f"of {ranks_per_run} rank(s), {launcher.threads['OMP_NUM_THREADS']} thread(s) a rank",
+        flush=True)
+    start = time.monotonic()
+    results = run_all(runs, launcher, parallel, say)
+    seconds = time.monotonic() - start
+    rows = summarise(grid, results)
+    lines = []
+    for name, options in runs:
+        r = results[name]
+        lines.append(launcher.shell_line(options) + "  # " +
+                     ("diverged" if r.get("diverged") else f"top-1 {r['top1']:.4f}"))
+    write_outputs(out, rows, lines, study_command, epochs, num_train, num_classes, data, seconds)
+    say(table_markdown(rows), flush=True)
+    say(f"study: {len(runs)} runs in {clock(seconds)} (min:s); wrote results.md, results.csv, "
+        f"accuracy.png and commands.sh in {out}", flush=True)
+    return rows

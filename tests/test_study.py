@@ -1,0 +1,134 @@
+"""`python -m mpitrain study large-batch`: its grid and learning rates, the train command
+line of a run, the table's statistics, refused inputs, and the --quick study end to end
+(every recipe at every batch, a run re-made bit for bit from commands.sh)."""
+import csv
+import math
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from mpitrain import study
+from mpitrain.cli import build_parser
+import launcher
+
+
+def test_batch_sizes_are_powers_of_two_leaving_two_steps_an_epoch():
+    assert study.batch_sizes(1438) == [32, 64, 128, 256, 512]      # 1438 // 512 = 2 steps
+    assert study.batch_sizes(1023) == [32, 64, 128, 256]           # 1023 // 512 = 1 step
+    assert study.batch_sizes(1438, quick=True) == [32, 128, 512]
+    assert study.batch_sizes(64) == [32]
+    assert study.batch_sizes(63) == []
+
+
+def test_peak_learning_rates_follow_each_recipes_rule():
+    assert study.peak_lr("sgd", 32) == pytest.approx(0.1)
+    assert study.peak_lr("sgd", 512) == pytest.approx(1.6)              # linear: x 16
+    assert study.peak_lr("lars", 512) == pytest.approx(4.0)             # sqrt: x 4
+    assert study.peak_lr("lars-fp16", 128) == pytest.approx(2.0)
+    assert study.peak_lr("lamb", 512) == pytest.approx(0.04)
+
+
+def test_a_runs_options_survive_trains_command_line():
+    """The flags of each recipe's run parse back (through train's own parser) into the
+    options the study meant, and the trainer's lr after its scaling rule is the table's."""
+    from mpitrain.optim import scaled_lr
+    for config in study.CONFIGS:
+        options = study.train_options(config, 256, 2, 16, "digits", "runs/x")
+        options["augment"] = False
+        args = vars(build_parser().parse_args(["train", *study.flags(options)]))
+        for key, value in options.items():
+            assert args[key] == value, (config, key)
+        assert args["warmup_epochs"] == 2.0
+        assert scaled_lr(args["lr"], 256, args["lr_ref_batch"]) == \
+            pytest.approx(study.peak_lr(config, 256), rel=1e-5)   # 6 digits on the command line
+
+
+def test_summary_mean_and_sample_sd_over_seeds_leave_diverged_runs_out():
+    grid = {("sgd", 64): ["a", "b", "c"], ("lamb", 32): ["d", "e"]}
+    results = {"a": dict(top1=0.5, steps=10, skipped_steps=0),
+               "b": dict(top1=0.7, steps=10, skipped_steps=0),
+               "c": dict(diverged=True),
+               "d": dict(top1=0.9, steps=20, skipped_steps=1),
+               "e": dict(top1=0.8, steps=20, skipped_steps=3)}
+    lamb, sgd = study.summarise(grid, results)                 # sorted by batch
+    assert (sgd["batch"], sgd["runs"], sgd["diverged"]) == (64, 3, 1)
+    assert sgd["top1_mean"] == pytest.approx(0.6)
+    assert sgd["top1_sd"] == pytest.approx(math.sqrt(0.02))     # (0.1^2 + 0.1^2) / (2 - 1)
+    assert lamb["skipped_steps"] == [1, 3] and lamb["steps"] == 20
+    table = study.table_markdown([lamb, sgd])
+    assert "| 64 | sgd | sgd | fp32 | 0.2 | 10 | 60.0% ± 14.1% | 3 (1 diverged) | — |" in table
+
+
+def test_time_left_guesses_each_run_from_runs_of_its_batch_size():
+    took = {"a": (32, 100.0), "b": (32, 80.0), "c": (64, 50.0)}
+    pending = [{"batch_size": 32}, {"batch_size": 128}]      # 90 s; 128: the mean of all, 230 / 3
+    running = [({"batch_size": 64}, 20.0)]                    # 50 - 20 s left
+    assert study.time_left(took, pending, running, 2) == pytest.approx((90 + 230 / 3 + 30) / 2)
+    assert study.time_left(took, [], [({"batch_size": 32}, 120.0)], 2) == 0.0
+
+
+def run_study(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "mpitrain", "study", "large-batch", *args],
+                          capture_output=True, text=True, timeout=timeout,
+                          env=launcher.environment())
+
+
+def test_missing_or_foreign_data_file_is_refused_with_nothing_written(tmp_path):
+    out = tmp_path / "out"
+    r = run_study("--data", str(tmp_path / "nope.h5"), "--out", str(out), "--quick")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "nope.h5 does not exist" in r.stderr and "mpitrain convert" in r.stderr
+    assert not out.exists()
+    for name in ("text.h5", "text_val.h5"):
+        (tmp_path / name).write_text("not HDF5")
+    r = run_study("--data", str(tmp_path / "text.h5"), "--out", str(out), "--quick")
+    assert r.returncode == 2 and "cannot be opened as HDF5" in r.stderr, r.stderr
+    assert not out.exists()
+
+
+def test_unwritable_out_is_refused_with_nothing_written(tmp_path):
+    (tmp_path / "file").write_text("")
+    r = run_study("--out", str(tmp_path / "file" / "out"), "--quick",
+                  "--data-dir", str(tmp_path / "data"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "cannot be created" in r.stderr
+    r = run_study("--out", str(tmp_path / "file"), "--quick", "--data-dir", str(tmp_path / "data"))
+    assert r.returncode == 2 and "is a file, not a directory" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]      # digits not converted
+
+
+@pytest.mark.launches
+def test_quick_study_end_to_end(tmp_path):
+    out = tmp_path / "out"
+    r = run_study("--quick", "--out", str(out), "--data-dir", str(tmp_path / "data"),
+                  timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"\[12/12 runs, 12/12 points\] .* left about 0:00", r.stdout)
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {(int(r["batch"]), r["config"]) for r in rows} == \
+        {(b, c) for b in (32, 128, 512) for c in study.CONFIGS}
+    for row in rows:
+        assert 0.0 <= float(row["top1_mean"]) <= 1.0, row
+        assert int(row["steps"]) == 4 * (1438 // int(row["batch"]))
+    sgd32 = next(r for r in rows if r["config"] == "sgd" and r["batch"] == "32")
+    assert float(sgd32["top1_mean"]) > 0.8                     # chance: 0.1
+    markdown = (out / "results.md").read_text()
+    assert markdown.count("\n| 512 |") == 4 and "lars-fp16" in markdown
+    assert (out / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(out.glob("*.tmp*"))
+    # every run's command, and one of them re-made: the same top-1, bit for bit
+    lines = [x for x in (out / "commands.sh").read_text().splitlines() if not x.startswith("#")]
+    assert len(lines) == 12 and all("-m mpitrain train" in x for x in lines)
+    line = next(x for x in lines if "lamb-b512-s0" in x)
+    command, top1 = line.split("  # top-1 ")
+    rerun = tmp_path / "rerun"
+    command = command.replace(shlex.quote(str(out / "runs" / "lamb-b512-s0")), str(rerun))
+    r = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=300,
+                       env=launcher.environment())
+    assert r.returncode == 0, r.stdout + r.stderr
+    evals = [x for x in (rerun / "metrics.jsonl").read_text().splitlines() if '"eval"' in x]
+    assert f"{float(re.search(r'top1.: ([0-9.]+)', evals[-1]).group(1)):.4f}" == top1
