@@ -87,3 +87,25 @@ def installed_mpi(prefix=None):
     except OSError:
         return None
     return record if record.get("mpiexec") else None
+
+
+# ----- starting a job on this host from Python (simulate --calibrate, the tests) -----
+def find_mpiexec():
+    """The mpiexec launch.sh recorded for this venv, else the one beside this Python (the
+    mpich wheel), else the one on PATH; None when there is none."""
+    import shutil
+    record = installed_mpi()
+    if record and os.path.exists(record["mpiexec"]):
+        return record["mpiexec"]
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return here if os.path.exists(here) else shutil.which("mpiexec")
+
+
+def mpiexec_options(ranks, family):
+    """The options `ranks` ranks on this host need under `family` ("mpich" or "openmpi"):
+    Open MPI's mpirun without binding (each rank's threads share the cores, as under
+    MPICH) and with more ranks than cores allowed, as launch.sh gives."""
+    if family != "openmpi":
+        return []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return ["--bind-to", "none"] + (["--oversubscribe"] if ranks > cores else [])

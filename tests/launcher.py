@@ -17,7 +17,6 @@ statuses mpitrain promises, and what the launchers report for them only as READM
 """
 import functools
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,18 +25,15 @@ from pathlib import Path
 
 import pytest
 
-from mpitrain.launcher import installed_mpi, mpi_family, outside_environment
+from mpitrain.launcher import (find_mpiexec, installed_mpi, mpi_family, mpiexec_options,
+                               outside_environment)
 
 
 @functools.lru_cache(maxsize=None)
 def mpiexec():
     """The mpiexec launch.sh recorded for this venv, else the one beside this Python (the
     mpich wheel), else the one on PATH."""
-    record = installed_mpi()
-    if record and os.path.exists(record["mpiexec"]):
-        return record["mpiexec"]
-    here = Path(sys.executable).parent / "mpiexec"
-    found = str(here) if here.exists() else shutil.which("mpiexec")
+    found = find_mpiexec()
     if found is None:
         pytest.fail("no mpiexec: run ./launch.sh setup")
     return found
@@ -66,9 +62,7 @@ def cores():
 def options(ranks):
     """The launcher's options for `ranks` ranks on this host. Open MPI: no binding (each
     rank's threads share the cores, as under MPICH) and more ranks than cores allowed."""
-    if family() != "openmpi":
-        return []
-    return ["--bind-to", "none"] + (["--oversubscribe"] if ranks > cores() else [])
+    return mpiexec_options(ranks, family())
 
 
 def command(ranks, *argv):
