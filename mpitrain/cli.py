@@ -296,6 +296,8 @@ def build_parser():
     comm.add_argument("--repeats", type=positive_int, default=5, help="timed runs (median)")
     comm.add_argument("--ranks-per-node", type=positive_int, metavar="K")
     comm.add_argument("--no-sweep", action="store_true", help="skip the buffer-size sweep")
+    comm.add_argument("--wires", choices=["fp32,fp16", "fp32", "fp16"], default="fp32,fp16",
+                      help="dtypes of the values on the wire")
     comm.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     check = commands.add_parser(
         "check-gpu", help="prove the GPU path on this machine (tests, CPU-vs-GPU step, NCCL, "
@@ -430,7 +432,7 @@ def add_simulate(commands, models, D):
                      help="where --calibrate writes calibration.json and the benchmarks' output")
     cal.add_argument("--max-ranks", type=_number(int, 2, 16), default=4,
                      help="largest rank count measured")
-    cal.add_argument("--steps", type=positive_int, default=3, help="timed bench steps per run")
+    cal.add_argument("--steps", type=positive_int, default=5, help="timed bench steps per run")
     cal.add_argument("--warmup", type=positive_int, default=1,
                      help="untimed bench steps first (the first compiles and allocates)")
     cal.add_argument("--repeats", type=positive_int, default=3, help="bench comm repeats")
@@ -675,4 +677,4 @@ def main(argv=None):
         from mpitrain.bench.comm import MiB, run
         run(args.model, tuple(args.algorithms.split(",")),
             tuple(int(f) * MiB for f in args.fusion_mib.split(",")), args.repeats,
-            args.ranks_per_node, not args.no_sweep, args.json)
+            args.ranks_per_node, not args.no_sweep, args.json, wires=tuple(args.wires.split(",")))

@@ -468,6 +468,9 @@ def format_sweep(r, algorithms):
 # ----------------------------------------------------------------------------
 # Calibration against this host
 # ----------------------------------------------------------------------------
+FIT_RANGE = 16      # calibrate fits buffers from threshold / FIT_RANGE up
+
+
 def fit_link(algorithm, p, sizes, seconds):
     """The Link (α, β) whose allreduce_time(algorithm, n, p on one node) fits the measured
     `seconds` for buffers of `sizes` bytes best in relative terms (least squares of
@@ -526,7 +529,7 @@ def calibrate(args):
                  str(batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
                  "--fusion-threshold", str(args.fusion_threshold), "--allreduce", "hybrid"]
     comm_args = ["bench", "comm", "--model", model, "--fusion-mib", "4", "--repeats",
-                 str(args.repeats), "--algorithms", ",".join(ALGORITHMS)]
+                 str(args.repeats), "--algorithms", ",".join(ALGORITHMS), "--wires", "fp32"]
     began = time.monotonic()
     print(f"simulate --calibrate: {model} at {size}x{size}, batch {batch} per rank, 1 to {top} "
           f"ranks on this host ({cores} cores); output in {args.out}", flush=True)
@@ -548,7 +551,9 @@ def calibrate(args):
                            for k in ("forward_loss", "backward", "update")])
     links = {a: {} for a in ALGORITHMS}
     for p, r in comm.items():
-        rows = [s for s in r["sweep"] if s["wire"] == "fp32"]
+        # the sizes buckets have: caches make smaller buffers cheaper per byte than the
+        # buckets, which live in memory
+        rows = [s for s in r["sweep"] if s["bytes"] >= args.fusion_threshold // FIT_RANGE]
         for a in ALGORITHMS:
             fit = fit_link(a, p, [s["bytes"] for s in rows], [s[a] * 1e-3 for s in rows])
             links[a][str(p)] = dict(alpha=fit.alpha, beta=fit.beta)

@@ -78,11 +78,9 @@ def test_overlap_exposes_what_runs_past_backward(ready, times, expected):
     assert exposed_comm(1.0, 3.0, ready, times, overlap=False) == pytest.approx(sum(times))
 
 
-def test_buckets_are_the_codes_own_schedule():
-    threshold = 64 << 10
-    work = gradient_buckets("resnet_small", threshold, image_size=32, num_classes=10)
+def test_buckets_are_the_codes_own_schedule(work):
     model = build_model("resnet_small", num_classes=10)
-    assert work.bounds == bucket_bounds(model.arena, threshold)
+    assert work.bounds == bucket_bounds(model.arena, 64 << 10)
     assert len(work.bounds) > 3
     assert work.params.sum() == model.num_params()
     assert (work.elements >= work.params).all()          # padding inside a bucket travels too
@@ -98,12 +96,12 @@ def test_resnet50_gradients_and_work_come_from_the_code():
     assert work.bounds == bucket_bounds(build_model("resnet50").arena, 4 << 20)
 
 
-def _small_workload():
+@pytest.fixture(scope="module")
+def work():
     return gradient_buckets("resnet_small", 64 << 10, image_size=32, num_classes=10)
 
 
-def test_sweep_efficiency_is_at_most_one_and_falls_for_the_flat_ring():
-    work = _small_workload()
+def test_sweep_efficiency_is_at_most_one_and_falls_for_the_flat_ring(work):
     ranks = sweep_ranks(8)
     assert ranks == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
     net = Link.of(5, 100e9 / 8)
@@ -117,8 +115,7 @@ def test_sweep_efficiency_is_at_most_one_and_falls_for_the_flat_ring():
             assert eff[-1] < 0.9
 
 
-def test_hybrid_is_never_slower_than_any_algorithm():
-    work = _small_workload()
+def test_hybrid_is_never_slower_than_any_algorithm(work):
     net = Link.of(5, 25e9 / 8)
     for p in (2, 8, 64, 1024):
         cluster = Cluster(DEVICES["p40"], p, 8, net)
