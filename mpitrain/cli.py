@@ -392,8 +392,8 @@ def add_simulate(commands, models, D):
     sim.add_argument("--ranks", type=positive_int, default=1024, metavar="N",
                      help="ranks (devices) in the job")
     sim.add_argument("--ranks-per-node", type=positive_int, metavar="K",
-                     help="ranks sharing a node's link (default: the device's usual node, "
-                          "8 GPUs or this host's 2 cores)")
+                     help="ranks sharing a node's link; not given: the device's usual node, "
+                          "8 GPUs or this host's 2 cores")
     sim.add_argument("--device", choices=sorted(DEVICES), default="p40",
                      help="each rank's device (throughputs and links: docs/scaling.md)")
     sim.add_argument("--network", type=positive_float, default=100.0, metavar="GBPS",
@@ -413,9 +413,9 @@ def add_simulate(commands, models, D):
     sim.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                      help="sum the buckets during backward (--overlap) or after it")
     sim.add_argument("--batch-per-rank", type=positive_int, metavar="B",
-                     help="images per rank per step (default: 32; 8 with --calibrate)")
+                     help="images per rank per step; not given: 32, or 8 with --calibrate")
     sim.add_argument("--image-size", type=positive_int,
-                     help="input size (default: 224; 64 with --calibrate)")
+                     help="input size; not given: 224, or 64 with --calibrate")
     sim.add_argument("--epochs", type=positive_float, default=90.0,
                      help="epochs of ImageNet-1k for the time-to-train column")
     sim.add_argument("--sweep", action="store_true",
@@ -432,7 +432,7 @@ def add_simulate(commands, models, D):
                      help="where --calibrate writes calibration.json and the benchmarks' output")
     cal.add_argument("--max-ranks", type=_number(int, 2, 16), default=4,
                      help="largest rank count measured")
-    cal.add_argument("--steps", type=positive_int, default=5, help="timed bench steps per run")
+    cal.add_argument("--steps", type=positive_int, default=3, help="timed bench steps per run")
     cal.add_argument("--warmup", type=positive_int, default=1,
                      help="untimed bench steps first (the first compiles and allocates)")
     cal.add_argument("--repeats", type=positive_int, default=3, help="bench comm repeats")

@@ -536,8 +536,10 @@ def calibrate(args):
     try:
         one = {t: _bench(step_args, 1, args.out, f"step-1rank-{t}thread", threads=t)
                for t in sorted({1, cores})}
-        comm = {p: _bench(comm_args, p, args.out, f"comm-{p}ranks") for p in range(2, top + 1)}
-        step = {p: _bench(step_args, p, args.out, f"step-{p}ranks") for p in range(2, top + 1)}
+        comm, step = {}, {}
+        for p in range(2, top + 1):     # each rank count's two runs close together in time
+            comm[p] = _bench(comm_args, p, args.out, f"comm-{p}ranks")
+            step[p] = _bench(step_args, p, args.out, f"step-{p}ranks")
     except RuntimeError as e:
         sys.exit(f"python -m mpitrain simulate --calibrate: error: {e}")
 
@@ -599,35 +601,23 @@ def compare(work, cal, one, comm, step, batch):
         lines.append(f"{p:>5} " + " ".join(f"{c:>24}" for c in cells))
 
     lines += ["", f"training step (bench step, {len(work.bounds)} buckets, hybrid, after backward; "
-                  f"median ms). N ranks: compute re-anchored on the 1-rank step measured in the "
-                  f"same run (load x):",
-              f"{'ranks':>5} {'load x':>7} {'step pred':>10} {'step meas':>10} {'off':>6} "
+                  f"median ms):",
+              f"{'ranks':>5} {'step pred':>10} {'step meas':>10} {'off':>6} "
               f"{'all-reduce pred':>16} {'meas':>8} {'off':>6}  hybrid picks"]
-    one_pred = predict(work, Cluster(device, 1, 1, net, cal), "hybrid", batch)["step"] * 1e3
     for p in [1, *step]:
-        if p == 1:      # the calibration's own C-thread run against bench step's 1-rank steps
-            load = 1.0
+        if p == 1:      # bench step's own 1-rank steps (with all the cores' threads)
             meas_step = float(np.median([s["one_rank"]["step_ms"] for s in step.values()
                                          if s["one_rank"]["threads"] == cores]))
             meas_comm = 0.0
         else:
-            load = step[p]["one_rank"]["step_ms"] / one_pred
             meas_step = step[p]["no_overlap"]["step_ms"]
             meas_comm = step[p]["no_overlap"]["comm_total_ms"]
-        pred = predict(work, Cluster(device, p, p, net, _slowed(cal, load)), "hybrid", batch,
-                       overlap=False)
-        lines.append(f"{p:>5} {load:>7.2f} {pred['step'] * 1e3:>10.1f} {meas_step:>10.1f} "
+        pred = predict(work, Cluster(device, p, p, net, cal), "hybrid", batch, overlap=False)
+        lines.append(f"{p:>5} {pred['step'] * 1e3:>10.1f} {meas_step:>10.1f} "
                      f"{_off(pred['step'] * 1e3, meas_step):>6} {pred['comm'] * 1e3:>16.1f} "
                      f"{meas_comm:>8.1f} {_off(pred['comm'] * 1e3, meas_comm) if p > 1 else '':>6}  "
                      f"{','.join(pred['chosen']) if p > 1 else ''}")
     return "\n".join(lines)
-
-
-def _slowed(cal, load):
-    """`cal` with its compute rates divided by `load` (the host's other work at the time)."""
-    compute = dict(cal["compute"], macs_per_s={t: r / load
-                                               for t, r in cal["compute"]["macs_per_s"].items()})
-    return dict(cal, compute=compute)
 
 
 def _gbps(beta):
