@@ -62,9 +62,10 @@ The step. Compute time per rank for a batch of B images is
 B * MACs(model) / R, with R the device's rate in forward multiply-adds per second
 (its ResNet-50 images/s times ResNet-50's MACs at 224x224); forward takes 1/3 of it
 and backward 2/3 (two GEMMs per layer against one; the update is folded into the
-published throughput). On a CPU host of C cores, p ranks share it: the per-rank
-rate is that of max(1, C // p) threads, times min(1, C / p) when ranks outnumber
-cores (the compute-sharing term).
+published throughput). On a CPU host of C cores, p ranks share it: without a
+calibration each gets 1/p of the host's rate; with one, the rate measured for
+max(1, C // p) threads, times min(1, C / p) when ranks outnumber cores (the
+compute-sharing term).
 
 Overlap. Backward produces the gradients in arena order; a layer's gradients are
 ready once backward has done its share of the work (its forward MACs over the
@@ -419,6 +420,7 @@ def run(args):
                   tensors=work.tensors, buckets=len(work.bounds), threshold=args.fusion_threshold,
                   comm_dtype=args.comm_dtype, overlap=args.overlap, device=args.device,
                   device_name=device.name, device_source=device.source,
+                  link_source=device.link_source,
                   calibration=args.calibration, ranks_per_node=k, network_gbps=args.network,
                   across=args.across,
                   batch_per_rank=batch, epochs=args.epochs, rows=rows)
@@ -447,7 +449,7 @@ def format_table(r):
         f"backward {first['backward'] * 1e3:.1f} ms, update {first['update'] * 1e3:.1f} ms",
         "",
         f"{'algorithm':<13} {'comm ms':>10} {'exposed ms':>10} {'step ms':>10} "
-        f"{'images/s':>12} {'efficiency':>10} {str(r['epochs']) + ' epochs min':>14}  picks"]
+        f"{'images/s':>12} {'efficiency':>10} {format(r['epochs'], 'g') + ' epochs min':>14}  picks"]
     for row in r["rows"]:
         lines.append(f"{row['algorithm']:<13} {row['comm'] * 1e3:>10.2f} {row['exposed'] * 1e3:>10.2f} "
                      f"{row['step'] * 1e3:>10.2f} {row['images_per_s']:>12,.0f} "
