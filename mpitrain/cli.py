@@ -333,6 +333,8 @@ def build_parser():
     comm.add_argument("--repeats", type=positive_int, default=5, help="timed runs (median)")
     comm.add_argument("--ranks-per-node", type=positive_int, metavar="K")
     comm.add_argument("--no-sweep", action="store_true", help="skip the buffer-size sweep")
+    comm.add_argument("--wires", choices=["fp32,fp16", "fp32", "fp16"], default="fp32,fp16",
+                      help="dtypes of the values on the wire")
     comm.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     comm.add_argument("--densities", default="0.1,0.01", metavar="D,D",
                       help="top-k densities timed against dense sums over the model's "
@@ -409,6 +411,7 @@ def build_parser():
     predict.add_argument("--json", action="store_true", help="print one JSON object")
     predict.set_defaults(command_parser=predict)
     add_study(commands, D)
+    add_simulate(commands, models, D)
     return parser
 
 
@@ -459,6 +462,87 @@ def run_study(args, argv):
         large_batch(args.data, args.data_dir, args.out, args.quick, args.epochs, args.seeds,
                     args.ranks, args.ranks_per_run, args.augment, args.val_data, argv[2:])
     except StudyError as e:
+        args.command_parser.error(str(e))
+
+
+def add_simulate(commands, models, D):
+    """The `simulate` command: the α-β cost model of mpitrain/simulate.py, and its
+    calibration against this host."""
+    from mpitrain.simulate import DEVICES
+    sim = commands.add_parser(
+        "simulate", help="predict step time and scaling of N ranks (alpha-beta cost model)",
+        description="Predict the step time, the communication time of each all-reduce "
+                    "algorithm and the scaling efficiency of data-parallel training on N "
+                    "ranks, from a latency-bandwidth model of each collective, the model's "
+                    "real gradient buckets and the device's published training throughput "
+                    "(formulas: mpitrain/simulate.py; results: docs/scaling.md). "
+                    "--calibrate measures this host instead (bench comm and bench step on "
+                    "1 to --max-ranks ranks) and prints predicted against measured.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sim.add_argument("--model", choices=models, default="resnet50")
+    sim.add_argument("--ranks", type=positive_int, default=1024, metavar="N",
+                     help="ranks (devices) in the job")
+    sim.add_argument("--ranks-per-node", type=positive_int, metavar="K",
+                     help="ranks sharing a node's link; not given: the device's usual node, "
+                          "8 GPUs or this host's 2 cores")
+    sim.add_argument("--device", choices=sorted(DEVICES), default="p40",
+                     help="each rank's device (throughputs and links: docs/scaling.md)")
+    sim.add_argument("--network", type=positive_float, default=100.0, metavar="GBPS",
+                     help="network bandwidth per node, Gbit/s")
+    sim.add_argument("--network-latency", type=nonnegative_float, default=5.0, metavar="US",
+                     help="network latency per message step, microseconds")
+    sim.add_argument("--across", choices=["ring", "tree"], default="ring",
+                     help="the all-reduce spanning nodes: a ring (2(m-1) latency steps, the "
+                          "2018 NCCL) or recursive halving-doubling / NCCL's trees (2 log2 m)")
+    sim.add_argument("--allreduce", choices=["flat", "hierarchical", "2d", "shm", "hybrid", "all"],
+                     default="all", help="algorithm (shm: CPU hosts only; hybrid: the fastest "
+                                         "per bucket)")
+    sim.add_argument("--fusion-threshold", type=positive_int, default=D["fusion_threshold"],
+                     metavar="BYTES", help="gradient bucket size, as train's")
+    sim.add_argument("--comm-dtype", choices=["fp32", "fp16"], default="fp32",
+                     help="gradient dtype on the wire")
+    sim.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                     help="sum the buckets during backward (--overlap) or after it")
+    sim.add_argument("--batch-per-rank", type=positive_int, metavar="B",
+                     help="images per rank per step; not given: 32, or 8 with --calibrate")
+    sim.add_argument("--image-size", type=positive_int,
+                     help="input size; not given: 224, or 64 with --calibrate")
+    sim.add_argument("--epochs", type=positive_float, default=90.0,
+                     help="epochs of ImageNet-1k for the time-to-train column")
+    sim.add_argument("--sweep", action="store_true",
+                     help="scaling efficiency against rank count, 1 to 4,096")
+    sim.add_argument("--calibration", metavar="FILE",
+                     help="with --device cpu: the fit `--calibrate` saved (calibration.json)")
+    sim.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    cal = sim.add_argument_group("--calibrate (runs MPI jobs on this host, a few minutes)")
+    cal.add_argument("--calibrate", action="store_true",
+                     help="measure this host with bench comm and bench step on 1 to --max-ranks "
+                          "ranks, fit alpha and beta per algorithm, print predicted against "
+                          "measured and save the fit in --out")
+    cal.add_argument("--out", default="runs/calibration", metavar="DIR",
+                     help="where --calibrate writes calibration.json and the benchmarks' output")
+    cal.add_argument("--max-ranks", type=_number(int, 2, 16), default=4,
+                     help="largest rank count measured")
+    cal.add_argument("--steps", type=positive_int, default=3, help="timed bench steps per run")
+    cal.add_argument("--warmup", type=positive_int, default=1,
+                     help="untimed bench steps first (the first compiles and allocates)")
+    cal.add_argument("--repeats", type=positive_int, default=3, help="bench comm repeats")
+    sim.set_defaults(command_parser=sim)
+
+
+def run_simulate(args):
+    from mpitrain import simulate
+    if args.calibration and args.device != "cpu":
+        args.command_parser.error("--calibration describes this CPU host: use it with --device cpu")
+    if args.calibrate and (args.sweep or args.calibration):
+        args.command_parser.error("--calibrate measures this host; run --sweep or "
+                                  "--calibration FILE in a separate command")
+    try:
+        if args.calibrate:
+            simulate.calibrate(args)
+        else:
+            simulate.run(args)
+    except ValueError as e:
         args.command_parser.error(str(e))
 
 
@@ -667,6 +751,8 @@ def main(argv=None):
         run(args)
     elif args.command == "study":
         run_study(args, argv)
+    elif args.command == "simulate":
+        run_simulate(args)
     elif args.command == "check-gpu":
         from mpitrain.check_gpu import run
         sys.exit(run(args))
@@ -687,4 +773,5 @@ def main(argv=None):
         from mpitrain.bench.comm import MiB, densities, run
         run(args.model, tuple(args.algorithms.split(",")),
             tuple(int(f) * MiB for f in args.fusion_mib.split(",")), args.repeats,
-            args.ranks_per_node, not args.no_sweep, args.json, densities=densities(args.densities))
+            args.ranks_per_node, not args.no_sweep, args.json, densities=densities(args.densities),
+            wires=tuple(args.wires.split(",")))

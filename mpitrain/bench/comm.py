@@ -99,9 +99,10 @@ def _slices(n, itemsize, fusion_bytes):
 
 def run(model="resnet50", algorithms=("flat", "hierarchical", "2d", "shm", "hybrid"),
         fusion=(1 * MiB, 4 * MiB, 16 * MiB), repeats=5, ranks_per_node=None,
-        sweep=True, json_out=False, mpi_comm=None, densities=(0.1, 0.01)):
-    """Time the all-reduce of `model`'s gradients; rank 0 prints a table (or one JSON
-    object with json_out) and every rank returns the result dict."""
+        sweep=True, json_out=False, mpi_comm=None, densities=(0.1, 0.01), wires=("fp32", "fp16")):
+    """Time the all-reduce of `model`'s gradients with the values on the wire in each of
+    `wires`; rank 0 prints a table (or one JSON object with json_out) and every rank
+    returns the result dict."""
     comm = Communicator(mpi_comm or MPI.COMM_WORLD, ranks_per_node)
     for a in algorithms:
         if a not in ALGORITHMS:
@@ -112,7 +113,7 @@ def run(model="resnet50", algorithms=("flat", "hierarchical", "2d", "shm", "hybr
     p = comm.size
     # zeros: the cost of a sum does not depend on the values, and repeated in-place sums
     # of anything else would overflow (p**k grows past float16 within a few repeats)
-    grads = {"fp32": comm.shared_zeros(n, np.float32), "fp16": comm.shared_zeros(n, np.float16)}
+    grads = {w: comm.shared_zeros(n, {"fp32": np.float32, "fp16": np.float16}[w]) for w in wires}
     bounds = np.concatenate(([0], np.cumsum(sizes)))
     tensors = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
     rows = []
@@ -132,7 +133,7 @@ def run(model="resnet50", algorithms=("flat", "hierarchical", "2d", "shm", "hybr
                              busbw_GBps=round(2 * (p - 1) / p * nbytes / med / 1e9, 3),
                              ran=sorted(set(used.get(name, [name])))))
 
-    for wire in ("fp32", "fp16"):
+    for wire in wires:
         buf = grads[wire]
         modes = [("whole", [slice(0, n)])]
         modes += [(f"fused {f // MiB} MiB", _slices(n, buf.itemsize, f)) for f in fusion]
@@ -144,12 +145,14 @@ def run(model="resnet50", algorithms=("flat", "hierarchical", "2d", "shm", "hybr
                 extra["flat, MPI.FLOAT16_T"] = lambda parts=parts: [
                     comm.world.Allreduce(MPI.IN_PLACE, [buf[s], MPI.FLOAT16_T], op=MPI.SUM) for s in parts]
             measure(mode, wire, buf, parts, extra)
-    # what training pays for fp16 on the wire from an fp32 arena: cast, sum, cast back
-    measure("fused 4 MiB", "fp16+cast", grads["fp32"], _slices(n, 2, 4 * MiB), wire_dtype=np.float16)
+    if set(wires) == {"fp32", "fp16"}:
+        # what training pays for fp16 on the wire from an fp32 arena: cast, sum, cast back
+        measure("fused 4 MiB", "fp16+cast", grads["fp32"], _slices(n, 2, 4 * MiB),
+                wire_dtype=np.float16)
 
     sweep_rows = []
     if sweep:
-        for wire in ("fp32", "fp16"):
+        for wire in wires:
             x = grads[wire]
             for nbytes in [4096 * 4 ** k for k in range(8)]:        # 4 KiB .. 64 MiB
                 count = min(nbytes // x.itemsize, n)
@@ -249,9 +252,11 @@ def main(argv=None):
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--densities", default="0.1,0.01")
+    ap.add_argument("--wires", default="fp32,fp16", help="dtypes on the wire: fp32, fp16 or both")
     a = ap.parse_args(argv)
     run(a.model, tuple(a.algorithms.split(",")), tuple(int(f) * MiB for f in a.fusion_mib.split(",")),
-        a.repeats, a.ranks_per_node, not a.no_sweep, a.json, densities=densities(a.densities))
+        a.repeats, a.ranks_per_node, not a.no_sweep, a.json, densities=densities(a.densities),
+        wires=tuple(a.wires.split(",")))
 
 
 def densities(text):
