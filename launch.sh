@@ -354,7 +354,7 @@ run_tests() {
     local summary=() failed=0 n words select=() what="single-process tests" color=no
     local -A count=([passed]=0 [failed]=0 [skipped]=0 [error]=0)
     echo "launch.sh: MPI $MPI_KIND ($MPI_IMPL: $MPI_LIBRARY), $MPI_EXEC"
-    if [[ $1 == mpi ]]; then select=(-m launches) what="tests that start MPI jobs"; fi
+    if [[ $1 == mpi ]]; then select=(-m "launches and not one_mpi") what="tests that start MPI jobs"; fi
     [[ ! -t 1 ]] || color=yes        # Open MPI gives its ranks a terminal even for a log
     # shellcheck disable=SC2046
     run_phase "$what" 900 env $(thread_env 1) "$PY" -m pytest tests --ignore=tests/mpi \

@@ -284,6 +284,14 @@ def build_parser():
                       default=D["allreduce"], help="under mpirun: all-reduce algorithm")
     step.add_argument("--comm-dtype", choices=["fp32", "fp16"], default=D["comm_dtype"],
                       help="under mpirun: gradient dtype on the wire")
+    step.add_argument("--compress", choices=["none", "topk"], default="none",
+                      help="under mpirun: also time top-k sparsified gradients (train "
+                           "--compress topk) against the dense sum")
+    step.add_argument("--density", type=density, default=D["density"],
+                      help="with --compress topk: the fraction of each bucket sent")
+    step.add_argument("--shard-update", action="store_true",
+                      help="under mpirun: also time the sharded update (train --shard-update) "
+                           "against the unsharded one, with the optimizer state per rank")
     step.add_argument("--profile", type=nonnegative_int, default=0, metavar="N",
                       help="profile N more steps: time per kind of work (GEMM, im2col, "
                            "col2im, BatchNorm, ReLU, pooling, loss, copies, update), each "
@@ -291,6 +299,7 @@ def build_parser():
     step.add_argument("--native-openblas", action="store_true",
                       help="re-run this command with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE "
                            "removed from the environment (OpenBLAS picks its own core type)")
+    step.set_defaults(command_parser=step)
     data = benches.add_parser(
         "data", help="loader throughput: read + decode + augment, images/s",
         description="Images/s of the loader (read, decode, augment into batches) per worker "
@@ -758,6 +767,8 @@ def main(argv=None):
         sys.exit(run(args))
     elif args.bench == "step":
         from mpitrain.bench.step import main_step
+        if args.compress == "topk" and args.comm_dtype == "fp16":
+            args.command_parser.error("--compress topk sends fp32 values: drop --comm-dtype fp16")
         main_step(args, argv)
     elif args.bench == "data":
         from mpitrain.bench.data import run

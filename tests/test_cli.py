@@ -34,6 +34,9 @@ def run(*args, timeout=120):
     (["inspect", "--image-size", "0"], "argument --image-size: 0 must be >= 1"),
     (["bench", "step", "--steps", "0"], "argument --steps: 0 must be >= 1"),
     (["bench", "step", "--reference", "jax"], "argument --reference: invalid choice: 'jax'"),
+    (["bench", "step", "--compress", "topk", "--comm-dtype", "fp16"],
+     "--compress topk sends fp32 values: drop --comm-dtype fp16"),
+    (["bench", "step", "--density", "0"], "argument --density: 0 must be > 0.0"),
     (["bench"], "the following arguments are required: benchmark"),
     ([], "the following arguments are required: command"),
 ])
@@ -133,6 +136,37 @@ def test_bench_update_times_kernels_that_compute_the_numpy_step():
     assert set(result["results"]) >= {"numpy", "numba"}
     for impl, figures in result["results"].items():
         assert figures["max_diff_vs_numpy"] < 1e-5, impl
+
+
+@pytest.mark.launches
+@pytest.mark.one_mpi
+def test_bench_step_sets_topk_sharding_and_autotune_against_the_dense_step():
+    """Under mpirun, bench step reports top-k's bytes (8 per pick, ceil(D n) picks per
+    bucket), the sharded update's optimizer state (its shard's velocity), and the fusion
+    tuner's choice, each beside the dense, unsharded, fixed-bucket step."""
+    import math
+
+    import launcher
+
+    from mpitrain.comm.buckets import bucket_bounds
+    from mpitrain.nets import build_model
+    arena = build_model("resnet_small").arena
+    r = subprocess.run(launcher.mpitrain_command(
+        2, "bench", "step", "--model", "resnet_small", "--image-size", "16", "--batch", "4",
+        "--steps", "2", "--warmup", "1", "--compress", "topk", "--density", "0.05",
+        "--shard-update", "--fusion-threshold", "auto", "--json"),
+        capture_output=True, text=True, timeout=300, env=launcher.environment(2))
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    chosen = result["autotune"]["chosen"]
+    assert chosen in result["autotune"]["candidates"] and result["fusion_threshold"] == chosen
+    picks = sum(math.ceil(0.05 * (b - a)) for a, b in bucket_bounds(arena, chosen))
+    assert result["topk"]["bytes"] == 8 * picks
+    assert result["dense_bytes"] == 4 * arena.size
+    shards = result["sharded"]["state_bytes"] / result["state_bytes"]
+    assert abs(shards - 0.5) <= 128 / arena.size        # half the arena, to an ALIGN unit
+    for run in ("overlap", "no_overlap", "topk", "sharded"):
+        assert result[run]["step_ms"] > 0, run
 
 
 @pytest.mark.launches

@@ -80,13 +80,14 @@ def test_fusion_threshold_auto_chooses_saves_and_resumes_with_the_choice(tmp_pat
     r = run_train(2, *job, "--run-dir", str(tmp_path / "resumed"), "--resume",
                   str(tmp_path / "run" / "checkpoint-000000022.h5"), timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert f"bytes (chosen by --fusion-threshold auto)" in r.stdout, r.stdout
+    assert "bytes (chosen by --fusion-threshold auto)" in r.stdout, r.stdout
     assert "fusion threshold auto: chose" not in r.stdout
     size = fusion[0]["chosen"]
     assert f"of about {size:,} bytes (chosen by" in r.stdout
 
 
 @pytest.mark.launches
+@pytest.mark.one_mpi
 def test_topk_job_at_density_001_reaches_97_percent(tmp_path):
     """1% of each gradient bucket sent per step, the rest fed back: within about a point of
     the dense job (about 98.6%, docs/benchmarks.md)."""
@@ -105,6 +106,7 @@ def final_top1(r):
 
 
 @pytest.mark.launches
+@pytest.mark.one_mpi
 def test_shard_update_reaches_the_unsharded_accuracy(tmp_path):
     """Two epochs of the default job, sharded and not, from the same seed: the same numbers
     up to float32 rounding, hence the same accuracy."""

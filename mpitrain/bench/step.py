@@ -326,18 +326,23 @@ class ParallelSteps:
     comm_total (the buckets' all-reduce time, measured where it runs), update.
     reducer_args: the mpitrain.comm.buckets.Reducer arguments after the arena (comm,
     threshold, algorithm, wire dtype, overlap). An arena takes one Reducer at a time, so
-    each step makes its own and closes it after the step (outside the timing). On a GPU
-    the step ends when the device is done with it; comm_wait is then only the host's
-    wait (the all-reduce is ordered by events), and saved_ms tells what overlap gained."""
+    each step makes its own and closes it after the step (outside the timing); with
+    `density` its buckets are top-k sparsified, the residual carried from step to step.
+    optimizer and reducer: a pair used instead of SGD and the per-step Reducer (the
+    sharded update's, mpitrain.shard). On a GPU the step ends when the device is done
+    with it; comm_wait is then only the host's wait (the all-reduce is ordered by
+    events), and saved_ms tells what overlap gained."""
     NAMES = {"forward": "forward", "backward": "backward", "comm": "comm_wait",
              "bucket": "comm_total", "update": "update"}
 
-    def __init__(self, model, reducer_args, world, lr=0.01, precision="fp32"):
+    def __init__(self, model, reducer_args, world, lr=0.01, precision="fp32", density=None,
+                 optimizer=None, reducer=None):
         from mpitrain.metrics import Timeline
         from mpitrain.optim import SGD
         from mpitrain.precision import make_scaler
         self.model, self.reducer_args, self.world, self.lr = model, reducer_args, world, lr
-        self.optimizer = SGD(model.arena, momentum=0.9, weight_decay=1e-4)
+        self.density, self.reducer, self.topk = density, reducer, None
+        self.optimizer = optimizer or SGD(model.arena, momentum=0.9, weight_decay=1e-4)
         self.scaler = make_scaler(None, precision)
         self.timeline = Timeline()
         self.phases = {v: [] for v in self.NAMES.values()}
@@ -347,7 +352,10 @@ class ParallelSteps:
         from mpi4py import MPI
         from mpitrain.comm.buckets import Reducer
         from mpitrain.train import train_step
-        reducer = Reducer(self.model.arena, *self.reducer_args, timeline=self.timeline)
+        reducer = self.reducer or Reducer(self.model.arena, *self.reducer_args,
+                                          timeline=self.timeline, density=self.density)
+        if self.topk:
+            reducer.topk.carry_over(self.topk)
         self.world.Barrier()
         t0 = _clock()
         try:
@@ -355,7 +363,9 @@ class ParallelSteps:
                        scaler=self.scaler, timeline=self.timeline)
         finally:
             took = _clock() - t0
-            reducer.close()
+            if reducer is not self.reducer:
+                reducer.close()
+        self.topk = reducer.topk
         took = self.world.allreduce(took, op=MPI.MAX)
         totals = self.timeline.take_totals()
         if record:
@@ -378,7 +388,8 @@ def _sleep_until(request):
 
 def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
                         num_classes=1000, seed=0, threshold=4 << 20, algorithm="hybrid",
-                        comm_dtype="fp32", device="cpu", precision="fp32"):
+                        comm_dtype="fp32", device="cpu", precision="fp32", density=None,
+                        shard_update=False):
     """Under mpirun: N ranks x `batch` images each, with the gradient buckets summed during
     backward and after it (--no-overlap), against one rank with the same batch and the
     threads of all the node's ranks (the other ranks sleep meanwhile). The three take
@@ -387,7 +398,11 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
     thread vs 1 rank x 2 threads"). hidden_fraction: the share of the all-reduce time that
     ran while backward was still running; saved_ms: how much shorter the overlapped step
     is than the --no-overlap one (medians). On GPUs each rank takes the GPU of its local
-    rank (backend.use_device), and "one rank" is rank 0 alone on its GPU."""
+    rank (backend.use_device), and "one rank" is rank 0 alone on its GPU.
+    density: also steps with top-k sparsified buckets (train --compress topk), and
+    shard_update: with the sharded update (train --shard-update, SGD on a second copy of
+    the model), each against the dense, unsharded step training would take here (its
+    --overlap auto): bytes sent per rank per step, times, optimizer state per rank."""
     import numpy as np
     from mpi4py import MPI
     from threadpoolctl import threadpool_limits
@@ -419,6 +434,17 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
     modes = [("overlap", True), ("no_overlap", False)]
     runs = {key: ParallelSteps(model, (comm, threshold, algorithm, wire, overlap), world,
                                precision=precision) for key, overlap in modes}
+    if density is not None:
+        runs["topk"] = ParallelSteps(model, (comm, threshold, algorithm, wire,
+                                             trained == "overlap"), world, precision=precision,
+                                     density=density)
+    if shard_update:
+        from mpitrain.shard import ShardedOptimizer, ShardedReducer
+        twin, _, _ = build_on_device(model_name, image_size, batch, num_classes, seed, precision)
+        sharded = ShardedOptimizer("sgd", twin.arena, comm, momentum=0.9, weight_decay=1e-4)
+        runs["sharded"] = ParallelSteps(twin, None, world, precision=precision,
+                                        optimizer=sharded,
+                                        reducer=ShardedReducer(sharded.shard, comm))
     if tuner:       # the choice against the fixed default, as training would run both
         runs["default_threshold"] = ParallelSteps(
             model, (comm, DEFAULT_THRESHOLD, algorithm, wire, trained == "overlap"), world,
@@ -440,6 +466,13 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
     for key, run in runs.items():
         result[key] = run.summary(world.size * batch)
     result["buckets"] = len(bucket_bounds(model.arena, threshold))
+    result["trained"] = trained
+    result["dense_bytes"] = model.arena.grad.nbytes                 # sent per rank per step
+    result["state_bytes"] = model.arena.momentum.nbytes             # SGD's velocity
+    if density is not None:
+        result["topk"].update(density=density, bytes=runs["topk"].topk.bytes_per_step())
+    if shard_update:
+        result["sharded"]["state_bytes"] = runs["sharded"].optimizer.state_bytes()
     if tuner:
         result["autotune"] = {**tuner.state_dict(), "describe": tuner.describe(),
                               "compared": trained, "chosen_ms": result[trained]["step_ms"],
@@ -492,6 +525,26 @@ def format_parallel(r):
                  f"backward; the overlapped step is {abs(r['saved_ms']):.1f} ms "
                  f"{'shorter' if r['saved_ms'] >= 0 else 'longer'} than the --no-overlap step, "
                  f"whose all-reduce took {r['no_overlap']['comm_total_ms']:.1f} ms")
+    dense = r[r["trained"]]
+    mode = "overlapped" if r["trained"] == "overlap" else "--no-overlap"
+    if "topk" in r:
+        t = r["topk"]
+        lines.append(f"top-k {t['density']:g} ({mode}): step {t['step_ms']:.1f} ms (all-reduce "
+                     f"{t['comm_total_ms']:.1f}, update {t['update_ms']:.1f}), {t['bytes']:,} "
+                     f"bytes sent per rank per step; dense: step {dense['step_ms']:.1f} ms "
+                     f"(all-reduce {dense['comm_total_ms']:.1f}), {r['dense_bytes']:,} bytes: "
+                     f"{t['step_ms'] / dense['step_ms']:.2f}x the time, "
+                     f"{t['bytes'] / r['dense_bytes']:.3f}x the bytes")
+    if "sharded" in r:
+        t = r["sharded"]
+        lines.append(f"--shard-update: step {t['step_ms']:.1f} ms (reduce-scatter "
+                     f"{t['comm_wait_ms']:.1f}, update + all-gather {t['update_ms']:.1f}), "
+                     f"optimizer state {t['state_bytes'] / 2**20:.1f} MiB per rank; dense "
+                     f"{mode}: step {dense['step_ms']:.1f} ms (all-reduce wait "
+                     f"{dense['comm_wait_ms']:.1f}, update {dense['update_ms']:.1f}), "
+                     f"{r['state_bytes'] / 2**20:.1f} MiB: {t['step_ms'] / dense['step_ms']:.2f}x "
+                     f"the step, {t['update_ms'] / dense['update_ms']:.2f}x the update, "
+                     f"{t['state_bytes'] / r['state_bytes']:.2f}x the memory")
     if "autotune" in r:
         a = r["autotune"]
         mode = "overlapped" if a["compared"] == "overlap" else "--no-overlap"
@@ -548,7 +601,9 @@ def _run_step(args):
             result = bench_step_parallel(args.model, args.image_size, args.batch, args.steps,
                                          args.warmup, args.num_classes, args.seed,
                                          args.fusion_threshold, args.allreduce, args.comm_dtype,
-                                         args.device, args.precision)
+                                         args.device, args.precision,
+                                         args.density if args.compress == "topk" else None,
+                                         args.shard_update)
             return result if MPI.COMM_WORLD.rank == 0 else None
     return bench_step(args.model, args.image_size, args.batch, args.steps, args.warmup,
                       args.num_classes, args.seed, args.reference, args.device, args.precision,
