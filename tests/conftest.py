@@ -12,9 +12,10 @@ def pytest_configure(config):
         "markers", "launches: starts its own MPI job through tests/launcher.py (CI runs these "
                    "again under a second MPI: ./launch.sh test-mpi)")
     config.addinivalue_line(
-        "markers", "one_mpi: a `launches` test of what a training option reaches or a "
-                   "benchmark reports, whose collectives tests/mpi checks under every MPI: "
-                   "the second MPI's round (./launch.sh test-mpi) leaves it out")
+        "markers", "one_mpi: a `launches` test of what a training option, a benchmark or "
+                   "a study produces, whose collectives tests/mpi checks under every MPI and "
+                   "whose launch the other `launches` tests check: the second MPI's round "
+                   "(./launch.sh test-mpi) leaves it out")
     config._shm_before = shared_memory_files()
 
 

@@ -170,6 +170,7 @@ def test_bad_simulate_arguments_exit_2(argv, message, capsys):
 
 
 @pytest.mark.launches
+@pytest.mark.one_mpi
 def test_calibrate_measures_fits_and_feeds_the_model(tmp_path):
     import launcher
     out = tmp_path / "cal"

@@ -101,6 +101,7 @@ def test_unwritable_out_is_refused_with_nothing_written(tmp_path):
 
 
 @pytest.mark.launches
+@pytest.mark.one_mpi
 def test_quick_study_end_to_end(tmp_path):
     out = tmp_path / "out"
     r = run_study("--quick", "--out", str(out), "--data-dir", str(tmp_path / "data"),

@@ -56,6 +56,7 @@ def test_default_job_reaches_95_percent(tmp_path):
 
 
 @pytest.mark.launches
+@pytest.mark.one_mpi
 def test_fusion_threshold_auto_chooses_saves_and_resumes_with_the_choice(tmp_path):
     import json
 
