@@ -532,8 +532,8 @@ def add_simulate(commands, models, D):
                      help="where --calibrate writes calibration.json and the benchmarks' output")
     cal.add_argument("--max-ranks", type=_number(int, 2, 16), default=4,
                      help="largest rank count measured")
-    cal.add_argument("--steps", type=positive_int, default=3, help="timed bench steps per run")
-    cal.add_argument("--warmup", type=positive_int, default=1,
+    cal.add_argument("--steps", type=positive_int, default=5, help="timed bench steps per run")
+    cal.add_argument("--warmup", type=positive_int, default=2,
                      help="untimed bench steps first (the first compiles and allocates)")
     cal.add_argument("--repeats", type=positive_int, default=3, help="bench comm repeats")
     sim.set_defaults(command_parser=sim)

@@ -63,9 +63,11 @@ B * MACs(model) / R, with R the device's rate in forward multiply-adds per secon
 (its ResNet-50 images/s times ResNet-50's MACs at 224x224); forward takes 1/3 of it
 and backward 2/3 (two GEMMs per layer against one; the update is folded into the
 published throughput). On a CPU host of C cores, p ranks share it: without a
-calibration each gets 1/p of the host's rate; with one, the rate measured for
-max(1, C // p) threads, times min(1, C / p) when ranks outnumber cores (the
-compute-sharing term).
+calibration each gets 1/p of the host's rate. A calibration measures the sharing
+instead: the rate of one process of max(1, C // p) threads while p such processes
+run the step at once (memory bandwidth and caches shared, and beyond C ranks the
+cores taken in turns); for a rank count it did not measure, the rate measured for
+max(1, C // p) threads alone, times min(1, C / p).
 
 Overlap. Backward produces the gradients in arena order; a layer's gradients are
 ready once backward has done its share of the work (its forward MACs over the
@@ -80,10 +82,13 @@ Without overlap, exposed = sum of T(b). Step = forward + backward + exposed + up
 Scaling efficiency = step(1 rank) / step(N ranks): the N-rank throughput over N
 times one rank's at the same per-rank batch.
 
-`--calibrate` replaces the guesses by measurements on this host: it runs
-`bench comm` and `bench step` for 1 to 4 ranks, fits α and β of every algorithm by
-least squares over bench comm's buffer sizes, and prints the predicted step and
-all-reduce times of `bench step` beside the measured ones (docs/scaling.md).
+`--calibrate` replaces the guesses by measurements on this host: it runs the step
+of 1 to 4 concurrent processes without communication (`bench step`, the compute),
+`bench comm` for 2 to 4 ranks, fits α and β of every algorithm by least squares over
+bench comm's buffer sizes, and prints the predicted step and all-reduce times beside
+those of `bench step` under mpirun (docs/scaling.md). Its all-reduce is the time on
+the rank that reached it last, which waits for no other rank's backward: the model
+has no term for a slower rank's skew, and the step's time includes it.
 """
 import json
 import math
@@ -337,9 +342,11 @@ class Cluster:
             return Compute(FORWARD_SHARE * macs / rate, (1 - FORWARD_SHARE) * macs / rate)
         c = cal["compute"]
         per_host = min(self.ranks, self.ranks_per_node)
-        threads = max(1, c["cores"] // per_host)
-        rate = c["macs_per_s"].get(str(threads), c["macs_per_s"]["1"] * threads)
-        rate *= min(1.0, c["cores"] / per_host)       # ranks beyond the cores take turns
+        rate = c.get("shared_macs_per_s", {}).get(str(per_host))
+        if rate is None:
+            threads = max(1, c["cores"] // per_host)
+            rate = c["macs_per_s"].get(str(threads), c["macs_per_s"]["1"] * threads)
+            rate *= min(1.0, c["cores"] / per_host)   # ranks beyond the cores take turns
         f, b, u = c["shares"]
         return Compute(f * macs / rate, b * macs / rate, u * macs / rate)
 
@@ -488,10 +495,11 @@ def fit_link(algorithm, p, sizes, seconds):
     return Link(float(x[0]), float(x[1]))
 
 
-def _bench(argv, ranks, out_dir, name, threads=None):
+def _bench(argv, ranks, out_dir, name, threads=None, copies=1):
     """Run `python -m mpitrain bench ... --json` (under this host's mpiexec for ranks > 1),
     save its JSON as out_dir/name.json and return it. threads: fix each process's thread
-    count (else each rank gets its share of the cores, as in training)."""
+    count (else each rank gets its share of the cores, as in training). copies > 1: that
+    many independent processes at once, their results in a list."""
     from mpitrain.launcher import find_mpiexec, job_environment, launch_options, mpiexec_family
     from mpitrain.train import THREAD_VARIABLES
     cmd = [sys.executable, "-m", "mpitrain", *argv, "--json"]
@@ -506,12 +514,17 @@ def _bench(argv, ranks, out_dir, name, threads=None):
     if threads:
         env.update(dict.fromkeys(THREAD_VARIABLES, str(threads)))
     began = time.monotonic()
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(copies)]
+    outputs = [p.communicate() for p in procs]
     print(f"  {name} ({time.monotonic() - began:.0f} s): python {' '.join(argv)}"
-          f"{f' on {ranks} ranks' if ranks > 1 else ''}", flush=True)
-    if done.returncode:
-        raise RuntimeError(f"{name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+          f"{f' on {ranks} ranks' if ranks > 1 else ''}"
+          f"{f', {copies} processes at once' if copies > 1 else ''}", flush=True)
+    for p, (_, err) in zip(procs, outputs):
+        if p.returncode:
+            raise RuntimeError(f"{name} failed (exit {p.returncode}):\n{err[-3000:]}")
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    result = results if copies > 1 else results[0]
     path = os.path.join(out_dir, f"{name}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(result, f, indent=1)
@@ -537,6 +550,9 @@ def calibrate(args):
     try:
         one = {t: _bench(step_args, 1, args.out, f"step-1rank-{t}thread", threads=t)
                for t in sorted({1, cores})}
+        # the compute of p ranks sharing the host: p processes' steps at once, no MPI
+        shared = {p: _bench(step_args, 1, args.out, f"step-{p}processes",
+                            threads=max(1, cores // p), copies=p) for p in range(2, top + 1)}
         comm, step = {}, {}
         for p in range(2, top + 1):     # each rank count's two runs close together in time
             comm[p] = _bench(comm_args, p, args.out, f"comm-{p}ranks")
@@ -547,9 +563,15 @@ def calibrate(args):
     work = gradient_buckets(model, args.fusion_threshold, size)
     # compute: forward MACs per second at 1 thread and at all cores; phase shares at 1 thread
     ours = {t: r["mpitrain"] for t, r in one.items()}
+
+    def rate(ms):                       # forward MACs per second of a step of `ms`
+        return batch * work.macs / (ms * 1e-3)
+    # p ranks in step wait for the slowest: the longest of the p processes' steps
+    slowest = {p: max(r["mpitrain"]["step_ms"] for r in runs) for p, runs in shared.items()}
     compute = dict(cores=cores, model=model, image_size=size, batch=batch,
-                   macs_per_s={str(t): batch * work.macs / (o["step_ms"] * 1e-3)
-                               for t, o in ours.items()},
+                   macs_per_s={str(t): rate(o["step_ms"]) for t, o in ours.items()},
+                   shared_macs_per_s={"1": rate(ours[cores]["step_ms"]),
+                                      **{str(p): rate(ms) for p, ms in slowest.items()}},
                    shares=[ours[1][f"{k}_ms"] / ours[1]["step_ms"]
                            for k in ("forward_loss", "backward", "update")])
     links = {a: {} for a in ALGORITHMS}
@@ -557,8 +579,9 @@ def calibrate(args):
         # the sizes buckets have: caches make smaller buffers cheaper per byte than the
         # buckets, which live in memory
         rows = [s for s in r["sweep"] if s["bytes"] >= args.fusion_threshold // FIT_RANGE]
-        for a in ALGORITHMS:
-            fit = fit_link(a, p, [s["bytes"] for s in rows], [s[a] * 1e-3 for s in rows])
+        for a in ALGORITHMS:        # medians, as bench step's times are
+            fit = fit_link(a, p, [s["bytes"] for s in rows],
+                           [s["median"][a] * 1e-3 for s in rows])
             links[a][str(p)] = dict(alpha=fit.alpha, beta=fit.beta)
     cal = dict(host=dict(cores=cores), compute=compute, links=links,
                command=" ".join(["python -m mpitrain", *sys.argv[1:]]))
@@ -587,7 +610,7 @@ def compare(work, cal, one, comm, step, batch):
             f"{p} ranks: {f['alpha'] * 1e6:6.1f} us {_gbps(f['beta']):7.2f} GB/s"
             for p, f in fits.items()))
 
-    lines += ["", "all-reduce of the arena in 4 MiB slices (bench comm, fp32, minimum ms):",
+    lines += ["", "all-reduce of the arena in 4 MiB slices (bench comm, fp32, median ms):",
               f"{'ranks':>5} " + " ".join(f"{a + ' pred/meas':>24}" for a in ALGORITHMS)]
     for p, r in comm.items():
         n = r["values"]
@@ -596,13 +619,13 @@ def compare(work, cal, one, comm, step, batch):
         cells = []
         for a in ALGORITHMS:
             pred = sum(allreduce_time(a, s, p, p, cluster.node_link(a), net) for s in slices)
-            meas = next(x["min_ms"] for x in r["rows"] if x["algorithm"] == a
+            meas = next(x["ms"] for x in r["rows"] if x["algorithm"] == a
                         and x["mode"] == "fused 4 MiB" and x["wire"] == "fp32")
             cells.append(f"{pred * 1e3:8.1f} / {meas:7.1f} {_off(pred * 1e3, meas):>6}")
         lines.append(f"{p:>5} " + " ".join(f"{c:>24}" for c in cells))
 
     lines += ["", f"training step (bench step, {len(work.bounds)} buckets, hybrid, after backward; "
-                  f"median ms):",
+                  f"median ms; the all-reduce on the rank that reached it last):",
               f"{'ranks':>5} {'step pred':>10} {'step meas':>10} {'off':>6} "
               f"{'all-reduce pred':>16} {'meas':>8} {'off':>6}  hybrid picks"]
     for p in [1, *step]:
@@ -612,7 +635,7 @@ def compare(work, cal, one, comm, step, batch):
             meas_comm = 0.0
         else:
             meas_step = step[p]["no_overlap"]["step_ms"]
-            meas_comm = step[p]["no_overlap"]["comm_total_ms"]
+            meas_comm = step[p]["no_overlap"]["allreduce_ms"]
         pred = predict(work, Cluster(device, p, p, net, cal), "hybrid", batch, overlap=False)
         lines.append(f"{p:>5} {pred['step'] * 1e3:>10.1f} {meas_step:>10.1f} "
                      f"{_off(pred['step'] * 1e3, meas_step):>6} {pred['comm'] * 1e3:>16.1f} "

@@ -107,7 +107,11 @@ class BackgroundJob:
     def finish(self, timeout=120):
         """(status, seconds it took, output)."""
         start = time.monotonic()
-        status = self.proc.wait(timeout=timeout)
+        try:
+            status = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the job did not end within {timeout} s; heartbeats "
+                                 f"{self.board()}; its output:\n{self.output()}") from None
         return status, time.monotonic() - start, self.output()
 
     def output(self):

@@ -124,6 +124,19 @@ def test_hybrid_is_never_slower_than_any_algorithm(work):
         assert comm["hybrid"] <= min(comm.values()) + 1e-12
 
 
+def test_a_calibrated_host_gives_each_rank_count_its_measured_rate(work):
+    """p ranks on a 2-core host: the rate measured with p processes at once where the
+    calibration has it, else the 1-thread rate times 2/p; split by the measured shares."""
+    cal = {"compute": {"cores": 2, "macs_per_s": {"1": 1e9, "2": 1.8e9},
+                       "shared_macs_per_s": {"1": 1.8e9, "2": 0.8e9, "3": 0.5e9},
+                       "shares": [0.3, 0.6, 0.1]}, "links": {}}
+    macs = 8 * work.macs
+    for p, rate in ((1, 1.8e9), (2, 0.8e9), (3, 0.5e9), (4, 1e9 * 2 / 4)):
+        c = Cluster(DEVICES["cpu"], p, p, Link(0.0, 0.0), cal).compute(work, 8)
+        assert (c.forward, c.backward, c.update) == pytest.approx(
+            (0.3 * macs / rate, 0.6 * macs / rate, 0.1 * macs / rate))
+
+
 def test_fit_recovers_alpha_and_beta():
     true = Link(7e-6, 1 / 3e9)
     sizes = [4096 * 4 ** k for k in range(8)]
@@ -184,6 +197,9 @@ def test_calibrate_measures_fits_and_feeds_the_model(tmp_path):
         fit = cal["links"][algorithm]["2"]
         assert fit["alpha"] >= 0 and fit["beta"] >= 0 and fit["alpha"] + fit["beta"] > 0
     assert cal["compute"]["macs_per_s"]["1"] > 0
+    # measured sharing: 1 process with all the cores, 2 processes at once
+    assert set(cal["compute"]["shared_macs_per_s"]) == {"1", "2"}
+    assert min(cal["compute"]["shared_macs_per_s"].values()) > 0
     lines = r.stdout.splitlines()
     table = lines.index(next(line for line in lines if line.startswith("training step")))
     assert [line.split()[0] for line in lines[table + 2:table + 4]] == ["1", "2"]

@@ -13,10 +13,11 @@ The arena is allocated as training allocates it, in the node's shared memory
 (Communicator.shared_zeros), which the `shm` algorithm needs and the others
 ignore. With the values on the wire in fp32 and in fp16 (an fp16 arena; "fp16+cast"
 adds the casts from and back to an fp32 arena that training pays), and a sweep
-of single buffers from 4 KiB to 64 MiB per algorithm, the data behind the
-`hybrid` rule. Each time is the slowest rank's, the median of `repeats` runs
-after one warm-up. Bandwidth is the algorithmic bus bandwidth
-2 (p-1)/p * bytes / time (p ranks), the rate each rank's link must sustain.
+of single buffers from 4 KiB to 64 MiB per algorithm (each call at a new offset of
+the arena, so read from memory as a bucket is), the data behind the `hybrid` rule.
+Each time is the slowest rank's, the median of `repeats` runs after one warm-up.
+Bandwidth is the algorithmic bus bandwidth 2 (p-1)/p * bytes / time (p ranks), the
+rate each rank's link must sustain.
 
 Top-k sparsification (`densities`, mpitrain.comm.topk) against dense sums, over the
 model's own bucket layout as training builds it (the Reducer on the arena, 4 MiB
@@ -27,6 +28,7 @@ and for top-k the time of the selection alone (no communication).
 The figures measured so far, and the rule they led to: docs/benchmarks.md.
 """
 import argparse
+import itertools
 import json
 import time
 
@@ -90,6 +92,19 @@ def _time(comm, steps, repeats):
             steps[name]()
             times[name].append(comm.world.allreduce(time.perf_counter() - t, op=MPI.MAX))
     return {name: (float(np.median(v)), float(np.min(v))) for name, v in times.items()}
+
+
+def _rotating(comm, x, count, algorithm):
+    """A step summing `count` values of `x` with `algorithm`, each call at the next offset
+    (the same on every rank), wrapping around: a bucket of training comes from an arena
+    larger than the caches and is read from memory, and so is each call's buffer here
+    once `x` is (a buffer summed again in place would be read from the cache)."""
+    offsets = itertools.cycle(range(0, x.size - count + 1, count))
+
+    def step():
+        start = next(offsets)
+        comm.allreduce(x[start:start + count], algorithm)
+    return step
 
 
 def _slices(n, itemsize, fusion_bytes):
@@ -157,12 +172,13 @@ def run(model="resnet50", algorithms=("flat", "hierarchical", "2d", "shm", "hybr
             for nbytes in [4096 * 4 ** k for k in range(8)]:        # 4 KiB .. 64 MiB
                 count = min(nbytes // x.itemsize, n)
                 reps = max(repeats, int(min(200, 2e7 / nbytes)))
-                t = _time(comm, {a: (lambda a=a: comm.allreduce(x[:count], a))
+                t = _time(comm, {a: _rotating(comm, x, count, a)
                                  for a in ("flat", "hierarchical", "2d", "shm")}, reps)
                 sweep_rows.append(dict(wire=wire, bytes=count * x.itemsize,
                                        hybrid=choose(comm, count * x.itemsize, x.dtype,
                                                      shared=comm.peers(x) is not None),
-                                       **{a: round(v[1] * 1e3, 4) for a, v in t.items()}))
+                                       **{a: round(v[1] * 1e3, 4) for a, v in t.items()},
+                                       median={a: round(v[0] * 1e3, 4) for a, v in t.items()}))
 
     result = dict(model=model, tensors=len(sizes), values=n, source=source, ranks=p,
                   topology=comm.describe(), node_sizes=comm.node_sizes, repeats=repeats,

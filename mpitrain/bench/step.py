@@ -323,7 +323,9 @@ class ParallelSteps:
     """Data-parallel training steps (mpitrain.train.train_step with a Reducer), each timed
     on the slowest rank. Phases per step (ms): forward (with loss), backward, comm_wait
     (the wait for the gradient sum after backward: what backward did not hide),
-    comm_total (the buckets' all-reduce time, measured where it runs), update.
+    comm_total (the buckets' all-reduce time, measured where it runs), update: rank 0's.
+    allreduce: the buckets' all-reduce time on the rank that reached it last, which waits
+    for no other rank's backward: the collectives' own time (comm_total less the skew).
     reducer_args: the mpitrain.comm.buckets.Reducer arguments after the arena (comm,
     threshold, algorithm, wire dtype, overlap). An arena takes one Reducer at a time, so
     each step makes its own and closes it after the step (outside the timing); with
@@ -345,7 +347,7 @@ class ParallelSteps:
         self.optimizer = optimizer or SGD(model.arena, momentum=0.9, weight_decay=1e-4)
         self.scaler = make_scaler(None, precision)
         self.timeline = Timeline()
-        self.phases = {v: [] for v in self.NAMES.values()}
+        self.phases = {v: [] for v in [*self.NAMES.values(), "allreduce"]}
         self.steps = []
 
     def step(self, x, y, record=True):
@@ -368,10 +370,12 @@ class ParallelSteps:
         self.topk = reducer.topk
         took = self.world.allreduce(took, op=MPI.MAX)
         totals = self.timeline.take_totals()
+        last = self.world.allreduce(totals.get("bucket", 0.0), op=MPI.MIN)
         if record:
             self.steps.append(took)
             for k, v in self.NAMES.items():
                 self.phases[v].append(totals.get(k, 0.0))
+            self.phases["allreduce"].append(last)
 
     def summary(self, images):
         step = _median(self.steps)
@@ -392,8 +396,9 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
                         shard_update=False):
     """Under mpirun: N ranks x `batch` images each, with the gradient buckets summed during
     backward and after it (--no-overlap), against one rank with the same batch and the
-    threads of all the node's ranks (the other ranks sleep meanwhile). The three take
-    turns step by step, so that a change of load on a shared machine hits them alike.
+    threads of all the node's ranks, at most one per core (the other ranks sleep
+    meanwhile). The three take turns step by step, so that a change of load on a shared
+    machine hits them alike.
     Scaling efficiency = N-rank images/s / one-rank images/s (the issue's "2 ranks x 1
     thread vs 1 rank x 2 threads"). hidden_fraction: the share of the all-reduce time that
     ran while backward was still running; saved_ms: how much shorter the overlapped step
@@ -450,7 +455,7 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
             model, (comm, DEFAULT_THRESHOLD, algorithm, wire, trained == "overlap"), world,
             precision=precision)
     one = new_model(model_name, num_classes, seed, precision) if world.rank == 0 else None
-    one_threads = threads * comm.host_size
+    one_threads = min(threads * comm.host_size, os.cpu_count())    # no more than the cores
     one_times = []
     for i in range(warmup + steps):
         if world.rank == 0:      # one rank with the threads of all its node's ranks
