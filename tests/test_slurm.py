@@ -189,7 +189,10 @@ def no_job_left(request):
         request.getfixturevalue("slurm").cancel_all()
 
 
-WAITING = ("PENDING", "CONFIGURING", "RUNNING")
+# the states of a job that has ended; the others (PENDING, RUNNING, and transient ones
+# such as CONFIGURING, SIGNALING while --signal is delivered, COMPLETING) have not
+ENDED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+         "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY")
 
 
 class Job:
@@ -224,7 +227,7 @@ class Job:
             board = read_heartbeats(self.run_dir / "heartbeat", 2)
             if all(board.values()) and all(b["count"] > min_count for b in board.values()):
                 return board
-            assert self.state() in (None, *WAITING), \
+            assert self.state() not in ENDED, \
                 f"job {self.id} {self.state()} before its ranks ran:\n{self.output()}"
             time.sleep(0.1)
         raise AssertionError(f"job {self.id}: no progress in {timeout} s:\n{self.output()}\n"
@@ -236,7 +239,7 @@ class Job:
         while True:
             info = self.info()
             state = re.search(r"JobState=(\S+)", info)
-            if state and state.group(1) not in (*WAITING, "COMPLETING"):
+            if state and state.group(1) in ENDED:
                 break
             assert time.monotonic() < end, f"job {self.id} still running:\n{self.output()}"
             time.sleep(0.2)
