@@ -293,9 +293,10 @@ def build_parser():
                       help="under mpirun: also time the sharded update (train --shard-update) "
                            "against the unsharded one, with the optimizer state per rank")
     step.add_argument("--profile", type=nonnegative_int, default=0, metavar="N",
-                      help="profile N more steps: time per kind of work (GEMM, im2col, "
-                           "col2im, BatchNorm, ReLU, pooling, loss, copies, update), each "
-                           "GEMM shape with its GFLOP/s, the share outside GEMMs")
+                      help="2N more steps: N under cProfile for the time per kind of work "
+                           "(GEMM, im2col, col2im, BatchNorm, ReLU, pooling, loss, copies, "
+                           "update), N without it for each GEMM shape with its GFLOP/s and "
+                           "the share outside GEMMs")
     step.add_argument("--native-openblas", action="store_true",
                       help="re-run this command with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE "
                            "removed from the environment (OpenBLAS picks its own core type)")

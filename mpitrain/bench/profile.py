@@ -11,9 +11,11 @@ and the peak resident memory of a run.
                                  resident memory at its start (Linux)
 
 The kinds come from cProfile's exclusive time of each function, assigned by the
-file and function it is in; GEMMs are timed one by one through nets/conv.py's
-GEMM_LOG. cProfile adds a little time to every Python call, so the profiled steps
-run a few percent slower than the timed ones; the shares are what to read.
+file and function it is in. cProfile adds time to every Python call, the GEMMs'
+included, so the profiled steps run longer than the timed ones and the kinds'
+shares are what to read. The GEMMs are timed one by one through nets/conv.py's
+GEMM_LOG in as many steps again without cProfile: their times, GFLOP/s and share of
+the step are those of an unprofiled step.
 """
 import cProfile
 import collections
@@ -49,21 +51,27 @@ def kind_of(filename, function):
 
 
 def profile_steps(step, steps):
-    """Run step() `steps` times under cProfile with the GEMM log on; returns
-    {"ms": {kind: ms per step}, "step_ms", "gemms": [...], "gemm_gflops", "outside_gemm"}."""
+    """Run step() `steps` times with the GEMM log on, then `steps` times under cProfile;
+    returns {"ms": {kind: ms per step under cProfile}, "profiled_step_ms", "step_ms",
+    "gemms": [...], "gemm_ms", "gemm_gflops", "outside_gemm"} (the last five from the
+    steps without cProfile)."""
     from mpitrain.nets import conv
     conv.GEMM_LOG = []
-    profiler = cProfile.Profile()
     start = time.perf_counter()
     try:
-        profiler.enable()
         for _ in range(steps):
             step()
-        profiler.disable()
         took = time.perf_counter() - start
         log = conv.GEMM_LOG
     finally:
         conv.GEMM_LOG = None
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    profiled = time.perf_counter() - start
     ms = collections.Counter()
     for (filename, _, function), (_, _, tottime, _, _) in pstats.Stats(profiler).stats.items():
         ms[kind_of(filename, function)] += 1e3 * tottime / steps
@@ -79,7 +87,8 @@ def profile_steps(step, steps):
     flops = sum(f for _, _, f in gemms.values()) / steps
     gemm_ms = sum(r["ms"] for r in rows)
     step_ms = 1e3 * took / steps
-    return {"ms": dict(ms.most_common()), "step_ms": step_ms, "gemms": rows,
+    return {"ms": dict(ms.most_common()), "profiled_step_ms": 1e3 * profiled / steps,
+            "step_ms": step_ms, "gemms": rows,
             "gemm_ms": gemm_ms, "gemm_gflops": flops / gemm_ms / 1e6 if gemm_ms else 0.0,
             "flops_per_step": flops, "outside_gemm": 1.0 - gemm_ms / step_ms}
 
