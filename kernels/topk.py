@@ -29,10 +29,10 @@ pass writes each chunk's picks from there (`write_chunk`). So a bucket takes sev
 Implementations (kernels/segments.py: pick): "numpy", the reference (a full sort by
 (-key, index): the definition above); "numba" (CPU: chunks in parallel, or on the
 calling thread alone with parallel=False, for the Reducer's communication thread);
-"cuda" (the sum and histograms as grid-stride loops, the histograms with atomic adds;
-one thread per chunk for the counts and the writes; one thread for the two scans). The
-per-element and per-chunk bodies are written once (register_jitable) and compiled for
-both targets.
+"cuda" (the sum and histograms as grid-stride loops, the histograms with atomic adds
+into each block's shared memory; one thread per chunk for the counts and the writes).
+The per-element and per-chunk bodies are written once (register_jitable) and compiled
+for both targets; the scan over the chunks is prefix sums of NumPy or CuPy.
 """
 import math
 
@@ -101,15 +101,26 @@ def count_chunk(bits, start, stop, threshold, counts, c):
 
 
 @register_jitable
-def scan_chunks(counts, need, starts):
-    """starts[c] = (output position of chunk c's first pick, keys equal to T before chunk c)."""
-    position = 0
-    ties = 0
-    for c in range(counts.shape[0]):
-        starts[c, 0] = position
-        starts[c, 1] = ties
-        position += counts[c, 0] + min(max(need - ties, 0), counts[c, 1])
-        ties += counts[c, 1]
+def chunk_end(c, chunk, n):
+    """The end of chunk c of n elements: (c + 1) chunk, or n for the last chunk. (The bodies
+    use no builtin min or max: numba-cuda 0.30 under numba 0.68 types min(a, b) of two
+    integers as an overload that takes one argument, and the kernel does not compile.)"""
+    end = (c + 1) * chunk
+    return end if end < n else n
+
+
+def scan_chunks(counts, state):
+    """starts[c] = (output position of chunk c's first pick, keys equal to T before chunk c):
+
+        starts[c] = (above_<c + min(need, ties_<c),  ties_<c)
+
+    with above_<c and ties_<c the sums of counts over the chunks before c (ties are taken
+    from the front, so min(need, ties_<c) of them precede chunk c). NumPy or CuPy prefix
+    sums; need = state[1] stays where state is."""
+    xp = array_module(counts)
+    starts = xp.cumsum(counts, axis=0) - counts
+    starts[:, 0] += xp.minimum(starts[:, 1], state[1])
+    return starts
 
 
 @register_jitable
@@ -187,11 +198,12 @@ def scatter_sum_numpy(bucket, indices, values, parallel=True):
 
 # ----- Numba CPU -----
 
-def _select_loop(grad, residual, out, k, values, indices, scale, inv_scale, chunk):
-    """Threads take whole chunks. Each chunk counts into HIST_LANES histograms in turn,
-    so that consecutive keys of one bin (most keys share their top bits) do not wait for
-    each other's increment, and counts the keys that are no candidate in a bin of their
-    own (NO_BIN) rather than branch on them."""
+def _threshold_loop(grad, residual, out, k, scale, chunk):
+    """out = acc; returns state = [T, need] and each chunk's counts. Threads take whole
+    chunks. Each chunk counts into HIST_LANES histograms in turn, so that consecutive keys
+    of one bin (most keys share their top bits) do not wait for each other's increment,
+    and counts the keys that are no candidate in a bin of their own (NO_BIN) rather than
+    branch on them."""
     n = out.size
     bits = out.view(np.int32)
     chunks = (n + chunk - 1) // chunk
@@ -204,18 +216,20 @@ def _select_loop(grad, residual, out, k, values, indices, scale, inv_scale, chun
         prefix = state[0]
         for c in prange(chunks):
             hists[c] = 0
-            for i in range(c * chunk, min((c + 1) * chunk, n)):
+            for i in range(c * chunk, chunk_end(c, chunk, n)):
                 hists[c, i % HIST_LANES, digit(magnitude_key(bits, i), prefix, shift)] += 1
         choose_bin(hists.sum(axis=0).sum(axis=0), state, shift)
-    threshold = state[0]
-    need = state[1]
     counts = np.empty((chunks, 2), np.int64)
     for c in prange(chunks):
-        count_chunk(bits, c * chunk, min((c + 1) * chunk, n), threshold, counts, c)
-    starts = np.empty((chunks, 2), np.int64)
-    scan_chunks(counts, need, starts)
-    for c in prange(chunks):
-        write_chunk(out, bits, c * chunk, min((c + 1) * chunk, n), threshold, need,
+        count_chunk(bits, c * chunk, chunk_end(c, chunk, n), state[0], counts, c)
+    return state, counts
+
+
+def _write_loop(out, chunk, state, starts, inv_scale, values, indices):
+    """Each chunk's picks from its start; out = the new residual (out held acc)."""
+    bits = out.view(np.int32)
+    for c in prange(starts.shape[0]):
+        write_chunk(out, bits, c * chunk, chunk_end(c, chunk, out.size), state[0], state[1],
                     starts[c, 0], starts[c, 1], inv_scale, out, values, indices)
 
 
@@ -230,16 +244,19 @@ def _scatter_loop(bucket, indices, values):
 
 # compiled for the thread pool and for the calling thread alone (as kernels/cast.py);
 # Numba's cache cannot tell the two apart, so only the parallel one is cached
-_select_cpu = {True: njit(parallel=True, cache=True)(_select_loop),
-               False: njit(nogil=True)(_select_loop)}
+_threshold_cpu = {True: njit(parallel=True, cache=True)(_threshold_loop),
+                  False: njit(nogil=True)(_threshold_loop)}
+_write_cpu = {True: njit(parallel=True, cache=True)(_write_loop),
+              False: njit(nogil=True)(_write_loop)}
 _scatter_cpu = {True: njit(parallel=True, cache=True)(_scatter_loop),
                 False: njit(nogil=True)(_scatter_loop)}
 
 
 def select_numba(grad, residual, out, k, values, indices, scale, inv_scale, parallel=True):
     """Numba CPU version of select_numpy."""
-    _select_cpu[bool(parallel)](grad, residual, out, k, values, indices, scale, inv_scale,
-                                CPU_CHUNK)
+    state, counts = _threshold_cpu[bool(parallel)](grad, residual, out, k, scale, CPU_CHUNK)
+    _write_cpu[bool(parallel)](out, CPU_CHUNK, state, scan_chunks(counts, state), inv_scale,
+                               values, indices)
 
 
 def scatter_sum_numba(bucket, indices, values, parallel=True):
@@ -257,12 +274,22 @@ def _accumulate_cuda(grad, residual, out, scale):
 
 @cuda.jit
 def _histogram_cuda(bits, state, shift, hist):
-    """hist[d] += 1 for the digit d of every key that agrees with the prefix."""
+    """hist[d] += 1 for the digit d of every key that agrees with the prefix: counted in
+    the block's histogram in shared memory, which is added to hist once at the end (one
+    global histogram taking every increment would serialise the many keys of one bin)."""
+    block = cuda.shared.array(NO_BIN, np.int32)
+    for b in range(cuda.threadIdx.x, NO_BIN, cuda.blockDim.x):
+        block[b] = 0
+    cuda.syncthreads()
     prefix = state[0]
     for i in range(cuda.grid(1), bits.size, cuda.gridsize(1)):
         d = digit(magnitude_key(bits, i), prefix, shift)
         if d != NO_BIN:
-            cuda.atomic.add(hist, d, 1)
+            cuda.atomic.add(block, d, 1)
+    cuda.syncthreads()
+    for b in range(cuda.threadIdx.x, NO_BIN, cuda.blockDim.x):
+        if block[b]:
+            cuda.atomic.add(hist, b, block[b])
 
 
 @cuda.jit
@@ -278,20 +305,14 @@ def _choose_bin_cuda(hist, state, shift):
 def _count_cuda(bits, chunk, state, counts):
     c = cuda.grid(1)
     if c < counts.shape[0]:
-        count_chunk(bits, c * chunk, min((c + 1) * chunk, bits.size), state[0], counts, c)
-
-
-@cuda.jit
-def _scan_cuda(counts, state, starts):
-    if cuda.grid(1) == 0:
-        scan_chunks(counts, state[1], starts)
+        count_chunk(bits, c * chunk, chunk_end(c, chunk, bits.size), state[0], counts, c)
 
 
 @cuda.jit
 def _write_cuda(acc, bits, chunk, state, starts, inv_scale, out, values, indices):
     c = cuda.grid(1)
     if c < starts.shape[0]:
-        write_chunk(acc, bits, c * chunk, min((c + 1) * chunk, acc.size), state[0], state[1],
+        write_chunk(acc, bits, c * chunk, chunk_end(c, chunk, acc.size), state[0], state[1],
                     starts[c, 0], starts[c, 1], inv_scale, out, values, indices)
 
 
@@ -327,10 +348,9 @@ def select_cuda(grad, residual, out, k, values, indices, scale, inv_scale, paral
         launch(_histogram_cuda, grid, threads, bits, state, shift, hist)
         launch(_choose_bin_cuda, 1, 1, hist, state, shift)
     counts = xp.empty((chunks, 2), np.int64)
-    starts = xp.empty((chunks, 2), np.int64)
     chunk_grid = math.ceil(chunks / threads)
     launch(_count_cuda, chunk_grid, threads, bits, chunk, state, counts)
-    launch(_scan_cuda, 1, 1, counts, state, starts)
+    starts = scan_chunks(counts, state)
     launch(_write_cuda, chunk_grid, threads, acc, bits, chunk, state, starts, inv_scale, out,
            values, indices)
 

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from mpitrain.backend import to_numpy
 from mpitrain.kernels import topk
 
 
@@ -49,28 +50,45 @@ def cases():
     return out
 
 
-def check_select(impl, sizes=None):
+def check_select(impl, sizes=None, xp=np):
+    """select() on every case against the definition, bit for bit; xp: the arrays' module
+    (CuPy for the CUDA kernels on a GPU)."""
     for grad, residual, k, scale in cases():
         if sizes is not None and grad.size > sizes:
             continue
-        values, indices = np.empty(k, np.float32), np.empty(k, np.int32)
-        out = np.empty_like(grad)
-        topk.select(grad, residual, out, k, values, indices, scale, impl=impl)
-        want_v, want_i, want_r = reference(grad, residual, k, scale)
-        np.testing.assert_array_equal(indices, want_i)
-        np.testing.assert_array_equal(values.view(np.int32), want_v.view(np.int32))
-        np.testing.assert_array_equal(out, want_r)
+        selected(impl, grad, residual, k, scale, xp)
 
 
-def check_scatter(impl):
-    """Three ranks' picks summed in rank order, against float64 sums, into a bucket that
+def selected(impl, grad, residual, k, scale, xp=np, parallel=True):
+    """Run select() on xp copies of grad and residual; assert its picks and residual are
+    the definition's bits."""
+    values, indices = xp.empty(k, np.float32), xp.empty(k, np.int32)
+    out = xp.empty(grad.size, np.float32)
+    topk.select(xp.asarray(grad), xp.asarray(residual), out, k, values, indices, scale,
+                impl=impl, parallel=parallel)
+    want_v, want_i, want_r = reference(grad, residual, k, scale)
+    np.testing.assert_array_equal(to_numpy(indices), want_i)
+    assert_same_bits(to_numpy(values), want_v)
+    np.testing.assert_array_equal(to_numpy(out), want_r)
+
+
+def assert_same_bits(got, want):
+    """Bit for bit (so -0.0 is not 0.0), except that a NaN may carry any payload: a GPU
+    writes its own canonical NaN (0x7fffffff) for NaN + x."""
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(np.int32), want[~nan].view(np.int32))
+
+
+def check_scatter(impl, n=40, k=7, p=3, xp=np):
+    """p ranks' picks summed in rank order, against float64 sums, into a bucket that
     held other values before."""
     rng = np.random.default_rng(1)
-    n, k, p = 40, 7, 3
     indices = np.stack([np.sort(rng.choice(n, k, replace=False)) for _ in range(p)]).astype(np.int32)
     values = rng.standard_normal((p, k)).astype(np.float32)
-    bucket = rng.standard_normal(n).astype(np.float32)
-    topk.scatter_sum(bucket, indices, values, impl=impl)
+    bucket = xp.asarray(rng.standard_normal(n).astype(np.float32))
+    topk.scatter_sum(bucket, xp.asarray(indices), xp.asarray(values), impl=impl)
+    bucket = to_numpy(bucket)
     want = np.zeros(n)
     for r in range(p):
         want[indices[r]] += values[r]
@@ -94,21 +112,18 @@ def test_scatter_sum_adds_the_ranks_in_order(impl):
     check_scatter(impl)
 
 
+def tied(n, seed=2):
+    """A bucket of n gradients with many equal magnitudes, and a zero residual."""
+    grad = np.random.default_rng(seed).integers(-40, 40, n).astype(np.float32)
+    return grad, np.zeros(n, np.float32)
+
+
 def test_numba_select_on_the_calling_thread_and_over_many_chunks():
     """parallel=False (the Reducer's communication thread) and a bucket of several CPU
     chunks with ties at the threshold in more than one chunk."""
-    n = 3 * topk.CPU_CHUNK + 11
-    rng = np.random.default_rng(2)
-    grad = rng.integers(-40, 40, n).astype(np.float32)      # many equal magnitudes
-    residual = np.zeros(n, np.float32)
-    k = 4321
+    grad, residual = tied(3 * topk.CPU_CHUNK + 11)
     for parallel in (True, False):
-        values, indices, out = np.empty(k, np.float32), np.empty(k, np.int32), np.empty_like(grad)
-        topk.select(grad, residual, out, k, values, indices, impl="numba", parallel=parallel)
-        want_v, want_i, want_r = reference(grad, residual, k, 1.0)
-        np.testing.assert_array_equal(indices, want_i)
-        np.testing.assert_array_equal(values, want_v)
-        np.testing.assert_array_equal(out, want_r)
+        selected("numba", grad, residual, 4321, 1.0, parallel=parallel)
 
 
 def test_bad_arguments_are_refused():
@@ -118,6 +133,21 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="float32"):
         d = np.ones(8)
         topk.select(d, d, np.empty_like(d), 2, np.empty(2), np.empty(2, np.int32))
+
+
+@pytest.mark.gpu
+def test_cuda_kernels_on_the_gpu():
+    """The CUDA kernels on CuPy arrays: every case, then a 6M-element bucket (a 24 MB
+    fusion bucket, thousands of blocks) with ties at the threshold in many blocks, at a
+    density of 1%, and k = 1 under a loss scale, and a scatter-sum of 4 ranks' 60,000 picks."""
+    import cupy
+    check_select("cuda", xp=cupy)
+    check_scatter("cuda", xp=cupy)
+    grad, zero = tied(6_000_011)
+    selected("cuda", grad, zero, 60_001, 1.0, xp=cupy)
+    residual = np.random.default_rng(3).standard_normal(grad.size).astype(np.float32)
+    selected("cuda", grad, residual, 1, 1024.0, xp=cupy)
+    check_scatter("cuda", n=6_000_011, k=60_000, p=4, xp=cupy)
 
 
 def sim_kernels():

@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 from mpitrain import checkpoint
 from mpitrain.arena import ALIGN, Arena, Param
+from mpitrain.backend import to_numpy
 from mpitrain.comm import Communicator
 from mpitrain.comm.buckets import Reducer
 from mpitrain.kernels.update import segment_sums
@@ -30,13 +31,14 @@ HYPER = {"sgd": dict(momentum=0.9, weight_decay=1e-3, nesterov=True),
 LOSS_SCALE = 8.0
 
 
-def arena(working_dtype=np.float16):
-    """The test arena: fp32 masters of different scales per parameter, an fp16 working copy."""
+def arena(working_dtype=np.float16, xp=np):
+    """The test arena: fp32 masters of different scales per parameter, an fp16 working copy
+    (xp: NumPy, or CuPy for an arena on the GPU)."""
     params = [Param((n,), None, decay=bool(d), lars=bool(l)) for n, d, l in zip(SIZES, DECAY, LARS)]
-    a = Arena(params, working_dtype=working_dtype)
+    a = Arena(params, working_dtype=working_dtype, xp=xp)
     rng = np.random.default_rng(0)
     for p in params:
-        p.master[...] = rng.standard_normal(p.shape) * 10.0 ** rng.uniform(-2, 1)
+        p.master[...] = xp.asarray(rng.standard_normal(p.shape) * 10.0 ** rng.uniform(-2, 1))
     a.sync_working()
     return a
 
@@ -136,6 +138,47 @@ def test_an_overflow_on_one_rank_is_every_ranks_verdict(comm):
             reducer.finish()
             verdicts.append(int(reducer.nonfinite_flag()[0]))
         return None if verdicts == [0, 1] else f"overflow verdicts {verdicts}, expected [0, 1]"
+    agree(check)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["sgd", "lars", "lamb"])
+def test_the_sharded_update_on_a_gpu_equals_the_host(comm, name):
+    """20 sharded steps on a CuPy arena (NCCL's reduce-scatter and all-gather, the CUDA
+    kernels, the norms' partial sums added through NCCL) against the same steps on the
+    host (MPI, Numba): masters, per-parameter rates and optimizer state agree to float32
+    rounding, the fp16 working copy is the cast of the gathered masters."""
+    import cupy
+    if WORLD.size > cupy.cuda.runtime.getDeviceCount():
+        pytest.skip("NCCL needs one GPU per rank")
+    cupy.cuda.Device(comm.rank).use()
+
+    def check():
+        host, device = arena(), arena(xp=cupy)
+        opts = [ShardedOptimizer(name, a, comm, **HYPER[name]) for a in (host, device)]
+        reducers = [ShardedReducer(opt.shard, comm) for opt in opts]
+        inv_scale = reducers[0].postscale / LOSS_SCALE
+        for step in range(20):
+            host.grad[...] = gradient(host, step)
+            device.grad[...] = cupy.asarray(host.grad)
+            for reducer in reducers:
+                reducer.finish()
+            rates = [to_numpy(opt.step(0.05, inv_scale)) for opt in opts]
+        cupy.cuda.get_current_stream().synchronize()
+        moved = relative(arena().master, host.master)
+        if moved < 1e-2:
+            return f"the weights hardly moved ({moved:.1e}): the comparison would prove nothing"
+        state = [opt.state_dict() for opt in opts]
+        errors = {"master": relative(to_numpy(device.master), host.master),
+                  "rates": relative(rates[1], rates[0]),
+                  **{key: relative(to_numpy(state[1][key]), state[0][key])
+                     for key in state[0] if np.ndim(state[0][key])}}
+        bad = {k: v for k, v in errors.items() if v > 1e-5}
+        if bad:
+            return f"the GPU's sharded update differs from the host's: {bad}"
+        if not bool((device.working == device.master.astype(np.float16)).all()):
+            return "the working copy is not the fp16 cast of the gathered masters"
+        return None
     agree(check)
 
 
