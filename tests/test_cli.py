@@ -209,3 +209,20 @@ def test_bench_data_times_full_batches(tmp_path):
     result = json.loads(r.stdout)
     assert result["records"] == 8
     assert result["mpitrain"]["images"] == 3 * 4
+
+
+def test_idle_openblas_threads_sleep_between_gemms():
+    """Once mpitrain is imported, OpenBLAS's GEMM threads sleep when a GEMM is done instead
+    of spinning for about 0.1 s (OPENBLAS_THREAD_TIMEOUT, mpitrain/__init__.py): the process
+    takes next to no CPU time while its main thread sleeps after a GEMM. (Without the
+    setting, 2 OpenBLAS threads burn about 0.1 s here.)"""
+    code = ("import mpitrain, time, numpy as np; a = np.ones((512, 512), np.float32); "
+            "[a @ a for _ in range(3)]; c = time.process_time(); time.sleep(0.3); "
+            "print(time.process_time() - c)")
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT",
+                                                              "OMP_WAIT_POLICY")}
+    env["OPENBLAS_NUM_THREADS"] = "2"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert float(run.stdout) < 0.03, f"{float(run.stdout):.3f} s of CPU while asleep"

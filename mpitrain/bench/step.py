@@ -36,7 +36,8 @@ REEXEC_MARK = "MPITRAIN_NATIVE_OPENBLAS"     # set in the re-run: what was remov
 
 def blas_info():
     """The BLAS NumPy runs on: library, version, core type, threads (threadpoolctl, if installed)."""
-    info = {"forced": {k: os.environ[k] for k in OPENBLAS_FORCING if k in os.environ}}
+    info = {"forced": {k: os.environ[k] for k in OPENBLAS_FORCING if k in os.environ},
+            "thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT")}
     try:
         from threadpoolctl import threadpool_info
     except ImportError:
@@ -209,15 +210,15 @@ def time_torch(model, x, y, steps, warmup, threads, lr=0.01, momentum=0.9, weigh
 def torch_in_child(spec):
     """time_torch in a fresh process that imports torch before mpitrain.
 
-    mpitrain sets OMP_WAIT_POLICY=PASSIVE for its own OpenMP kernels (mpitrain/__init__.py);
-    torch's OpenMP runtime would read it too and run slower, so the child gets the
-    environment the user gave. The same seed rebuilds the same weights and batch.
+    mpitrain makes idle OpenMP and OpenBLAS threads sleep (mpitrain/__init__.py); torch's
+    OpenMP runtime would read that too and run slower, so the child gets the environment
+    the user gave. The same seed rebuilds the same weights and batch.
     """
     import subprocess
     import mpitrain
     env = dict(os.environ)
-    if mpitrain.OMP_WAIT_POLICY_SET:
-        env.pop("OMP_WAIT_POLICY", None)
+    for name in mpitrain.SET_HERE:
+        env.pop(name, None)
     code = ("import torch, json, sys; from mpitrain.bench.step import _torch_child; "
             "print(json.dumps(_torch_child(json.loads(sys.argv[1]))))")
     out = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env=env,
@@ -635,7 +636,8 @@ def format_result(r):
     lines = [f"bench step: {r['model']} at {r['image_size']}x{r['image_size']}, batch {r['batch']}, "
              f"median of {r['steps']} steps after {r['warmup']} warm-up (one process, no all-reduce)",
              f"NumPy BLAS: {b['library']} {b.get('version') or ''} core type "
-             f"{b.get('core_type') or '?'}, {b['threads']} threads; forced by environment: {forced}"]
+             f"{b.get('core_type') or '?'}, {b['threads']} threads; forced by environment: {forced}; "
+             f"idle threads spin 2^{b.get('thread_timeout') or 28} cycles (OPENBLAS_THREAD_TIMEOUT)"]
     if r.get("device", "cpu") != "cpu" or r.get("precision", "fp32") != "fp32":
         g = r.get("gpu", {})
         where = (f"{r['device']} ({g.get('gpu')}, CuPy {g.get('cupy')}, CUDA "
