@@ -1,6 +1,8 @@
 """The top-k selection and scatter-sum kernels (mpitrain.kernels.topk) against a float64
 sort of the definition: the numba CPU kernels here, the CUDA kernels under the numba-cuda
-simulator in a subprocess (NUMBA_ENABLE_CUDASIM must be set before numba is imported)."""
+simulator in a subprocess (NUMBA_ENABLE_CUDASIM must be set before numba is imported) and,
+marked gpu, on a GPU's CuPy arrays (the simulator neither type-checks a kernel for the
+device nor runs buckets of more than a few hundred elements)."""
 import os
 import subprocess
 import sys
