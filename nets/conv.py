@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from mpitrain.backend import array_module, synchronize
-from mpitrain.kernels import cast, cudnn
+from mpitrain.kernels import cast, cudnn, gemm
 from mpitrain.kernels.im2col import col2im, conv_output_size, im2col
 
 from .module import Module, Param, constant, he_normal
@@ -34,7 +34,8 @@ def matmul(a, b, out=None):
 
     NumPy has no fast fp16 GEMM, so on the CPU fp16 operands are multiplied in
     fp32 and the result rounded once; weight gradients (out in the fp32
-    arena) are accumulated in fp32 on every device.
+    arena) are accumulated in fp32 on every device. On the CPU the products of
+    a fully connected layer at a small batch go to kernels.gemm's kernels.
     """
     if GEMM_LOG is not None:
         synchronize()
@@ -50,12 +51,13 @@ def _matmul(a, b, out):
     xp = array_module(a)
     dtype = out.dtype if out is not None else a.dtype
     compute = np.float32 if xp is np and dtype == np.float16 else dtype
+    product = gemm.matmul if xp is np else xp.matmul
     a, b = cast.astype(a, compute), cast.astype(b, compute)
     if out is None:
-        return cast.astype(xp.matmul(a, b), dtype)
+        return cast.astype(product(a, b), dtype)
     if out.dtype == compute:
-        return xp.matmul(a, b, out=out)
-    out[...] = cast.astype(xp.matmul(a, b), out.dtype)
+        return product(a, b, out=out)
+    out[...] = cast.astype(product(a, b), out.dtype)
     return out
 
 

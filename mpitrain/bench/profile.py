@@ -27,6 +27,7 @@ import numpy as np
 
 # (kind, a path fragment of the file, the function or None for every function of it)
 KINDS = (("GEMM", "nets/conv.py", "matmul"), ("GEMM", "nets/conv.py", "_matmul"),
+         ("GEMM", "kernels/gemm.py", None),
          ("im2col", "kernels/im2col.py", "im2col"), ("col2im", "kernels/im2col.py", "col2im"),
          ("BatchNorm", "kernels/batchnorm.py", None), ("BatchNorm", "nets/batchnorm.py", None),
          ("ReLU, residual add", "kernels/elementwise.py", None),

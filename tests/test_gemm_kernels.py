@@ -1,0 +1,112 @@
+"""kernels.gemm: the small-batch GEMMs of a fully connected layer against the float64
+product, which product `matmul` hands to which kernel, and the layer built on them."""
+import numba
+import numpy as np
+import pytest
+
+from mpitrain.kernels import gemm
+from mpitrain.nets.linear import Linear
+
+
+def randn(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+
+
+def assert_float32_product(y, a, b):
+    """|y - a b| <= K eps32 (|a| |b|), elementwise, with a b in float64."""
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    bound = a.shape[1] * 2.0 ** -23 * (np.abs(a64) @ np.abs(b64))
+    assert y.dtype == np.float32
+    assert np.all(np.abs(y - a64 @ b64) <= bound)
+
+
+@pytest.mark.parametrize("M, K, N", [(1, 1, 1), (3, 5, 7), (4, 9, 4), (6, 33, 10),
+                                     (16, 300, 37), (32, 64, 64)])
+def test_rows_dot_rows_is_the_product_with_a_transpose(M, K, N):
+    a, bt = randn(M, K), randn(N, K, seed=1)
+    y = np.full((M, N), np.nan, np.float32)
+    gemm._rows_dot_rows(a, bt, y)
+    assert_float32_product(y, a, bt.T)
+
+
+@pytest.mark.parametrize("N, K, J", [(2, 4, 1), (6, 8, 13), (10, 16, 1000), (64, 12, 257)])
+def test_outer_sum_is_the_product_over_a_short_inner_dimension(N, K, J):
+    a, b = randn(K, N).T, randn(K, J, seed=1)          # a: the transposed view dy.T
+    y = np.full((N, J), np.nan, np.float32)
+    gemm._outer_sum(a, b, y)
+    assert_float32_product(y, a, b)
+
+
+def test_matmul_picks_a_kernel_where_shape_and_layout_fit():
+    w, x, dy = randn(40, 300, seed=1), randn(16, 300), randn(16, 40, seed=2)
+
+    def kernel(run, *args):
+        y = np.empty((args[0].shape[0], args[1].shape[0] if run is gemm._rows_dot_rows
+                      else args[1].shape[1]), np.float32)
+        run(*args, y)
+        return y
+
+    # forward of Linear: few rows times a transposed weight
+    np.testing.assert_array_equal(gemm.matmul(x, w.T), kernel(gemm._rows_dot_rows, x, w))
+    # weight gradient: dy^T x over a batch of 16
+    np.testing.assert_array_equal(gemm.matmul(dy.T, x), kernel(gemm._outer_sum, dy.T, x))
+    out = np.empty((40, 300), np.float32)
+    assert gemm.matmul(dy.T, x, out=out) is out
+    np.testing.assert_array_equal(out, kernel(gemm._outer_sum, dy.T, x))
+    # everything else is NumPy's
+    many = randn(gemm.FEW_ROWS + 1, 300)
+    for a, b in [(many, w.T),                                   # too many rows
+                 (x, np.ascontiguousarray(w.T)),                # b not a transposed matrix
+                 (dy[:6].T, x[:6]),                             # inner dimension not in 4s
+                 (dy[:, :39].T, x),                             # an odd number of rows
+                 (randn(40, 20).T, randn(40, 300)),             # inner dimension too long
+                 (x[:, :0], w.T[:0]),                          # no inner dimension
+                 (x.astype(np.float64), w.T.astype(np.float64))]:
+        np.testing.assert_array_equal(gemm.matmul(a, b), np.matmul(a, b))
+    # and NumPy's errors for operands that do not multiply
+    for a, b in [(x, w), (dy.T, x[:12])]:
+        with pytest.raises(ValueError):
+            np.matmul(a, b, out=np.empty((a.shape[0], b.shape[1]), np.float32))
+        with pytest.raises(ValueError):
+            gemm.matmul(a, b, out=np.empty((a.shape[0], b.shape[1]), np.float32))
+
+
+def test_same_bits_at_any_thread_count():
+    a, bt, dy = randn(16, 500), randn(64, 500, seed=1), randn(16, 64, seed=2)
+    threads = numba.get_num_threads()
+    results = []
+    try:
+        for n in sorted({1, threads}):
+            numba.set_num_threads(n)
+            results.append((gemm.matmul(a, bt.T), gemm.matmul(dy.T, a)))
+    finally:
+        numba.set_num_threads(threads)
+    for y, dw in results[1:]:
+        np.testing.assert_array_equal(y, results[0][0])
+        np.testing.assert_array_equal(dw, results[0][1])
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_a_non_finite_operand_reaches_the_product(bad):
+    """The loss scale finds an overflow by the non-finite values it leaves in the
+    gradients: a product must not lose one."""
+    a, bt, dy = randn(8, 64), randn(12, 64, seed=1), randn(8, 12, seed=2)
+    a[3, 5] = bad
+    dy[2, 7] = bad
+    for y, ref in [(gemm.matmul(a, bt.T), a.astype(np.float64) @ bt.T),
+                   (gemm.matmul(dy.T, a), dy.T.astype(np.float64) @ a)]:
+        np.testing.assert_array_equal(np.isfinite(y), np.isfinite(ref))
+        assert not np.isfinite(y).all()
+
+
+def test_linear_at_a_small_batch_against_float64():
+    """Linear in float32 at batch 16, where both its forward and weight gradient run
+    on these kernels, against the same layer in float64."""
+    lin = Linear(300, 40).bind(dtype=np.float32, seed=3)
+    ref = Linear(300, 40).bind(dtype=np.float64, seed=3)
+    x, dy = randn(16, 300), randn(16, 40, seed=1)
+    y, y64 = lin.forward(x), ref.forward(x.astype(np.float64))
+    np.testing.assert_allclose(y, y64, rtol=1e-4, atol=1e-5)
+    dx, dx64 = lin.backward(dy), ref.backward(dy.astype(np.float64))
+    np.testing.assert_allclose(dx, dx64, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(lin.weight.grad, ref.weight.grad, rtol=1e-4, atol=1e-5)
