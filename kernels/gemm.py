@@ -33,14 +33,15 @@ FAST = {"reassoc", "contract"}
 def matmul(a, b, out=None):
     """a @ b on NumPy arrays, into `out` when given, by a kernel of this module
     where the operands fit one, else by np.matmul."""
-    fits = (a.ndim == b.ndim == 2 and a.shape[1] == b.shape[0] > 0
+    if not (a.ndim == b.ndim == 2 and a.shape[1] == b.shape[0] > 0
             and a.dtype == b.dtype == np.float32
             and (out is None or out.shape == (a.shape[0], b.shape[1])
-                 and out.dtype == np.float32 and out.flags.c_contiguous))
-    N, K = a.shape if fits else (0, 0)
-    if fits and K <= FEW_INNER and K % 4 == 0 and N % 2 == 0 and b.flags.c_contiguous:
+                 and out.dtype == np.float32 and out.flags.c_contiguous)):
+        return np.matmul(a, b, out=out)
+    N, K = a.shape
+    if K <= FEW_INNER and K % 4 == 0 and N % 2 == 0 and b.flags.c_contiguous:
         kernel, args = _outer_sum, (a, b)
-    elif fits and N <= FEW_ROWS and a.flags.c_contiguous and b.T.flags.c_contiguous:
+    elif N <= FEW_ROWS and a.flags.c_contiguous and b.T.flags.c_contiguous:
         kernel, args = _rows_dot_rows, (a, b.T)
     else:
         return np.matmul(a, b, out=out)
