@@ -28,7 +28,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .cast import load, rounded, store
+from .cast import bits as _bits, load, rounded, store
 
 ROWS = 256          # rows per block of the parallel passes (at C = 64: 64 KiB of fp32)
 
@@ -36,11 +36,6 @@ ROWS = 256          # rows per block of the parallel passes (at C = 64: 64 KiB o
 def acc_dtype(dtype):
     """The statistics dtype of activations of `dtype`: float64 for float64, else float32."""
     return np.dtype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
-
-
-def _bits(a):
-    """a as the kernels take it: float16 as its uint16 bits."""
-    return a.view(np.uint16) if a.dtype == np.float16 else a
 
 
 # ----- sums -----

@@ -39,7 +39,7 @@ from mpitrain.backend import array_module
 
 from .segments import cuda_shape, launch, pick
 
-__all__ = ["to_half", "to_float", "astype", "float_to_half_bits", "half_bits_to_float", "load",
+__all__ = ["to_half", "to_float", "astype", "float_to_half_bits", "half_bits_to_float", "bits", "load",
            "store", "rounded", "refresh_working"]
 
 
@@ -63,6 +63,11 @@ def half_bits_to_float(typingctx, h):
     def codegen(context, builder, signature, args):
         return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
     return types.float32(types.uint16), codegen
+
+
+def bits(a):
+    """A NumPy array as the CPU kernels take it: float16 as its uint16 bits (a view)."""
+    return a.view(np.uint16) if a.dtype == np.float16 else a
 
 
 def load(a, i):

@@ -18,13 +18,9 @@ from numba import njit, prange
 from mpitrain.backend import array_module
 
 from . import gpu
-from .cast import load, store
+from .cast import bits as _bits, load, store
 
 BLOCK = 1 << 15         # elements per block of a parallel pass
-
-
-def _bits(a):
-    return a.view(np.uint16) if a.dtype == np.float16 else a
 
 
 def _flat(a):

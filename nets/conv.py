@@ -18,31 +18,35 @@ import time
 import numpy as np
 
 from mpitrain.backend import array_module, synchronize
-from mpitrain.kernels import cast, cudnn, gemm
+from mpitrain.kernels import cast, cudnn, gemm, winograd
 from mpitrain.kernels.im2col import col2im, conv_output_size, im2col
 
 from .module import Module, Param, constant, he_normal
 
 
 # Every GEMM of the layers goes through matmul. `bench step --profile` sets GEMM_LOG to a
-# list to record each call as (a.shape, b.shape, seconds); None records nothing.
+# list to record each call as (a.shape, b.shape, seconds, flops); None records nothing.
 GEMM_LOG = None
 
 
-def matmul(a, b, out=None):
+def matmul(a, b, out=None, flops=None):
     """a @ b, into `out` when given, computed in out's dtype (or a's).
 
     NumPy has no fast fp16 GEMM, so on the CPU fp16 operands are multiplied in
     fp32 and the result rounded once; weight gradients (out in the fp32
     arena) are accumulated in fp32 on every device. On the CPU the products of
     a fully connected layer at a small batch go to kernels.gemm's kernels.
+
+    flops: the floating-point operations of the layer's arithmetic that this product
+    stands for, for GEMM_LOG (default 2 m n k; Winograd's GEMMs stand for more).
     """
     if GEMM_LOG is not None:
         synchronize()
         start = time.perf_counter()
         result = _matmul(a, b, out)
         synchronize()
-        GEMM_LOG.append((a.shape, b.shape, time.perf_counter() - start))
+        GEMM_LOG.append((a.shape, b.shape, time.perf_counter() - start,
+                         2.0 * a.shape[0] * a.shape[1] * b.shape[-1] if flops is None else flops))
         return result
     return _matmul(a, b, out)
 
@@ -61,21 +65,29 @@ def _matmul(a, b, out):
     return out
 
 
-# One im2col buffer per array module and dtype, shared by every convolution of the
-# process: a layer fills it from its input in forward and again in backward (keeping x,
-# not the k*k times larger columns, between the two), and nothing holds it from one layer
+# Scratch buffers per use, array module and dtype, shared by every convolution of the
+# process: a layer fills the im2col one ("columns") or Winograd's ("padded", "tiles",
+# "products") from its input in forward and again in backward (keeping x, not the
+# larger columns or tiles, between the two), and nothing holds them from one layer
 # call to the next.
 _WORKSPACE = {}
 
 
-def workspace(xp, shape, dtype):
-    """A C-contiguous view of `shape` on the shared buffer of xp and dtype (grown to fit)."""
-    key = (xp.__name__, np.dtype(dtype).str)
+def workspace(xp, shape, dtype, use="columns"):
+    """A C-contiguous view of `shape` on the shared buffer of `use`, xp and dtype (grown
+    to fit)."""
+    key = (use, xp.__name__, np.dtype(dtype).str)
     n = int(np.prod(shape))
     buf = _WORKSPACE.get(key)
     if buf is None or buf.size < n:
         buf = _WORKSPACE[key] = xp.empty(n, dtype)
     return buf[:n].reshape(shape)
+
+
+# Winograd pays where its 16 GEMMs (T, C) @ (C, O) still run near the BLAS's peak: at
+# least this many multiply-adds each, or this many tiles (rows) however narrow C and O
+WINOGRAD_MACS = 1 << 24
+WINOGRAD_TILES = 2048
 
 
 class Conv2d(Module):
@@ -88,6 +100,13 @@ class Conv2d(Module):
     input_grad=False: backward computes the weight gradients only and returns None
     (a network's first convolution: the images need no gradient, and dx would cost
     a GEMM and a col2im).
+
+    On the CPU a 3x3 convolution of stride 1 runs as Winograd's F(2x2, 3x3)
+    (kernels/winograd.py) where each of its 16 GEMMs has WINOGRAD_MACS multiply-adds
+    or WINOGRAD_TILES rows: 4/9 of the direct form's multiply-adds in all, on tiles
+    that take the place of im2col's columns. Smaller GEMMs run too far below the
+    BLAS's peak for that to pay. `winograd = False` on a layer keeps it on im2col and
+    one GEMM. cuDNN picks its own algorithm on a GPU.
     """
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=False,
@@ -99,6 +118,7 @@ class Conv2d(Module):
                             he_normal(out_channels * kernel_size * kernel_size))
         self.bias = Param((out_channels,), constant(0.0), decay=False, lars=False) if bias else None
         self.pointwise = kernel_size == 1 and padding == 0   # a GEMM on x itself, no im2col
+        self.winograd = kernel_size == 3 and stride == 1      # F(2x2, 3x3) on the CPU
         self.x = self.col = None
 
     def __repr__(self):
@@ -107,6 +127,13 @@ class Conv2d(Module):
 
     def _use_cudnn(self, x):
         return array_module(x) is not np and cudnn.available(x.dtype)
+
+    def _use_winograd(self, x, y_shape):
+        N, Ho, Wo = y_shape[:3]
+        tiles = N * -(-Ho // 2) * -(-Wo // 2)
+        return (self.winograd and array_module(x) is np
+                and (tiles >= WINOGRAD_TILES
+                     or tiles * self.in_channels * self.out_channels >= WINOGRAD_MACS))
 
     def _columns(self, x, out=None):
         """col (N*Ho*Wo, k*k*C) of the GEMM form (module docstring): x itself for a
@@ -127,6 +154,9 @@ class Conv2d(Module):
         self.x_shape = x.shape
         if self._use_cudnn(x):
             y = cudnn.conv_forward(x, w, s, p)
+            self.x = x if train else None                       # (N, H, W, C)
+        elif self._use_winograd(x, (N, Ho, Wo)):
+            y = self._winograd_forward(x, w)
             self.x = x if train else None                       # (N, H, W, C)
         else:
             if self.pointwise:
@@ -158,6 +188,8 @@ class Conv2d(Module):
                 matmul(dy2.T, self._columns(x), out=gw.reshape(O, -1))
             self.weight.grad_ready()
             return cudnn.conv_backward_data(dy, w, self.x_shape, s, p) if self.input_grad else None
+        if self._use_winograd(dy, dy.shape):
+            return self._winograd_backward(dy, w, gw)
         xp = array_module(dy)
         dy2 = xp.ascontiguousarray(dy).reshape(-1, O)           # (N*Ho*Wo, O)
         if self.pointwise:
@@ -185,6 +217,51 @@ class Conv2d(Module):
         # col is not needed any more: dcol overwrites the workspace in place
         dcol = matmul(dy2, w.reshape(O, -1), out=col)           # (N*Ho*Wo, k*k*C)
         return col2im(dcol, self.x_shape, k, k, s, p)
+
+    def _tiles(self, x):
+        """V (16, T, C): the Winograd tiles of x (kernels/winograd.py), on the shared
+        workspace; also the tile grid (th, tw) and the compute dtype."""
+        N, H, W, C = x.shape
+        _, _, th, tw = winograd.tile_grid(H, W, self.padding)
+        dtype = winograd.compute_dtype(x.dtype)
+        xp = winograd.padded(x, self.padding,
+                             workspace(np, (N, 2 * th + 2, 2 * tw + 2, C), dtype, "padded"))
+        V = winograd.input_tiles(xp, th, tw, workspace(np, (16, N * th * tw, C), dtype, "tiles"))
+        return V, th, tw, dtype
+
+    def _winograd_flops(self, N, Ho, Wo):
+        """The direct form's floating-point operations that each of the 16 GEMMs stands for."""
+        return 2.0 * N * Ho * Wo * self.out_channels * 9 * self.in_channels / 16
+
+    def _winograd_forward(self, x, w):
+        N, H, W, C = x.shape
+        O = self.out_channels
+        Ho, Wo, _, _ = winograd.tile_grid(H, W, self.padding)
+        V, th, tw, dtype = self._tiles(x)                      # (16, T, C)
+        U = winograd.filter_tiles(w, dtype)                     # (O, 16, C)
+        M = workspace(np, (16, V.shape[1], O), dtype, "products")   # (16, T, O)
+        for k in range(16):
+            matmul(V[k], U[:, k].T, out=M[k], flops=self._winograd_flops(N, Ho, Wo))
+        return winograd.output_tiles(M, th, tw, np.empty((N, Ho, Wo, O), x.dtype))
+
+    def _winograd_backward(self, dy, w, gw):
+        x, self.x = self.x, None                                # (N, H, W, C)
+        N, Ho, Wo, O = dy.shape
+        V, th, tw, dtype = self._tiles(x)                      # (16, T, C)
+        dM = winograd.output_tiles_grad(dy, th, tw, workspace(np, (16, V.shape[1], O), dtype,
+                                                              "products"))  # (16, T, O)
+        dU = np.empty((O, 16, x.shape[3]), dtype)               # (O, 16, C)
+        flops = self._winograd_flops(N, Ho, Wo)
+        for k in range(16):
+            matmul(dM[k].T, V[k], out=dU[:, k], flops=flops)
+        winograd.filter_tiles_grad(dU, gw)
+        self.weight.grad_ready()
+        if not self.input_grad:
+            return None
+        U = winograd.filter_tiles(w, dtype)                     # (O, 16, C)
+        for k in range(16):
+            matmul(dM[k], U[:, k], out=V[k], flops=flops)      # dV, over the tiles done with
+        return winograd.input_tiles_grad(V, th, tw, self.padding, x.shape, dy.dtype)
 
     def macs(self, x_shape, y_shape):
         N, Ho, Wo, O = y_shape

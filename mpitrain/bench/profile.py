@@ -2,8 +2,9 @@
 and the peak resident memory of a run.
 
     profile_steps(step, steps)   ms per step by kind of work (GEMM, im2col, col2im,
-                                 BatchNorm, ReLU and residual add, pooling, loss,
-                                 copies and casts, update, the rest), each GEMM shape
+                                 Winograd transforms, BatchNorm, ReLU and residual
+                                 add, pooling, loss, copies and casts, update,
+                                 the rest), each GEMM shape
                                  with its calls, time and GFLOP/s, and the share of
                                  the step outside GEMMs
     gemm_peak(threads)           GFLOP/s of a large float32 GEMM on this machine, now
@@ -29,6 +30,7 @@ import numpy as np
 KINDS = (("GEMM", "nets/conv.py", "matmul"), ("GEMM", "nets/conv.py", "_matmul"),
          ("GEMM", "kernels/gemm.py", None),
          ("im2col", "kernels/im2col.py", "im2col"), ("col2im", "kernels/im2col.py", "col2im"),
+         ("Winograd transforms", "kernels/winograd.py", None),
          ("BatchNorm", "kernels/batchnorm.py", None), ("BatchNorm", "nets/batchnorm.py", None),
          ("ReLU, residual add", "kernels/elementwise.py", None),
          ("ReLU, residual add", "nets/activation.py", None),
@@ -77,7 +79,7 @@ def profile_steps(step, steps):
     for (filename, _, function), (_, _, tottime, _, _) in pstats.Stats(profiler).stats.items():
         ms[kind_of(filename, function)] += 1e3 * tottime / steps
     gemms = collections.defaultdict(lambda: [0, 0.0, 0.0])
-    for a, b, seconds in log:
+    for a, b, seconds, _ in log:
         g = gemms[(tuple(a), tuple(b))]
         g[0] += 1
         g[1] += seconds
@@ -95,13 +97,14 @@ def profile_steps(step, steps):
 
 
 def step_flops(step):
-    """The floating-point operations of one step's GEMMs (2 m n k each): one extra step,
-    with the GEMM log on."""
+    """The floating-point operations of one step's layers, 2 m n k for each GEMM of the
+    direct form (Winograd's GEMMs count as the direct convolution they replace): one extra
+    step, with the GEMM log on."""
     from mpitrain.nets import conv
     conv.GEMM_LOG = []
     try:
         step()
-        return sum(2.0 * a[0] * a[1] * b[-1] for a, b, _ in conv.GEMM_LOG)
+        return sum(flops for _, _, _, flops in conv.GEMM_LOG)
     finally:
         conv.GEMM_LOG = None
 

@@ -112,7 +112,8 @@ def _clock():
 
 def time_ours(model, x, y, steps, warmup, precision="fp32", profile=0):
     """Median phase times of `steps` steps after `warmup`, on the CPU the GFLOP/s of the
-    median step (its GEMMs' floating-point operations, counted in one more step), and with
+    median step (its layers' floating-point operations as the direct form counts them,
+    counted in one more step), and with
     profile=N a profile of N more steps (mpitrain.bench.profile)."""
     from .profile import profile_steps, step_flops
     step = OneStep(model, precision)
@@ -665,7 +666,8 @@ def format_result(r):
         lines.append(f"ratio mpitrain / torch: {r['ratio']:.2f}x images/s")
     if "gemm_peak_gflops" in r:
         ours = r["mpitrain"]["gflops"]
-        lines.append(f"mpitrain's step: {ours:.0f} GFLOP/s in its GEMMs' operations, "
+        lines.append(f"mpitrain's step: {ours:.0f} GFLOP/s of its layers' arithmetic (Winograd's "
+                     f"convolutions counted as the direct form), "
                      f"{ours / r['gemm_peak_gflops']:.0%} of this machine's GEMM peak now "
                      f"({r['gemm_peak_gflops']:.0f} GFLOP/s, a 2048^3 float32 GEMM)")
     if "profile" in r["mpitrain"]:

@@ -1,0 +1,174 @@
+"""Conv2d's Winograd F(2x2, 3x3) path (kernels/winograd.py) against the direct form
+(im2col and one GEMM) in float64, finite differences, PyTorch, fp16, the bits at any
+thread count, and when the layer takes it."""
+import numba
+import numpy as np
+import pytest
+
+from gradcheck import check_layer
+from mpitrain.nets import conv as conv_module
+from mpitrain.nets.conv import Conv2d
+
+# (N, H, W, Cin, Cout, pad): odd and even outputs, a 1x1 input, padding 0 and 2
+GEOMETRIES = [
+    (2, 5, 7, 3, 4, 1),
+    (1, 6, 6, 5, 2, 0),
+    (3, 8, 8, 16, 8, 1),
+    (1, 1, 1, 2, 3, 1),
+    (2, 4, 3, 3, 3, 2),
+    (2, 13, 13, 4, 5, 1),
+]
+
+
+def rand(shape, dtype=np.float64, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+@pytest.fixture
+def always_winograd(monkeypatch):
+    """Every 3x3 stride-1 convolution on Winograd's path, however small its GEMMs."""
+    monkeypatch.setattr(conv_module, "WINOGRAD_MACS", 0)
+    monkeypatch.setattr(conv_module, "WINOGRAD_TILES", 0)
+
+
+def twins(Cin, Cout, p, dtype=np.float64, working_dtype=None, input_grad=True):
+    """(Winograd, direct): two 3x3 layers with the same weights."""
+    layers = []
+    for winograd in (True, False):
+        layer = Conv2d(Cin, Cout, 3, padding=p, input_grad=input_grad)
+        layer.bind(dtype=dtype, working_dtype=working_dtype, seed=3)
+        layer.winograd = winograd
+        layers.append(layer)
+    return layers
+
+
+def step(layer, x, dy_seed=1):
+    """(y, dx, dW) of one forward and backward with a random dy."""
+    y = layer.forward(x)
+    dx = layer.backward(rand(y.shape, x.dtype, seed=dy_seed))
+    return y, dx, layer.weight.grad.copy()
+
+
+def relative(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.abs(a - b).max() / max(np.abs(b).max(), 1e-300)
+
+
+@pytest.mark.parametrize("N,H,W,Cin,Cout,p", GEOMETRIES)
+def test_winograd_matches_the_direct_form_in_float64(N, H, W, Cin, Cout, p, always_winograd):
+    fast, direct = twins(Cin, Cout, p)
+    x = rand((N, H, W, Cin))
+    for a, b, what in zip(step(fast, x), step(direct, x), ("y", "dx", "dW")):
+        assert a.shape == b.shape, what
+        assert relative(a, b) < 1e-13, what
+
+
+@pytest.mark.parametrize("N,H,W,Cin,Cout,p", GEOMETRIES[:3])
+def test_winograd_gradients(N, H, W, Cin, Cout, p, always_winograd):
+    layer, _ = twins(Cin, Cout, p)
+    check_layer(layer, rand((N, H, W, Cin), seed=4))
+
+
+@pytest.mark.parametrize("N,H,W,Cin,Cout,p", GEOMETRIES)
+def test_winograd_float32_and_fp16_against_float64(N, H, W, Cin, Cout, p, always_winograd):
+    """float32 within float32's rounding of the float64 result; fp16 activations with
+    fp32 master weights (training's mixed precision) within fp16's."""
+    _, exact = twins(Cin, Cout, p)
+    x = rand((N, H, W, Cin))
+    for dtype, working, tol in ((np.float32, None, 2e-6), (np.float32, np.float16, 4e-3)):
+        layer, _ = twins(Cin, Cout, p, dtype, working)
+        layer.weight.data[...] = exact.weight.master          # rounded to the working dtype
+        xd = x.astype(working or dtype)
+        y, dx, dw = step(layer, xd)
+        assert y.dtype == dx.dtype == xd.dtype and dw.dtype == np.float32
+        expect = step(exact, xd.astype(np.float64))          # the same rounded input and dy
+        for a, b, what in zip((y, dx, dw), expect, ("y", "dx", "dW")):
+            assert relative(a, b) < tol, (dtype, working, what)
+
+
+def test_winograd_layers_share_the_workspaces_and_stay_correct(always_winograd):
+    """Two Winograd layers, their calls interleaved as in a network, both filling the
+    shared "padded", "tiles" and "products" workspaces: each step equals fresh layers'."""
+    def pair():
+        return twins(3, 4, 1)[0], twins(4, 5, 1)[0]
+    a, b = pair()
+    for i in range(2):
+        x, dz = rand((2, 7, 7, 3), seed=10 + i), rand((2, 7, 7, 5), seed=20 + i)
+        fa, fb = pair()
+        z = b.forward(a.forward(x))
+        dx = a.backward(b.backward(dz))
+        np.testing.assert_array_equal(z, fb.forward(fa.forward(x)))
+        np.testing.assert_array_equal(dx, fa.backward(fb.backward(dz)))
+        for layer, fresh in ((a, fa), (b, fb)):
+            np.testing.assert_array_equal(layer.weight.grad, fresh.weight.grad)
+
+
+def test_winograd_without_input_gradient(always_winograd):
+    fast, direct = twins(3, 4, 1, input_grad=False)
+    x = rand((2, 6, 6, 3))
+    for layer in (fast, direct):
+        layer.forward(x)
+        assert layer.backward(rand((2, 6, 6, 4), seed=1)) is None
+    assert relative(fast.weight.grad, direct.weight.grad) < 1e-13
+
+
+def test_winograd_bits_do_not_depend_on_the_thread_count(always_winograd):
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one Numba thread (NUMBA_NUM_THREADS=1): no second count to compare")
+    x = rand((3, 10, 9, 8), np.float32)
+    threads = numba.get_num_threads()
+    results = []
+    try:
+        for n in (1, numba.config.NUMBA_NUM_THREADS):
+            numba.set_num_threads(n)
+            layer, _ = twins(8, 6, 1, np.float32)
+            results.append(step(layer, x))
+    finally:
+        numba.set_num_threads(threads)
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("N,H,W,Cin,Cout,p", GEOMETRIES[:3])
+def test_winograd_matches_torch_in_float32(N, H, W, Cin, Cout, p, always_winograd):
+    import torch
+    layer, _ = twins(Cin, Cout, p, np.float32)
+    x = rand((N, H, W, Cin), np.float32)
+    y, dx, dw = step(layer, x)
+    xt = torch.tensor(np.ascontiguousarray(x.transpose(0, 3, 1, 2)), requires_grad=True)
+    wt = torch.tensor(np.ascontiguousarray(layer.weight.master.transpose(0, 3, 1, 2)),
+                      requires_grad=True)
+    yt = torch.nn.functional.conv2d(xt, wt, padding=p)
+    dy = rand(y.shape, np.float32, seed=1)
+    yt.backward(torch.tensor(np.ascontiguousarray(dy.transpose(0, 3, 1, 2))))
+    for a, t in ((y, yt), (dx, xt.grad), (dw, wt.grad)):
+        assert relative(a, t.detach().numpy().transpose(0, 2, 3, 1)) < 2e-6
+
+
+def test_the_layer_takes_winograd_where_its_gemms_are_large_enough(monkeypatch):
+    """16 GEMMs of (tiles, Cin) @ (Cin, Cout) at WINOGRAD_MACS multiply-adds each or
+    WINOGRAD_TILES tiles, else the direct form's one GEMM on im2col's columns; never at
+    stride 2."""
+    monkeypatch.setattr(conv_module, "GEMM_LOG", [])
+    N, H, C, O = 2, 8, 4, 4                      # 2 * 4 * 4 tiles
+    monkeypatch.setattr(conv_module, "WINOGRAD_MACS", 32 * C * O)
+    monkeypatch.setattr(conv_module, "WINOGRAD_TILES", 1 << 30)
+    shapes = []
+    for stride, winograd in ((1, True), (2, True), (1, False)):
+        layer = Conv2d(C, O, 3, stride=stride, padding=1).bind(dtype=np.float32)
+        layer.winograd = winograd
+        layer.forward(rand((N, H, H, C), np.float32))
+        shapes.append([a for a, _, _, _ in conv_module.GEMM_LOG])
+        conv_module.GEMM_LOG.clear()
+    assert shapes[0] == [(32, C)] * 16
+    assert shapes[1] == [(N * 4 * 4, 9 * C)] and shapes[2] == [(N * H * H, 9 * C)]
+    for macs, tiles, expect in ((32 * C * O + 1, 1 << 30, [(N * H * H, 9 * C)]),
+                                (1 << 30, 32, [(32, C)] * 16),
+                                (1 << 30, 33, [(N * H * H, 9 * C)])):
+        monkeypatch.setattr(conv_module, "WINOGRAD_MACS", macs)
+        monkeypatch.setattr(conv_module, "WINOGRAD_TILES", tiles)
+        layer = Conv2d(C, O, 3, padding=1).bind(dtype=np.float32)
+        layer.forward(rand((N, H, H, C), np.float32))
+        assert [a for a, _, _, _ in conv_module.GEMM_LOG] == expect, (macs, tiles)
+        conv_module.GEMM_LOG.clear()
