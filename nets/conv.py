@@ -84,10 +84,12 @@ def workspace(xp, shape, dtype, use="columns"):
     return buf[:n].reshape(shape)
 
 
-# Winograd pays where its 16 GEMMs (T, C) @ (C, O) still run near the BLAS's peak: at
-# least this many multiply-adds each, or this many tiles (rows) however narrow C and O
-WINOGRAD_MACS = 1 << 24
-WINOGRAD_TILES = 2048
+# Winograd pays where its 16 GEMMs (T, C) @ (C, O) are large enough to run near the
+# BLAS's peak (WINOGRAD_MACS multiply-adds each) and there are enough tiles for the
+# GEMMs' savings to outweigh the filters' transforms, which cost C O each: T at least
+# WINOGRAD_TILES_PER_CHANNEL times the wider of C and O
+WINOGRAD_MACS = 1 << 22
+WINOGRAD_TILES_PER_CHANNEL = 0.5
 
 
 class Conv2d(Module):
@@ -102,10 +104,9 @@ class Conv2d(Module):
     a GEMM and a col2im).
 
     On the CPU a 3x3 convolution of stride 1 runs as Winograd's F(2x2, 3x3)
-    (kernels/winograd.py) where each of its 16 GEMMs has WINOGRAD_MACS multiply-adds
-    or WINOGRAD_TILES rows: 4/9 of the direct form's multiply-adds in all, on tiles
-    that take the place of im2col's columns. Smaller GEMMs run too far below the
-    BLAS's peak for that to pay. `winograd = False` on a layer keeps it on im2col and
+    (kernels/winograd.py) where its 16 GEMMs are large enough and its tiles many
+    enough (WINOGRAD_MACS, WINOGRAD_TILES_PER_CHANNEL): 4/9 of the direct form's
+    multiply-adds in all, on tiles that take the place of im2col's columns. `winograd = False` on a layer keeps it on im2col and
     one GEMM. cuDNN picks its own algorithm on a GPU.
     """
 
@@ -130,10 +131,9 @@ class Conv2d(Module):
 
     def _use_winograd(self, x, y_shape):
         N, Ho, Wo = y_shape[:3]
-        tiles = N * -(-Ho // 2) * -(-Wo // 2)
-        return (self.winograd and array_module(x) is np
-                and (tiles >= WINOGRAD_TILES
-                     or tiles * self.in_channels * self.out_channels >= WINOGRAD_MACS))
+        tiles, C, O = N * -(-Ho // 2) * -(-Wo // 2), self.in_channels, self.out_channels
+        return (self.winograd and array_module(x) is np and tiles * C * O >= WINOGRAD_MACS
+                and tiles >= WINOGRAD_TILES_PER_CHANNEL * max(C, O))
 
     def _columns(self, x, out=None):
         """col (N*Ho*Wo, k*k*C) of the GEMM form (module docstring): x itself for a

@@ -28,7 +28,7 @@ def rand(shape, dtype=np.float64, seed=0):
 def always_winograd(monkeypatch):
     """Every 3x3 stride-1 convolution on Winograd's path, however small its GEMMs."""
     monkeypatch.setattr(conv_module, "WINOGRAD_MACS", 0)
-    monkeypatch.setattr(conv_module, "WINOGRAD_TILES", 0)
+    monkeypatch.setattr(conv_module, "WINOGRAD_TILES_PER_CHANNEL", 0)
 
 
 def twins(Cin, Cout, p, dtype=np.float64, working_dtype=None, input_grad=True):
@@ -146,29 +146,27 @@ def test_winograd_matches_torch_in_float32(N, H, W, Cin, Cout, p, always_winogra
         assert relative(a, t.detach().numpy().transpose(0, 2, 3, 1)) < 2e-6
 
 
-def test_the_layer_takes_winograd_where_its_gemms_are_large_enough(monkeypatch):
-    """16 GEMMs of (tiles, Cin) @ (Cin, Cout) at WINOGRAD_MACS multiply-adds each or
-    WINOGRAD_TILES tiles, else the direct form's one GEMM on im2col's columns; never at
-    stride 2."""
+def test_the_layer_takes_winograd_where_its_gemms_are_large_and_its_tiles_many(monkeypatch):
+    """16 GEMMs of (tiles, Cin) @ (Cin, Cout) with WINOGRAD_MACS multiply-adds each and
+    WINOGRAD_TILES_PER_CHANNEL tiles per channel of the wider side, else the direct form's
+    one GEMM on im2col's columns; never at stride 2."""
     monkeypatch.setattr(conv_module, "GEMM_LOG", [])
-    N, H, C, O = 2, 8, 4, 4                      # 2 * 4 * 4 tiles
-    monkeypatch.setattr(conv_module, "WINOGRAD_MACS", 32 * C * O)
-    monkeypatch.setattr(conv_module, "WINOGRAD_TILES", 1 << 30)
-    shapes = []
-    for stride, winograd in ((1, True), (2, True), (1, False)):
-        layer = Conv2d(C, O, 3, stride=stride, padding=1).bind(dtype=np.float32)
-        layer.winograd = winograd
-        layer.forward(rand((N, H, H, C), np.float32))
-        shapes.append([a for a, _, _, _ in conv_module.GEMM_LOG])
-        conv_module.GEMM_LOG.clear()
-    assert shapes[0] == [(32, C)] * 16
-    assert shapes[1] == [(N * 4 * 4, 9 * C)] and shapes[2] == [(N * H * H, 9 * C)]
-    for macs, tiles, expect in ((32 * C * O + 1, 1 << 30, [(N * H * H, 9 * C)]),
-                                (1 << 30, 32, [(32, C)] * 16),
-                                (1 << 30, 33, [(N * H * H, 9 * C)])):
+    N, H, C, O = 2, 8, 4, 6                      # 2 * 4 * 4 = 32 tiles
+    direct = [(N * H * H, 9 * C)]
+    cases = [(1, 32 * C * O, 32 / O, [(32, C)] * 16),
+             (2, 32 * C * O, 32 / O, [(N * 4 * 4, 9 * C)]),
+             (1, 32 * C * O + 1, 32 / O, direct),
+             (1, 32 * C * O, 32 / O + 0.01, direct)]
+    for stride, macs, per_channel, expect in cases:
         monkeypatch.setattr(conv_module, "WINOGRAD_MACS", macs)
-        monkeypatch.setattr(conv_module, "WINOGRAD_TILES", tiles)
-        layer = Conv2d(C, O, 3, padding=1).bind(dtype=np.float32)
+        monkeypatch.setattr(conv_module, "WINOGRAD_TILES_PER_CHANNEL", per_channel)
+        layer = Conv2d(C, O, 3, stride=stride, padding=1).bind(dtype=np.float32)
         layer.forward(rand((N, H, H, C), np.float32))
-        assert [a for a, _, _, _ in conv_module.GEMM_LOG] == expect, (macs, tiles)
+        assert [a for a, _, _, _ in conv_module.GEMM_LOG] == expect, (stride, macs, per_channel)
         conv_module.GEMM_LOG.clear()
+    monkeypatch.setattr(conv_module, "WINOGRAD_MACS", 0)
+    monkeypatch.setattr(conv_module, "WINOGRAD_TILES_PER_CHANNEL", 0)
+    layer = Conv2d(C, O, 3, padding=1).bind(dtype=np.float32)
+    layer.winograd = False
+    layer.forward(rand((N, H, H, C), np.float32))
+    assert [a for a, _, _, _ in conv_module.GEMM_LOG] == direct
