@@ -39,8 +39,8 @@ from mpitrain.backend import array_module
 
 from .segments import cuda_shape, launch, pick
 
-__all__ = ["to_half", "to_float", "astype", "float_to_half_bits", "half_bits_to_float", "bits", "load",
-           "store", "rounded", "refresh_working"]
+__all__ = ["to_half", "to_float", "astype", "float_to_half_bits", "half_bits_to_float", "bits",
+           "load", "store", "rounded", "refresh_working"]
 
 
 @intrinsic

@@ -120,18 +120,18 @@ def _tile(r, tx, th, tw):
 
 # ----- forward -----
 @njit(parallel=True, cache=True)
-def _padded(x, padding, xp):
+def _padded(x, padding, xpad):
     N, H, W, C = x.shape
-    Hp, Wp = xp.shape[1], xp.shape[2]
+    Hp, Wp = xpad.shape[1], xpad.shape[2]
     for r in prange(N * Hp):
         n, h = divmod(np.int64(r), Hp)
         inside = padding <= h < padding + H
         for w in range(Wp):
             if inside and padding <= w < padding + W:
                 for c in range(C):
-                    xp[n, h, w, c] = load(x, (n, h - padding, w - padding, c))
+                    xpad[n, h, w, c] = load(x, (n, h - padding, w - padding, c))
             else:
-                xp[n, h, w, :] = 0.0
+                xpad[n, h, w, :] = 0.0
 
 
 def compute_dtype(dtype):
@@ -147,31 +147,31 @@ def padded(x, padding, out):
 
 
 @njit(parallel=True, cache=True)
-def _input_tiles(xp, th, tw, V):
-    N, C = xp.shape[0], xp.shape[3]
+def _input_tiles(xpad, th, tw, V):
+    N, C = xpad.shape[0], xpad.shape[3]
     for r in prange(N * th):
         for tx in range(tw):
             n, h, w, t = _tile(r, tx, th, tw)
             for c in range(C):
                 # B^T down each of the tile's 4 columns, then B^T along each row
-                e0 = _bt(xp[n, h, w, c], xp[n, h + 1, w, c], xp[n, h + 2, w, c],
-                         xp[n, h + 3, w, c])
-                e1 = _bt(xp[n, h, w + 1, c], xp[n, h + 1, w + 1, c], xp[n, h + 2, w + 1, c],
-                         xp[n, h + 3, w + 1, c])
-                e2 = _bt(xp[n, h, w + 2, c], xp[n, h + 1, w + 2, c], xp[n, h + 2, w + 2, c],
-                         xp[n, h + 3, w + 2, c])
-                e3 = _bt(xp[n, h, w + 3, c], xp[n, h + 1, w + 3, c], xp[n, h + 2, w + 3, c],
-                         xp[n, h + 3, w + 3, c])
+                e0 = _bt(xpad[n, h, w, c], xpad[n, h + 1, w, c], xpad[n, h + 2, w, c],
+                         xpad[n, h + 3, w, c])
+                e1 = _bt(xpad[n, h, w + 1, c], xpad[n, h + 1, w + 1, c], xpad[n, h + 2, w + 1, c],
+                         xpad[n, h + 3, w + 1, c])
+                e2 = _bt(xpad[n, h, w + 2, c], xpad[n, h + 1, w + 2, c], xpad[n, h + 2, w + 2, c],
+                         xpad[n, h + 3, w + 2, c])
+                e3 = _bt(xpad[n, h, w + 3, c], xpad[n, h + 1, w + 3, c], xpad[n, h + 2, w + 3, c],
+                         xpad[n, h + 3, w + 3, c])
                 _put_tiles(V, 0, t, c, _bt(e0[0], e1[0], e2[0], e3[0]))
                 _put_tiles(V, 4, t, c, _bt(e0[1], e1[1], e2[1], e3[1]))
                 _put_tiles(V, 8, t, c, _bt(e0[2], e1[2], e2[2], e3[2]))
                 _put_tiles(V, 12, t, c, _bt(e0[3], e1[3], e2[3], e3[3]))
 
 
-def input_tiles(xp, th, tw, out):
-    """out (16, T, C) = B^T d B of every 4x4 tile d of the padded input xp, T = N th tw
-    (tile t = (n th + ty) tw + tx starts at pixel (2 ty, 2 tx) of xp)."""
-    _input_tiles(xp, th, tw, out)
+def input_tiles(xpad, th, tw, out):
+    """out (16, T, C) = B^T d B of every 4x4 tile d of the padded input xpad, T = N th tw
+    (tile t = (n th + ty) tw + tx starts at pixel (2 ty, 2 tx) of xpad)."""
+    _input_tiles(xpad, th, tw, out)
     return out
 
 

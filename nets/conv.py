@@ -106,8 +106,9 @@ class Conv2d(Module):
     On the CPU a 3x3 convolution of stride 1 runs as Winograd's F(2x2, 3x3)
     (kernels/winograd.py) where its 16 GEMMs are large enough and its tiles many
     enough (WINOGRAD_MACS, WINOGRAD_TILES_PER_CHANNEL): 4/9 of the direct form's
-    multiply-adds in all, on tiles that take the place of im2col's columns. `winograd = False` on a layer keeps it on im2col and
-    one GEMM. cuDNN picks its own algorithm on a GPU.
+    multiply-adds in all, on tiles that take the place of im2col's columns.
+    `winograd = False` on a layer keeps it on im2col and one GEMM. cuDNN picks its
+    own algorithm on a GPU.
     """
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=False,
@@ -224,9 +225,9 @@ class Conv2d(Module):
         N, H, W, C = x.shape
         _, _, th, tw = winograd.tile_grid(H, W, self.padding)
         dtype = winograd.compute_dtype(x.dtype)
-        xp = winograd.padded(x, self.padding,
-                             workspace(np, (N, 2 * th + 2, 2 * tw + 2, C), dtype, "padded"))
-        V = winograd.input_tiles(xp, th, tw, workspace(np, (16, N * th * tw, C), dtype, "tiles"))
+        xpad = winograd.padded(x, self.padding,
+                               workspace(np, (N, 2 * th + 2, 2 * tw + 2, C), dtype, "padded"))
+        V = winograd.input_tiles(xpad, th, tw, workspace(np, (16, N * th * tw, C), dtype, "tiles"))
         return V, th, tw, dtype
 
     def _winograd_flops(self, N, Ho, Wo):
@@ -240,8 +241,9 @@ class Conv2d(Module):
         V, th, tw, dtype = self._tiles(x)                      # (16, T, C)
         U = winograd.filter_tiles(w, dtype)                     # (O, 16, C)
         M = workspace(np, (16, V.shape[1], O), dtype, "products")   # (16, T, O)
+        flops = self._winograd_flops(N, Ho, Wo)
         for k in range(16):
-            matmul(V[k], U[:, k].T, out=M[k], flops=self._winograd_flops(N, Ho, Wo))
+            matmul(V[k], U[:, k].T, out=M[k], flops=flops)
         return winograd.output_tiles(M, th, tw, np.empty((N, Ho, Wo, O), x.dtype))
 
     def _winograd_backward(self, dy, w, gw):

@@ -31,12 +31,14 @@ def always_winograd(monkeypatch):
     monkeypatch.setattr(conv_module, "WINOGRAD_TILES_PER_CHANNEL", 0)
 
 
-def twins(Cin, Cout, p, dtype=np.float64, working_dtype=None, input_grad=True):
-    """(Winograd, direct): two 3x3 layers with the same weights."""
+def twins(Cin, Cout, p, dtype=np.float64, working_dtype=None, input_grad=True, bias=False):
+    """(Winograd, direct): two 3x3 layers with the same weights (and a nonzero bias)."""
     layers = []
     for winograd in (True, False):
-        layer = Conv2d(Cin, Cout, 3, padding=p, input_grad=input_grad)
+        layer = Conv2d(Cin, Cout, 3, padding=p, bias=bias, input_grad=input_grad)
         layer.bind(dtype=dtype, working_dtype=working_dtype, seed=3)
+        if bias:
+            layer.bias.master[...] = rand(Cout, seed=5)
         layer.winograd = winograd
         layers.append(layer)
     return layers
@@ -101,6 +103,15 @@ def test_winograd_layers_share_the_workspaces_and_stay_correct(always_winograd):
         np.testing.assert_array_equal(dx, fa.backward(fb.backward(dz)))
         for layer, fresh in ((a, fa), (b, fb)):
             np.testing.assert_array_equal(layer.weight.grad, fresh.weight.grad)
+
+
+def test_winograd_with_a_bias(always_winograd):
+    fast, direct = twins(3, 4, 1, bias=True)
+    x = rand((2, 5, 6, 3))
+    for a, b, what in zip(step(fast, x), step(direct, x), ("y", "dx", "dW")):
+        assert relative(a, b) < 1e-13, what
+    assert np.abs(fast.bias.grad).max() > 0
+    np.testing.assert_allclose(fast.bias.grad, direct.bias.grad, rtol=1e-13)
 
 
 def test_winograd_without_input_gradient(always_winograd):
