@@ -297,6 +297,10 @@ def build_parser():
                            "(GEMM, im2col, col2im, BatchNorm, ReLU, pooling, loss, copies, "
                            "update), N without it for each GEMM shape with its GFLOP/s and "
                            "the share outside GEMMs")
+    step.add_argument("--rounds", type=positive_int, default=1, metavar="N",
+                      help="one process: time mpitrain (and --reference) N times, taking turns "
+                           "at going first, and report each round and the median ratio (a "
+                           "host's speed drifts between runs a minute apart)")
     step.add_argument("--native-openblas", action="store_true",
                       help="re-run this command with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE "
                            "removed from the environment (OpenBLAS picks its own core type)")

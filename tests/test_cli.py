@@ -88,6 +88,53 @@ def test_bench_step_times_the_same_network_in_torch():
     assert result["torch"]["threads"] == result["blas"]["threads"]
 
 
+@pytest.mark.torch
+def test_bench_step_rounds_take_turns_and_quote_the_median_ratio():
+    """--rounds 3: three rounds, PyTorch going first in the second; each round's ratio is
+    its own two figures', the quoted ratio their median, each side's figures those of
+    its median round with the largest peak memory, and both still run one network."""
+    r = run("bench", "step", "--model", "resnet_small", "--image-size", "16", "--batch", "4",
+            "--steps", "1", "--warmup", "1", "--num-classes", "10", "--reference", "torch",
+            "--rounds", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    rounds = result["rounds"]
+    assert [o["first"] for o in rounds] == ["mpitrain", "torch", "mpitrain"]
+    for o in rounds:
+        assert o["ratio"] == pytest.approx(o["mpitrain"] / o["torch"], rel=1e-12)
+    assert result["ratio"] == sorted(o["ratio"] for o in rounds)[1]
+    for side in ("mpitrain", "torch"):
+        assert result[side]["images_per_s"] == sorted(o[side] for o in rounds)[1]
+        assert result[side]["peak_memory"] > 0
+    assert result["torch"]["first_loss"] == pytest.approx(result["mpitrain"]["first_loss"],
+                                                          rel=1e-5)
+
+
+def test_bench_step_rounds_without_a_reference_and_their_text():
+    """Without a reference the rounds time mpitrain alone; the text lists every round."""
+    r = run("bench", "step", "--model", "resnet_small", "--image-size", "16", "--batch", "4",
+            "--steps", "1", "--warmup", "0", "--num-classes", "10", "--rounds", "2")
+    assert r.returncode == 0, r.stderr
+    assert "each side's median round of 2, taking turns at going first" in r.stdout
+    listed = [line for line in r.stdout.splitlines() if line.startswith("rounds, images/s: ")]
+    assert len(listed) == 1 and "1: " in listed[0] and "; 2: " in listed[0]
+    assert "torch" not in listed[0] and "ratio" not in r.stdout
+
+
+@pytest.mark.launches
+@pytest.mark.one_mpi
+def test_bench_step_refuses_rounds_under_mpirun():
+    """The data-parallel benchmark times one round: --rounds 2 there is an error (exit 2 on
+    every rank, said once), not a silently ignored option."""
+    import launcher
+    r = subprocess.run(launcher.mpitrain_command(
+        2, "bench", "step", "--model", "resnet_small", "--image-size", "16", "--batch", "4",
+        "--steps", "1", "--warmup", "0", "--rounds", "2"),
+        capture_output=True, text=True, timeout=120, env=launcher.environment(2))
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.count("--rounds applies to one process") == 1, r.stderr
+
+
 def test_bench_step_profile_counts_every_gemm_of_a_training_step():
     """--profile records each GEMM: per step one per convolution and linear layer in
     forward and two in backward (dW and dx), but for the first convolution's dx, which

@@ -10,7 +10,9 @@ with torch.optim.SGD, in the same run (in a child process with the user's own
 environment), with torch's thread count matched to NumPy's BLAS; the ratio
 ours / torch is what to quote. Both report the loss of their first step
 (`first_loss`, before any update), which agree when both ran the same network
-on the same batch (not with Dropout, whose masks differ).
+on the same batch (not with Dropout, whose masks differ). `--rounds N` repeats
+both N times, taking turns at going first, and quotes the median of the rounds'
+ratios (_median_rounds).
 
 `--device gpu` runs the same on a GPU (CuPy, cuDNN), the device synchronised
 before every clock read; `--precision fp16` takes the training path's mixed
@@ -250,10 +252,13 @@ def random_batch(model, batch, image_size, num_classes, seed):
 
 
 def bench_step(model_name, image_size=64, batch=32, steps=10, warmup=2, num_classes=1000,
-               seed=0, reference=None, device="cpu", precision="fp32", profile=0):
+               seed=0, reference=None, device="cpu", precision="fp32", profile=0, rounds=1):
     """Time training steps of `model_name` on a random batch; returns a dict (see main_step).
     device: "cpu", "gpu" or "auto" (backend.use_device; a missing GPU raises DeviceError).
-    profile: profile this many more steps (mpitrain.bench.profile)."""
+    profile: profile this many more steps (mpitrain.bench.profile), in the first round.
+    rounds: time mpitrain (and the reference) this many times, taking turns at going
+    first; each side's figures are then those of its median round (peak memory: the
+    largest) and the ratio is the median of the rounds' ratios (_median_rounds)."""
     from mpitrain import backend
     backend.use_device(device)
     result = {"model": model_name, "image_size": image_size, "batch": batch, "steps": steps,
@@ -265,21 +270,65 @@ def bench_step(model_name, image_size=64, batch=32, steps=10, warmup=2, num_clas
     if backend.device == "cpu":
         from .profile import gemm_peak
         result["gemm_peak_gflops"] = gemm_peak()
-    result["mpitrain"] = _time_fresh(model_name, image_size, batch, num_classes, seed, steps,
-                                     warmup, precision, profile)
-    if reference == "torch":
-        if backend.device != "cpu":     # the child's PyTorch needs the memory CuPy keeps pooled
-            backend.xp.get_default_memory_pool().free_all_blocks()
-        try:
-            result["torch"] = torch_in_child(dict(
-                model_name=model_name, image_size=image_size, batch=batch,
-                num_classes=num_classes, seed=seed, steps=steps, warmup=warmup,
-                threads=result["blas"]["threads"], device=backend.device, precision=precision))
-        except RuntimeError as e:      # mpitrain's figures stand without the reference
-            result["torch_error"] = str(e)
-        else:
-            result["ratio"] = result["mpitrain"]["images_per_s"] / result["torch"]["images_per_s"]
+    runs = []
+    for r in range(rounds):
+        run = {"first": "torch" if reference == "torch" and r % 2 else "mpitrain"}
+        for side in (("mpitrain", "torch") if run["first"] == "mpitrain" else ("torch", "mpitrain")):
+            if side == "mpitrain":
+                run["mpitrain"] = _time_fresh(model_name, image_size, batch, num_classes, seed,
+                                              steps, warmup, precision, profile if r == 0 else 0)
+            elif reference == "torch" and "torch_error" not in result:
+                try:
+                    run["torch"] = _time_torch(model_name, image_size, batch, num_classes, seed,
+                                               steps, warmup, result["blas"]["threads"], precision)
+                except RuntimeError as e:      # mpitrain's figures stand without the reference
+                    result["torch_error"] = str(e)
+        runs.append(run)
+    result.update(_median_rounds(runs))
     return result
+
+
+def _time_torch(model_name, image_size, batch, num_classes, seed, steps, warmup, threads,
+                precision):
+    """The PyTorch reference's figures (torch_in_child) on the current device."""
+    from mpitrain import backend
+    if backend.device != "cpu":         # the child's PyTorch needs the memory CuPy keeps pooled
+        backend.xp.get_default_memory_pool().free_all_blocks()
+    return torch_in_child(dict(model_name=model_name, image_size=image_size, batch=batch,
+                               num_classes=num_classes, seed=seed, steps=steps, warmup=warmup,
+                               threads=threads, device=backend.device, precision=precision))
+
+
+def _median_rounds(runs):
+    """The figures of one or more rounds, each {"first": side, "mpitrain": figures[,
+    "torch": figures]}: per side the figures of its median round by images/s (the lower
+    middle one for an even count), with the largest peak memory and the first round's
+    profile; "ratio", the median of the rounds' ratios; with more than one round,
+    "rounds", each round's images/s and ratio. The host's speed drifts by tens of
+    percent from minute to minute, so a ratio is quoted from one round, where both
+    sides ran within a minute of each other, and its median over rounds."""
+    out = {}
+    for side in ("mpitrain", "torch"):
+        figures = [run[side] for run in runs if side in run]
+        if not figures:
+            continue
+        chosen = dict(sorted(figures, key=lambda f: f["images_per_s"])[(len(figures) - 1) // 2])
+        chosen["peak_memory"] = max(f["peak_memory"] for f in figures)
+        if "profile" in figures[0]:
+            chosen["profile"] = figures[0]["profile"]
+        out[side] = chosen
+    ratios = [run["mpitrain"]["images_per_s"] / run["torch"]["images_per_s"]
+              for run in runs if "torch" in run]
+    if ratios:
+        out["ratio"] = _median(ratios)
+    if len(runs) > 1:
+        out["rounds"] = [{"first": run["first"], **{side: run[side]["images_per_s"]
+                                                    for side in ("mpitrain", "torch") if side in run}}
+                         for run in runs]
+        for entry in out["rounds"]:
+            if "torch" in entry:
+                entry["ratio"] = entry["mpitrain"] / entry["torch"]
+    return out
 
 
 def _time_fresh(model_name, image_size, batch, num_classes, seed, steps, warmup, precision,
@@ -562,6 +611,10 @@ def format_parallel(r):
     return "\n".join(lines)
 
 
+class RoundsUnderMpirun(ValueError):
+    """--rounds > 1 given to the data-parallel benchmark, which times one round."""
+
+
 def _reexec_without_openblas_forcing(argv, to_stderr):
     """Replace this process by the same command with OPENBLAS_CORETYPE/_L2_SIZE unset
     (they must be gone before NumPy loads OpenBLAS, hence a fresh process)."""
@@ -582,7 +635,7 @@ def main_step(args, argv):
         _reexec_without_openblas_forcing(argv, to_stderr=args.json)
     try:
         result = _run_step(args)
-    except DeviceError as e:            # every rank alike: rank 0 says it
+    except (DeviceError, RoundsUnderMpirun) as e:   # every rank alike: rank 0 says it
         from mpitrain.launcher import launched_rank
         if launched_rank() == 0:
             sys.stderr.write(f"python -m mpitrain bench step: error: {e}\n")
@@ -605,6 +658,10 @@ def _run_step(args):
     if under_mpirun():
         from mpi4py import MPI
         if MPI.COMM_WORLD.size > 1:
+            if args.rounds > 1:
+                raise RoundsUnderMpirun("--rounds applies to one process: under mpirun the "
+                                        "ranks time one round; drop --rounds, or run without "
+                                        "mpirun")
             result = bench_step_parallel(args.model, args.image_size, args.batch, args.steps,
                                          args.warmup, args.num_classes, args.seed,
                                          args.fusion_threshold, args.allreduce, args.comm_dtype,
@@ -614,7 +671,7 @@ def _run_step(args):
             return result if MPI.COMM_WORLD.rank == 0 else None
     return bench_step(args.model, args.image_size, args.batch, args.steps, args.warmup,
                       args.num_classes, args.seed, args.reference, args.device, args.precision,
-                      args.profile)
+                      args.profile, args.rounds)
 
 
 def format_profile(p, top=12):
@@ -634,8 +691,11 @@ def format_profile(p, top=12):
 def format_result(r):
     b = r["blas"]
     forced = ", ".join(f"{k}={v}" for k, v in b["forced"].items()) or "none"
+    rounds = (f"; each side's median round of {len(r['rounds'])}, taking turns at going first"
+              if "rounds" in r else "")
     lines = [f"bench step: {r['model']} at {r['image_size']}x{r['image_size']}, batch {r['batch']}, "
-             f"median of {r['steps']} steps after {r['warmup']} warm-up (one process, no all-reduce)",
+             f"median of {r['steps']} steps after {r['warmup']} warm-up (one process, no "
+             f"all-reduce){rounds}",
              f"NumPy BLAS: {b['library']} {b.get('version') or ''} core type "
              f"{b.get('core_type') or '?'}, {b['threads']} threads; forced by environment: {forced}; "
              f"idle threads spin 2^{b.get('thread_timeout') or 28} cycles (OPENBLAS_THREAD_TIMEOUT)"]
@@ -662,8 +722,14 @@ def format_result(r):
             lines.append(f"{label}: {t['images_per_s']:.1f} images/s, step {t['step_ms']:.1f} ms "
                          f"(forward+loss {t['forward_loss_ms']:.1f}, backward "
                          f"{t['backward_ms']:.1f}, update {t['update_ms']:.1f}){memory}")
+    if "rounds" in r:
+        lines.append("rounds, images/s: " + "; ".join(
+            f"{i}: {o['mpitrain']:.1f}" + (f" / torch {o['torch']:.1f} = {o['ratio']:.2f}x "
+                                           f"({o['first']} first)" if "torch" in o else "")
+            for i, o in enumerate(r["rounds"], 1)))
     if "ratio" in r:
-        lines.append(f"ratio mpitrain / torch: {r['ratio']:.2f}x images/s")
+        of = f" (the median of {len(r['rounds'])} rounds' ratios)" if "rounds" in r else ""
+        lines.append(f"ratio mpitrain / torch: {r['ratio']:.2f}x images/s{of}")
     if "gemm_peak_gflops" in r:
         ours = r["mpitrain"]["gflops"]
         lines.append(f"mpitrain's step: {ours:.0f} GFLOP/s of its layers' arithmetic (Winograd's "
