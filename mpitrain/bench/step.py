@@ -112,10 +112,10 @@ def _clock():
     return time.perf_counter()
 
 
-def time_ours(model, x, y, steps, warmup, precision="fp32", profile=0):
-    """Median phase times of `steps` steps after `warmup`, on the CPU the GFLOP/s of the
-    median step (its layers' floating-point operations as the direct form counts them,
-    counted in one more step), and with
+def time_ours(model, x, y, steps, warmup, precision="fp32", profile=0, gflops=True):
+    """Median phase times of `steps` steps after `warmup`, with gflops on the CPU the
+    GFLOP/s of the median step (its layers' floating-point operations as the direct form
+    counts them, counted in one more step), and with
     profile=N a profile of N more steps (mpitrain.bench.profile)."""
     from .profile import profile_steps, step_flops
     step = OneStep(model, precision)
@@ -141,7 +141,7 @@ def time_ours(model, x, y, steps, warmup, precision="fp32", profile=0):
         step.backward()
         step.update()
     from mpitrain import backend
-    if backend.device == "cpu":     # on a GPU cuDNN's convolutions pass no GEMM to count
+    if gflops and backend.device == "cpu":  # on a GPU cuDNN's convolutions pass no GEMM to count
         out["gflops"] = step_flops(whole_step) / out["step_ms"] / 1e6
     if profile:
         out["profile"] = profile_steps(whole_step, profile)
@@ -511,7 +511,7 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
     for i in range(warmup + steps):
         if world.rank == 0:      # one rank with the threads of all its node's ranks
             with threadpool_limits(one_threads):
-                t = time_ours(one, x, y, 1, 0, precision)["step_ms"]
+                t = time_ours(one, x, y, 1, 0, precision, gflops=False)["step_ms"]
             if i >= warmup:
                 one_times.append(t)
         _sleep_until(world.Ibarrier())
