@@ -268,7 +268,8 @@ def build_parser():
     step.add_argument("--warmup", type=nonnegative_int, default=2, help="untimed steps first")
     step.add_argument("--seed", type=nonnegative_int, default=0)
     step.add_argument("--reference", choices=["torch"],
-                      help="also time the same network and batch in PyTorch, and the ratio")
+                      help="one process: also time the same network and batch in PyTorch, "
+                           "and the ratio")
     step.add_argument("--device", choices=["cpu", "gpu", "auto"], default="cpu",
                       help="where the steps run (gpu: CuPy and cuDNN, one GPU per rank under "
                            "mpirun); PyTorch runs there too, in channels_last on a GPU")
@@ -293,7 +294,8 @@ def build_parser():
                       help="under mpirun: also time the sharded update (train --shard-update) "
                            "against the unsharded one, with the optimizer state per rank")
     step.add_argument("--profile", type=nonnegative_int, default=0, metavar="N",
-                      help="2N more steps: N under cProfile for the time per kind of work "
+                      help="one process: 2N more steps: N under cProfile for the time per "
+                           "kind of work "
                            "(GEMM, im2col, col2im, BatchNorm, ReLU, pooling, loss, copies, "
                            "update), N without it for each GEMM shape with its GFLOP/s and "
                            "the share outside GEMMs")

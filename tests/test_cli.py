@@ -123,16 +123,19 @@ def test_bench_step_rounds_without_a_reference_and_their_text():
 
 @pytest.mark.launches
 @pytest.mark.one_mpi
-def test_bench_step_refuses_rounds_under_mpirun():
-    """The data-parallel benchmark times one round: --rounds 2 there is an error (exit 2 on
-    every rank, said once), not a silently ignored option."""
+def test_bench_step_refuses_one_process_options_under_mpirun():
+    """The data-parallel benchmark has no reference, profile or rounds: given under
+    mpirun they are an error naming each (exit 2 on every rank, said once), not options
+    silently ignored."""
     import launcher
     r = subprocess.run(launcher.mpitrain_command(
         2, "bench", "step", "--model", "resnet_small", "--image-size", "16", "--batch", "4",
-        "--steps", "1", "--warmup", "0", "--rounds", "2"),
+        "--steps", "1", "--warmup", "0", "--reference", "torch", "--profile", "1",
+        "--rounds", "2"),
         capture_output=True, text=True, timeout=120, env=launcher.environment(2))
     assert r.returncode == 2, (r.stdout, r.stderr)
-    assert r.stderr.count("--rounds applies to one process") == 1, r.stderr
+    message = "--reference, --profile, --rounds apply to the one-process benchmark"
+    assert r.stderr.count(message) == 1, r.stderr
 
 
 def test_bench_step_profile_counts_every_gemm_of_a_training_step():

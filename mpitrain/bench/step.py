@@ -611,8 +611,9 @@ def format_parallel(r):
     return "\n".join(lines)
 
 
-class RoundsUnderMpirun(ValueError):
-    """--rounds > 1 given to the data-parallel benchmark, which times one round."""
+class OneProcessOnly(ValueError):
+    """An option of the one-process benchmark (--reference, --profile, --rounds) given to
+    the data-parallel one under mpirun."""
 
 
 def _reexec_without_openblas_forcing(argv, to_stderr):
@@ -635,7 +636,7 @@ def main_step(args, argv):
         _reexec_without_openblas_forcing(argv, to_stderr=args.json)
     try:
         result = _run_step(args)
-    except (DeviceError, RoundsUnderMpirun) as e:   # every rank alike: rank 0 says it
+    except (DeviceError, OneProcessOnly) as e:   # every rank alike: rank 0 says it
         from mpitrain.launcher import launched_rank
         if launched_rank() == 0:
             sys.stderr.write(f"python -m mpitrain bench step: error: {e}\n")
@@ -658,10 +659,13 @@ def _run_step(args):
     if under_mpirun():
         from mpi4py import MPI
         if MPI.COMM_WORLD.size > 1:
-            if args.rounds > 1:
-                raise RoundsUnderMpirun("--rounds applies to one process: under mpirun the "
-                                        "ranks time one round; drop --rounds, or run without "
-                                        "mpirun")
+            given = [name for name, value in (("--reference", args.reference),
+                                              ("--profile", args.profile),
+                                              ("--rounds", args.rounds > 1)) if value]
+            if given:
+                raise OneProcessOnly(f"{', '.join(given)} apply to the one-process benchmark, "
+                                     f"not to the data-parallel steps timed under mpirun: "
+                                     f"drop them, or run without mpirun")
             result = bench_step_parallel(args.model, args.image_size, args.batch, args.steps,
                                          args.warmup, args.num_classes, args.seed,
                                          args.fusion_threshold, args.allreduce, args.comm_dtype,
