@@ -270,19 +270,24 @@ def bench_step(model_name, image_size=64, batch=32, steps=10, warmup=2, num_clas
     if backend.device == "cpu":
         from .profile import gemm_peak
         result["gemm_peak_gflops"] = gemm_peak()
+
+    def time_reference(run):
+        if reference == "torch" and "torch_error" not in result:
+            try:
+                run["torch"] = _time_torch(model_name, image_size, batch, num_classes, seed,
+                                           steps, warmup, result["blas"]["threads"], precision)
+            except RuntimeError as e:       # mpitrain's figures stand without the reference
+                result["torch_error"] = str(e)
     runs = []
     for r in range(rounds):
-        run = {"first": "torch" if reference == "torch" and r % 2 else "mpitrain"}
-        for side in (("mpitrain", "torch") if run["first"] == "mpitrain" else ("torch", "mpitrain")):
-            if side == "mpitrain":
-                run["mpitrain"] = _time_fresh(model_name, image_size, batch, num_classes, seed,
-                                              steps, warmup, precision, profile if r == 0 else 0)
-            elif reference == "torch" and "torch_error" not in result:
-                try:
-                    run["torch"] = _time_torch(model_name, image_size, batch, num_classes, seed,
-                                               steps, warmup, result["blas"]["threads"], precision)
-                except RuntimeError as e:      # mpitrain's figures stand without the reference
-                    result["torch_error"] = str(e)
+        torch_first = reference == "torch" and r % 2 == 1
+        run = {"first": "torch" if torch_first else "mpitrain"}
+        if torch_first:
+            time_reference(run)
+        run["mpitrain"] = _time_fresh(model_name, image_size, batch, num_classes, seed, steps,
+                                      warmup, precision, profile if r == 0 else 0)
+        if not torch_first:
+            time_reference(run)
         runs.append(run)
     result.update(_median_rounds(runs))
     return result
@@ -317,17 +322,17 @@ def _median_rounds(runs):
         if "profile" in figures[0]:
             chosen["profile"] = figures[0]["profile"]
         out[side] = chosen
-    ratios = [run["mpitrain"]["images_per_s"] / run["torch"]["images_per_s"]
-              for run in runs if "torch" in run]
+    rounds = [{"first": run["first"], **{side: run[side]["images_per_s"]
+                                         for side in ("mpitrain", "torch") if side in run}}
+              for run in runs]
+    for entry in rounds:
+        if "torch" in entry:
+            entry["ratio"] = entry["mpitrain"] / entry["torch"]
+    ratios = [entry["ratio"] for entry in rounds if "ratio" in entry]
     if ratios:
         out["ratio"] = _median(ratios)
     if len(runs) > 1:
-        out["rounds"] = [{"first": run["first"], **{side: run[side]["images_per_s"]
-                                                    for side in ("mpitrain", "torch") if side in run}}
-                         for run in runs]
-        for entry in out["rounds"]:
-            if "torch" in entry:
-                entry["ratio"] = entry["mpitrain"] / entry["torch"]
+        out["rounds"] = rounds
     return out
 
 
