@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from mpitrain.arena import aligned_offsets
 from mpitrain.backend import array_module, synchronize
 from mpitrain.kernels import cast, cudnn, gemm, winograd
 from mpitrain.kernels.im2col import col2im, conv_output_size, im2col
@@ -65,23 +66,31 @@ def _matmul(a, b, out):
     return out
 
 
-# Scratch buffers per use, array module and dtype, shared by every convolution of the
-# process: a layer fills the im2col one ("columns") or Winograd's ("padded", "tiles",
-# "products") from its input in forward and again in backward (keeping x, not the
-# larger columns or tiles, between the two), and nothing holds them from one layer
-# call to the next.
+# One scratch buffer per array module, shared by every convolution of the process: a
+# layer lays out what it needs there (im2col's columns, or Winograd's tiles, padded
+# input and products) from its input in forward and again in backward (keeping x, not
+# the larger columns or tiles, between the two), and nothing holds a view of it from
+# one layer call to the next. So the buffer is as large as the largest layer's needs,
+# not as the sum of every kind's largest.
 _WORKSPACE = {}
 
 
-def workspace(xp, shape, dtype, use="columns"):
-    """A C-contiguous view of `shape` on the shared buffer of `use`, xp and dtype (grown
-    to fit)."""
-    key = (use, xp.__name__, np.dtype(dtype).str)
-    n = int(np.prod(shape))
-    buf = _WORKSPACE.get(key)
-    if buf is None or buf.size < n:
-        buf = _WORKSPACE[key] = xp.empty(n, dtype)
-    return buf[:n].reshape(shape)
+def workspace(xp, *parts):
+    """C-contiguous views on the shared scratch buffer of xp, one per (shape, dtype) in
+    `parts`, laid end to end from the buffer's start (on the arena's alignment, grown to
+    fit).
+
+    The views of one call never overlap. A later call starts again at the start, so it
+    overwrites earlier views, except where its leading parts repeat theirs: Winograd
+    asks for (tiles, padded input), then for (tiles, products), to keep its tiles while
+    the products take the padded input's place."""
+    nbytes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in parts]
+    offsets, total = aligned_offsets(nbytes)
+    buf = _WORKSPACE.get(xp.__name__)
+    if buf is None or buf.size < total:
+        buf = _WORKSPACE[xp.__name__] = xp.empty(total, np.uint8)
+    return [buf[o:o + n].view(dtype).reshape(shape)
+            for (shape, dtype), o, n in zip(parts, offsets, nbytes)]
 
 
 # Winograd pays where its 16 GEMMs (T, C) @ (C, O) are large enough to run near the
@@ -164,8 +173,8 @@ class Conv2d(Module):
                 col = self._columns(x)
                 self.col = col if train else None               # (N*Ho*Wo, C)
             else:
-                col = self._columns(x, out=workspace(array_module(x), (N * Ho * Wo, k * k * C),
-                                                     x.dtype))
+                col, = workspace(array_module(x), ((N * Ho * Wo, k * k * C), x.dtype))
+                col = self._columns(x, out=col)
                 self.x = x if train else None                   # (N, H, W, C)
             y = matmul(col, w.reshape(O, -1).T).reshape(N, Ho, Wo, O)
         if self.bias is not None:
@@ -197,7 +206,8 @@ class Conv2d(Module):
             col, self.col = self.col, None                      # (N*Ho*Wo, C)
         else:
             x, self.x = self.x, None                            # the columns again, from x
-            col = self._columns(x, out=workspace(xp, (dy2.shape[0], k * k * x.shape[3]), x.dtype))
+            col, = workspace(xp, ((dy2.shape[0], k * k * x.shape[3]), x.dtype))
+            col = self._columns(x, out=col)
         matmul(dy2.T, col, out=gw.reshape(O, -1))
         self.weight.grad_ready()                                # its bucket may be summed now
         if not self.input_grad:
@@ -212,23 +222,25 @@ class Conv2d(Module):
             return dx
         if xp is np and col.dtype == np.float16:
             # fp16 on the CPU: the product stays fp32 through col2im, which sums in fp32
-            # anyway, and dx is rounded once
-            dcol = matmul(dy2, w.reshape(O, -1), out=workspace(np, col.shape, np.float32))
+            # anyway, and dx is rounded once; col is not needed any more: dcol takes its place
+            dcol = matmul(dy2, w.reshape(O, -1), out=workspace(np, (col.shape, np.float32))[0])
             return cast.astype(col2im(dcol, self.x_shape, k, k, s, p), dy.dtype)
         # col is not needed any more: dcol overwrites the workspace in place
         dcol = matmul(dy2, w.reshape(O, -1), out=col)           # (N*Ho*Wo, k*k*C)
         return col2im(dcol, self.x_shape, k, k, s, p)
 
     def _tiles(self, x):
-        """V (16, T, C): the Winograd tiles of x (kernels/winograd.py), on the shared
-        workspace; also the tile grid (th, tw) and the compute dtype."""
+        """V (16, T, C), the Winograd tiles of x (kernels/winograd.py), and room for the
+        products (16, T, O), both on the shared workspace; also the tile grid (th, tw) and
+        the compute dtype."""
         N, H, W, C = x.shape
         _, _, th, tw = winograd.tile_grid(H, W, self.padding)
         dtype = winograd.compute_dtype(x.dtype)
-        xpad = winograd.padded(x, self.padding,
-                               workspace(np, (N, 2 * th + 2, 2 * tw + 2, C), dtype, "padded"))
-        V = winograd.input_tiles(xpad, th, tw, workspace(np, (16, N * th * tw, C), dtype, "tiles"))
-        return V, th, tw, dtype
+        tiles = ((16, N * th * tw, C), dtype)
+        V, xpad = workspace(np, tiles, ((N, 2 * th + 2, 2 * tw + 2, C), dtype))
+        V = winograd.input_tiles(winograd.padded(x, self.padding, xpad), th, tw, V)
+        _, M = workspace(np, tiles, ((16, N * th * tw, self.out_channels), dtype))
+        return V, M, th, tw, dtype
 
     def _winograd_flops(self, N, Ho, Wo):
         """The direct form's floating-point operations that each of the 16 GEMMs stands for."""
@@ -238,9 +250,8 @@ class Conv2d(Module):
         N, H, W, C = x.shape
         O = self.out_channels
         Ho, Wo, _, _ = winograd.tile_grid(H, W, self.padding)
-        V, th, tw, dtype = self._tiles(x)                      # (16, T, C)
+        V, M, th, tw, dtype = self._tiles(x)                   # (16, T, C), (16, T, O)
         U = winograd.filter_tiles(w, dtype)                     # (O, 16, C)
-        M = workspace(np, (16, V.shape[1], O), dtype, "products")   # (16, T, O)
         flops = self._winograd_flops(N, Ho, Wo)
         for k in range(16):
             matmul(V[k], U[:, k].T, out=M[k], flops=flops)
@@ -249,9 +260,8 @@ class Conv2d(Module):
     def _winograd_backward(self, dy, w, gw):
         x, self.x = self.x, None                                # (N, H, W, C)
         N, Ho, Wo, O = dy.shape
-        V, th, tw, dtype = self._tiles(x)                      # (16, T, C)
-        dM = winograd.output_tiles_grad(dy, th, tw, workspace(np, (16, V.shape[1], O), dtype,
-                                                              "products"))  # (16, T, O)
+        V, dM, th, tw, dtype = self._tiles(x)                  # (16, T, C), (16, T, O)
+        dM = winograd.output_tiles_grad(dy, th, tw, dM)
         dU = np.empty((O, 16, x.shape[3]), dtype)               # (O, 16, C)
         flops = self._winograd_flops(N, Ho, Wo)
         for k in range(16):

@@ -88,21 +88,40 @@ def test_winograd_float32_and_fp16_against_float64(N, H, W, Cin, Cout, p, always
             assert relative(a, b) < tol, (dtype, working, what)
 
 
-def test_winograd_layers_share_the_workspaces_and_stay_correct(always_winograd):
-    """Two Winograd layers, their calls interleaved as in a network, both filling the
-    shared "padded", "tiles" and "products" workspaces: each step equals fresh layers'."""
-    def pair():
-        return twins(3, 4, 1)[0], twins(4, 5, 1)[0]
-    a, b = pair()
-    for i in range(2):
-        x, dz = rand((2, 7, 7, 3), seed=10 + i), rand((2, 7, 7, 5), seed=20 + i)
-        fa, fb = pair()
-        z = b.forward(a.forward(x))
-        dx = a.backward(b.backward(dz))
-        np.testing.assert_array_equal(z, fb.forward(fa.forward(x)))
-        np.testing.assert_array_equal(dx, fa.backward(fb.backward(dz)))
-        for layer, fresh in ((a, fa), (b, fb)):
-            np.testing.assert_array_equal(layer.weight.grad, fresh.weight.grad)
+@pytest.mark.parametrize("working", [None, np.float16])
+def test_convolutions_share_one_workspace_and_stay_correct(always_winograd, working):
+    """A Winograd layer, an im2col layer (stride 2) and a Winograd layer again, their calls
+    interleaved as in a network (forwards, then backwards in reverse), all on the one
+    scratch buffer: each layer's y, dx and dW equal those of the same layer run alone on
+    the same x and dy (forward then backward at once, nothing in between), and the buffer
+    is not grown after the first step. fp16 adds im2col's fp32 dcol over its columns."""
+    specs = ((3, 6, 1, True), (6, 5, 2, False), (5, 4, 1, True))     # Cin, Cout, stride, Winograd
+    master = np.float64 if working is None else np.float32
+    dtype = working or np.float64
+
+    def layers():
+        made = []
+        for Cin, Cout, s, winograd in specs:
+            layer = Conv2d(Cin, Cout, 3, stride=s, padding=1).bind(master, working, seed=Cin)
+            layer.winograd = winograd
+            made.append(layer)
+        return made
+    net, alone = layers(), layers()
+    for i in range(3):
+        xs = [rand((2, 9, 9, 3), dtype, seed=10 + i)]
+        for layer in net:
+            xs.append(layer.forward(xs[-1]))
+        dys = [rand(xs[-1].shape, dtype, seed=20 + i)]
+        for layer in reversed(net):
+            dys.insert(0, layer.backward(dys[0]))
+        for k, (layer, single) in enumerate(zip(net, alone)):
+            np.testing.assert_array_equal(xs[k + 1], single.forward(xs[k]))
+            np.testing.assert_array_equal(dys[k], single.backward(dys[k + 1]))
+            np.testing.assert_array_equal(layer.weight.grad, single.weight.grad)
+        buffer = conv_module._WORKSPACE["numpy"]
+        if i:
+            assert buffer is previous
+        previous = buffer
 
 
 def test_winograd_with_a_bias(always_winograd):
