@@ -70,4 +70,5 @@ class Dropout(Module):
     def backward(self, dy):
         if self.key is not None:
             return gpu.dropout(dy, self.key, self.p)
-        return dy if self.mask is None else dy * self.mask
+        mask, self.mask = self.mask, None
+        return dy if mask is None else dy * mask

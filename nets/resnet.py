@@ -40,11 +40,12 @@ class _Block(Module):
         shortcut = x if self.downsample is None else self.downsample.forward(x, train)
         # a new array (layers may have cached their outputs), added and clamped in one pass
         y = elementwise.add_relu(y, shortcut)
-        self.y = y  # (N, H, W, C) block output; its positive entries are the ReLU mask
+        self.y = y if train else None   # (N, H, W, C); its positive entries are the ReLU mask
         return y
 
     def backward(self, dy):
-        g = elementwise.relu_grad(dy, self.y)
+        y, self.y = self.y, None
+        g = elementwise.relu_grad(dy, y)
         dshortcut = g if self.downsample is None else self.downsample.backward(g)
         for layer in reversed(self.main):
             g = layer.backward(g)

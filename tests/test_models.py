@@ -148,6 +148,23 @@ def test_backward_writes_gradients_in_arena_order(make):
     assert written.index("layer2.0.downsample.0.weight") < written.index("layer2.0.conv1.weight")
 
 
+@pytest.mark.parametrize("name,size", [("resnet_small", 16), ("resnet18", 32), ("alexnet_bn", 64)])
+def test_nothing_holds_an_activation_after_backward(name, size):
+    """Each layer caches in forward what its backward needs and lets go of it in backward,
+    so that between steps the activations of the last one are not kept alive: after
+    backward, every array a layer holds (per-channel statistics, constant pooling bins)
+    has the same shape at batch 2 and batch 3."""
+    model = build_model(name, num_classes=10)
+    held = []
+    for batch in (2, 3):
+        x = np.random.default_rng(0).standard_normal((batch, size, size, 3)).astype(np.float32)
+        y = model.forward(x, train=True)
+        model.backward(np.ones_like(y))
+        held.append({f"{prefix}{attr}": v.shape for prefix, m in model.named_modules()
+                     for attr, v in vars(m).items() if isinstance(v, np.ndarray)})
+    assert held[0] == held[1]
+
+
 def test_inspect_resnet50():
     rows, model = layer_table("resnet50", image_size=224)
     assert sum(r[3] for r in rows) == model.num_params() == 25_557_032
