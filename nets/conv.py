@@ -77,8 +77,8 @@ _WORKSPACE = {}
 
 def workspace(xp, *parts):
     """C-contiguous views on the shared scratch buffer of xp, one per (shape, dtype) in
-    `parts`, laid end to end from the buffer's start (on the arena's alignment, grown to
-    fit).
+    `parts`, laid end to end from the buffer's start, each part on a multiple of
+    arena.ALIGN bytes (grown to fit).
 
     The views of one call never overlap. A later call starts again at the start, so it
     overwrites earlier views, except where its leading parts repeat theirs: Winograd

@@ -88,6 +88,24 @@ def test_winograd_float32_and_fp16_against_float64(N, H, W, Cin, Cout, p, always
             assert relative(a, b) < tol, (dtype, working, what)
 
 
+def test_winograd_layers_share_the_workspaces_and_stay_correct(always_winograd):
+    """Two Winograd layers, their calls interleaved as in a network, both laying out their
+    tiles, padded input and products on the shared scratch buffer: each step equals fresh
+    layers'."""
+    def pair():
+        return twins(3, 4, 1)[0], twins(4, 5, 1)[0]
+    a, b = pair()
+    for i in range(2):
+        x, dz = rand((2, 7, 7, 3), seed=10 + i), rand((2, 7, 7, 5), seed=20 + i)
+        fa, fb = pair()
+        z = b.forward(a.forward(x))
+        dx = a.backward(b.backward(dz))
+        np.testing.assert_array_equal(z, fb.forward(fa.forward(x)))
+        np.testing.assert_array_equal(dx, fa.backward(fb.backward(dz)))
+        for layer, fresh in ((a, fa), (b, fb)):
+            np.testing.assert_array_equal(layer.weight.grad, fresh.weight.grad)
+
+
 @pytest.mark.parametrize("working", [None, np.float16])
 def test_convolutions_share_one_workspace_and_stay_correct(always_winograd, working):
     """A Winograd layer, an im2col layer (stride 2) and a Winograd layer again, their calls
