@@ -46,7 +46,11 @@ def _sums_forward(x, part):
         s0, s1 = part[p, 0], part[p, 1]
         s0[:] = 0.0
         s1[:] = 0.0
-        for m in range(p * ROWS, min(M, (p + 1) * ROWS)):
+        start, stop = p * ROWS, min(M, (p + 1) * ROWS)
+        fours = start + (stop - start) // 4 * 4
+        for m in range(start, fours, 4):
+            _shifted4(x[m], x[m + 1], x[m + 2], x[m + 3], x[0], s0, s1)
+        for m in range(fours, stop):
             _shifted(x[m], x[0], s0, s1)
 
 
@@ -56,6 +60,20 @@ def _shifted(row, shift, s0, s1):
         v = np.float64(load(row, c)) - np.float64(load(shift, c))
         s0[c] += v
         s1[c] += v * v
+
+
+@njit(cache=True)
+def _shifted4(r0, r1, r2, r3, shift, s0, s1):
+    """_shifted over four rows: the running sums are read and written once per four
+    elements, not once per element (that traffic, not x's, bounded the one-row pass)."""
+    for c in range(r0.size):
+        h = np.float64(load(shift, c))
+        v0 = np.float64(load(r0, c)) - h
+        v1 = np.float64(load(r1, c)) - h
+        v2 = np.float64(load(r2, c)) - h
+        v3 = np.float64(load(r3, c)) - h
+        s0[c] += (v0 + v1) + (v2 + v3)
+        s1[c] += (v0 * v0 + v1 * v1) + (v2 * v2 + v3 * v3)
 
 
 @njit(parallel=True, cache=True)
@@ -150,12 +168,20 @@ def batchnorm_backward_coefficients(local, group, gamma, invstd, count, train, g
     0, 0); also grad_beta = local[0], grad_gamma = local[1] invstd, written in place.
     local, group: (2, C) sums (sum dy, sum dy (x - mean)): this rank's, and those for dx
     (the group's, or local again)."""
-    grad_beta[...] = local[0]
-    grad_gamma[...] = local[1] * invstd
-    a = gamma * invstd
-    if not train:
-        return np.stack([a, np.zeros_like(a), np.zeros_like(a)])
-    return np.stack([a, -a * invstd * (group[1] * invstd) / count, -a * group[0] / count])
+    coef = np.empty((3, local.shape[1]), local.dtype)
+    _coefficients(local, group, gamma, invstd, float(count), train, grad_gamma, grad_beta, coef)
+    return coef
+
+
+@njit(cache=True)
+def _coefficients(local, group, gamma, invstd, count, train, grad_gamma, grad_beta, coef):
+    for c in range(coef.shape[1]):
+        grad_beta[c] = local[0, c]
+        grad_gamma[c] = local[1, c] * invstd[c]
+        a = gamma[c] * invstd[c]
+        coef[0, c] = a
+        coef[1, c] = -a * invstd[c] * (group[1, c] * invstd[c]) / count if train else 0.0
+        coef[2, c] = -a * group[0, c] / count if train else 0.0
 
 
 # ----- the element passes -----

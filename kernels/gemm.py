@@ -19,12 +19,26 @@ the same bits at any thread count.
 `matmul(a, b, out)` picks one of them where the shapes and layouts fit (FEW_ROWS,
 FEW_INNER) and hands every other product to NumPy. The limits are where the
 kernels stop beating OpenBLAS on the development host (docs/benchmarks.md).
+
+`batched_matmul(a, b, out)` computes a stack of products, out[k] = a[k] @ b[k], such
+as the 16 GEMMs of a Winograd convolution. NumPy would run them one after another,
+each split between the BLAS threads; OpenBLAS's sgemm_batch_strided (OpenBLAS 0.3.30
+and later) takes the whole stack in one call and gives each thread whole products.
+It is found in the OpenBLAS that NumPy loaded (threadpoolctl names its file); with
+another BLAS, or an older OpenBLAS, the products go to NumPy one by one. So do products
+of at most 100^3 multiply-adds: OpenBLAS sends those to its small-matrix kernels,
+which crash inside a batch in builds for several CPU types, NumPy's among them, up to
+0.3.31 (OpenMathLib/OpenBLAS#5980).
 """
+import ctypes
+import functools
+
 import numpy as np
 from numba import njit, prange
 
 FEW_ROWS = 32           # rows_dot_rows for a @ b with a.shape[0] <= FEW_ROWS and b = bt.T
 FEW_INNER = 16          # outer_sum for a @ b with a.shape[1] <= FEW_INNER
+SMALL_PRODUCT = 100 ** 3    # m n k up to which a batch's products go to np.matmul
 # Sums may be reordered (vectorised) and fused into FMAs; nothing more of fastmath:
 # an inf or NaN in an operand must reach the product, where the loss scale looks for it.
 FAST = {"reassoc", "contract"}
@@ -108,3 +122,73 @@ def _outer_sum(a, b, y):
                 s1 = d0 * u + d1 * v + d2 * w + d3 * z
                 r0[j] = s0 if first else r0[j] + s0
                 r1[j] = s1 if first else r1[j] + s1
+
+
+def batched_matmul(a, b, out):
+    """out[k] = a[k] @ b[k] for every k: (K, m, q) @ (K, q, n) -> (K, m, n), in one call
+    of OpenBLAS's sgemm_batch_strided where the operands allow it (float32, each stack a
+    strided view whose matrices have a unit-stride axis, out's along its rows), else by
+    np.matmul product by product. Returns out."""
+    call = _batch_strided()
+    layouts = None
+    if (call is not None and a.dtype == b.dtype == out.dtype == np.float32
+            and min(a.shape[1:] + b.shape[2:]) > 1 and a.shape[0] > 0
+            and a.shape[1] * a.shape[2] * b.shape[2] > SMALL_PRODUCT):
+        layouts = [_layout(m) for m in (a, b, out)]
+    if layouts is None or None in layouts or layouts[2][0] != _NO_TRANS:
+        for k in range(a.shape[0]):
+            np.matmul(a[k], b[k], out=out[k])
+        return out
+    (ta, lda, sa), (tb, ldb, sb), (_, ldc, sc) = layouts
+    K, m, q = a.shape
+    call(_ROW_MAJOR, ta, tb, m, b.shape[2], q, 1.0, a.ctypes.data, lda, sa,
+         b.ctypes.data, ldb, sb, 0.0, out.ctypes.data, ldc, sc, K)
+    return out
+
+
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112          # CBLAS's enum values
+
+
+def _layout(stack):
+    """(transpose, leading dimension, stride between matrices) of a (K, r, c) stack in
+    elements, as CBLAS row-major takes it, or None if no matrix axis has unit stride."""
+    s0, s1, s2 = (s // stack.itemsize for s in stack.strides)
+    if s2 == 1 and s1 >= stack.shape[2]:
+        return _NO_TRANS, s1, s0
+    if s1 == 1 and s2 >= stack.shape[1]:
+        return _TRANS, s2, s0
+    return None
+
+
+@functools.cache
+def _batch_strided():
+    """OpenBLAS's cblas_sgemm_batch_strided from the library NumPy loaded, its integers
+    (blasint) 64-bit where OpenBLAS was built with USE64BITINT; None where absent."""
+    from threadpoolctl import threadpool_info
+    for info in threadpool_info():
+        if info.get("internal_api") != "openblas":
+            continue
+        lib = ctypes.CDLL(info["filepath"])
+        call = _symbol(lib, "cblas_sgemm_batch_strided", "scipy_cblas_sgemm_batch_strided")
+        config = _symbol(lib, "openblas_get_config", "scipy_openblas_get_config")
+        if call is None or config is None:
+            continue
+        config.restype = ctypes.c_char_p
+        integer = ctypes.c_int64 if b"USE64BITINT" in config() else ctypes.c_int32
+        call.argtypes = ([ctypes.c_int] * 3 + [integer] * 3 + [ctypes.c_float]
+                         + [ctypes.c_void_p, integer, integer] * 2 + [ctypes.c_float]
+                         + [ctypes.c_void_p, integer, integer, integer])
+        call.restype = None
+        return call
+    return None
+
+
+def _symbol(lib, *names):
+    """The first of names, or of their ILP64 spellings (suffix 64_), that lib exports."""
+    for name in names:
+        for spelled in (name, name + "64_"):
+            try:
+                return getattr(lib, spelled)
+            except AttributeError:
+                pass
+    return None

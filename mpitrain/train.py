@@ -97,10 +97,15 @@ def limit_threads(comm):
     everyone = comm.allgather((host, mine))
     if any(v in os.environ for v in THREAD_VARIABLES):
         return
+    sharing = sum(1 for h, cores in everyone if h == host and set(cores) & set(mine))
+    set_threads(max(1, len(mine) // sharing))
+
+
+def set_threads(threads):
+    """From now on BLAS and OpenMP (threadpoolctl) and Numba's kernels run on `threads`
+    threads (Numba's: at most the NUMBA_NUM_THREADS its pool started with)."""
     import numba
     from threadpoolctl import threadpool_limits
-    sharing = sum(1 for h, cores in everyone if h == host and set(cores) & set(mine))
-    threads = max(1, len(mine) // sharing)
     threadpool_limits(threads)
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 

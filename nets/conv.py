@@ -25,8 +25,9 @@ from mpitrain.kernels.im2col import col2im, conv_output_size, im2col
 from .module import Module, Param, constant, he_normal
 
 
-# Every GEMM of the layers goes through matmul. `bench step --profile` sets GEMM_LOG to a
-# list to record each call as (a.shape, b.shape, seconds, flops); None records nothing.
+# Every GEMM of the layers goes through matmul or batched_matmul. `bench step --profile`
+# sets GEMM_LOG to a list to record each call as (a.shape, b.shape, seconds, flops); None
+# records nothing.
 GEMM_LOG = None
 
 
@@ -41,15 +42,25 @@ def matmul(a, b, out=None, flops=None):
     flops: the floating-point operations of the layer's arithmetic that this product
     stands for, for GEMM_LOG (default 2 m n k; Winograd's GEMMs stand for more).
     """
-    if GEMM_LOG is not None:
-        synchronize()
-        start = time.perf_counter()
-        result = _matmul(a, b, out)
-        synchronize()
-        GEMM_LOG.append((a.shape, b.shape, time.perf_counter() - start,
-                         2.0 * a.shape[0] * a.shape[1] * b.shape[-1] if flops is None else flops))
-        return result
-    return _matmul(a, b, out)
+    return _logged(_matmul, a, b, out, flops)
+
+
+def batched_matmul(a, b, out, flops=None):
+    """out[k] = a[k] @ b[k] for every k, on NumPy stacks of one float dtype (Winograd's
+    16 GEMMs; kernels.gemm.batched_matmul). flops as for matmul, for the whole stack."""
+    return _logged(gemm.batched_matmul, a, b, out, flops)
+
+
+def _logged(product, a, b, out, flops):
+    if GEMM_LOG is None:
+        return product(a, b, out)
+    synchronize()
+    start = time.perf_counter()
+    result = product(a, b, out)
+    synchronize()
+    GEMM_LOG.append((a.shape, b.shape, time.perf_counter() - start,
+                     2.0 * a.size * b.shape[-1] if flops is None else flops))
+    return result
 
 
 def _matmul(a, b, out):
@@ -243,8 +254,8 @@ class Conv2d(Module):
         return V, M, th, tw, dtype
 
     def _winograd_flops(self, N, Ho, Wo):
-        """The direct form's floating-point operations that each of the 16 GEMMs stands for."""
-        return 2.0 * N * Ho * Wo * self.out_channels * 9 * self.in_channels / 16
+        """The direct form's floating-point operations that the 16 GEMMs stand for."""
+        return 2.0 * N * Ho * Wo * self.out_channels * 9 * self.in_channels
 
     def _winograd_forward(self, x, w):
         N, H, W, C = x.shape
@@ -253,8 +264,7 @@ class Conv2d(Module):
         V, M, th, tw, dtype = self._tiles(x)                   # (16, T, C), (16, T, O)
         U = winograd.filter_tiles(w, dtype)                     # (O, 16, C)
         flops = self._winograd_flops(N, Ho, Wo)
-        for k in range(16):
-            matmul(V[k], U[:, k].T, out=M[k], flops=flops)
+        batched_matmul(V, U.transpose(1, 2, 0), M, flops)      # M[k] = V[k] @ U[:, k].T
         return winograd.output_tiles(M, th, tw, np.empty((N, Ho, Wo, O), x.dtype))
 
     def _winograd_backward(self, dy, w, gw):
@@ -264,15 +274,15 @@ class Conv2d(Module):
         dM = winograd.output_tiles_grad(dy, th, tw, dM)
         dU = np.empty((O, 16, x.shape[3]), dtype)               # (O, 16, C)
         flops = self._winograd_flops(N, Ho, Wo)
-        for k in range(16):
-            matmul(dM[k].T, V[k], out=dU[:, k], flops=flops)
+        # dU[:, k] = dM[k].T @ V[k]
+        batched_matmul(dM.transpose(0, 2, 1), V, dU.transpose(1, 0, 2), flops)
         winograd.filter_tiles_grad(dU, gw)
         self.weight.grad_ready()
         if not self.input_grad:
             return None
         U = winograd.filter_tiles(w, dtype)                     # (O, 16, C)
-        for k in range(16):
-            matmul(dM[k], U[:, k], out=V[k], flops=flops)      # dV, over the tiles done with
+        # dV[k] = dM[k] @ U[:, k], written over the tiles, which are done with
+        batched_matmul(dM, U.transpose(1, 0, 2), V, flops)
         return winograd.input_tiles_grad(V, th, tw, self.padding, x.shape, dy.dtype)
 
     def macs(self, x_shape, y_shape):

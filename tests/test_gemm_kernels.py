@@ -1,5 +1,6 @@
 """kernels.gemm: the small-batch GEMMs of a fully connected layer against the float64
-product, which product `matmul` hands to which kernel, and the layer built on them."""
+product, which product `matmul` hands to which kernel, and the layer built on them; the
+batched products of a Winograd convolution."""
 import numba
 import numpy as np
 import pytest
@@ -109,3 +110,47 @@ def test_linear_at_a_small_batch_against_float64():
     dx, dx64 = lin.backward(dy), ref.backward(dy.astype(np.float64))
     np.testing.assert_allclose(dx, dx64, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(lin.weight.grad, ref.weight.grad, rtol=1e-4, atol=1e-5)
+
+
+def winograd_stacks(T, C, O, seed=0):
+    """The three stacks of a Winograd layer's 16 GEMMs, as nets/conv.py lays them out:
+    (a, b, out) for forward M[k] = V[k] U[:, k]^T, the filter gradient dU[:, k] =
+    dM[k]^T V[k] (a transposed a, out every 16th row) and dV[k] = dM[k] U[:, k]."""
+    V, U, dM = randn(16, T, C, seed=seed), randn(O, 16, C, seed=seed + 1), randn(16, T, O, seed=seed + 2)
+    dU = np.full((O, 16, C), np.nan, np.float32)
+    return [(V, U.transpose(1, 2, 0), np.full((16, T, O), np.nan, np.float32)),
+            (dM.transpose(0, 2, 1), V, dU.transpose(1, 0, 2)),
+            (dM, U.transpose(1, 0, 2), np.full((16, T, C), np.nan, np.float32))]
+
+
+@pytest.mark.parametrize("T, C, O", [(128, 256, 256), (512, 64, 48), (40, 24, 32), (1, 300, 300)])
+def test_batched_matmul_is_each_product_of_the_stack(T, C, O):
+    """Above SMALL_PRODUCT multiply-adds a product (the first two shapes) the stack goes to
+    OpenBLAS in one call, at or below it (the last two) to np.matmul one by one: OpenBLAS
+    0.3.31's batch crashes the process there."""
+    for a, b, out in winograd_stacks(T, C, O):
+        assert gemm.batched_matmul(a, b, out) is out
+        for k in range(16):
+            assert_float32_product(out[k], a[k], b[k])
+
+
+def test_batched_matmul_takes_numpys_openblas_where_it_has_the_batch():
+    """The one-call path is found where NumPy runs on OpenBLAS 0.3.30 or later (its
+    sgemm_batch_strided), and gives each product as np.matmul does."""
+    from threadpoolctl import threadpool_info
+    versions = [tuple(int(v) for v in info["version"].split(".")[:3])
+                for info in threadpool_info() if info.get("internal_api") == "openblas"]
+    if not any(v >= (0, 3, 30) for v in versions):
+        pytest.skip(f"NumPy's BLAS has no sgemm_batch_strided (OpenBLAS versions {versions})")
+    assert gemm._batch_strided() is not None
+    for a, b, out in winograd_stacks(256, 128, 64):
+        assert a.shape[1] * a.shape[2] * b.shape[2] > gemm.SMALL_PRODUCT
+        gemm.batched_matmul(a, b, out)
+        np.testing.assert_allclose(out, np.matmul(a, b), rtol=1e-5, atol=1e-4)
+
+
+def test_batched_matmul_without_a_unit_stride_axis_goes_to_numpy():
+    a, b = randn(4, 200, 300)[:, :, ::2], randn(4, 150, 240)[:, :, ::2]     # (4, 200, 150) @ (4, 150, 120)
+    out = np.empty((4, 200, 120), np.float32)
+    gemm.batched_matmul(a, b, out)
+    np.testing.assert_array_equal(out, np.matmul(a, b))

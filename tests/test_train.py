@@ -116,3 +116,22 @@ def test_shard_update_reaches_the_unsharded_accuracy(tmp_path):
     r = run_train(2, *args, "--run-dir", str(tmp_path / "b"), "--shard-update", timeout=600)
     assert "reduce-scatter into 2 shard(s)" in r.stdout
     assert abs(final_top1(r) - plain) <= 1.0, r.stdout
+
+
+def test_set_threads_sets_blas_openmp_and_numba():
+    """The thread count a rank runs on reaches every pool of its kernels: OpenBLAS and
+    OpenMP through threadpoolctl, Numba's parallel kernels through its own setting."""
+    import numba
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from mpitrain.train import set_threads
+    before = numba.get_num_threads()
+    with threadpool_limits(None):           # restores the pools' counts afterwards
+        try:
+            for n in (1, 2):
+                set_threads(n)
+                assert numba.get_num_threads() == min(n, numba.config.NUMBA_NUM_THREADS)
+                pools = {(i["user_api"], i["num_threads"]) for i in threadpool_info()}
+                assert ("blas", n) in pools and all(k == n for _, k in pools), pools
+        finally:
+            numba.set_num_threads(before)

@@ -194,6 +194,25 @@ def test_winograd_matches_torch_in_float32(N, H, W, Cin, Cout, p, always_winogra
         assert relative(a, t.detach().numpy().transpose(0, 2, 3, 1)) < 2e-6
 
 
+def test_a_winograd_layer_logs_one_batched_gemm_per_product_at_the_direct_forms_flops(monkeypatch):
+    """Forward, the filter gradient and dx are each one call over the 16 products
+    (nets/conv.py batched_matmul), logged with their shapes and with the direct form's
+    2 N Ho Wo O 9 C operations, as bench step's GFLOP/s count them."""
+    monkeypatch.setattr(conv_module, "GEMM_LOG", [])
+    monkeypatch.setattr(conv_module, "WINOGRAD_MACS", 0)
+    monkeypatch.setattr(conv_module, "WINOGRAD_TILES_PER_CHANNEL", 0)
+    N, H, C, O = 2, 8, 3, 5
+    T = N * 4 * 4
+    layer = Conv2d(C, O, 3, padding=1).bind(dtype=np.float32)
+    x = rand((N, H, H, C), np.float32)
+    y = layer.forward(x)
+    layer.backward(rand(y.shape, np.float32, seed=1))
+    log = conv_module.GEMM_LOG
+    assert [(a, b) for a, b, _, _ in log] == [((16, T, C), (16, C, O)), ((16, O, T), (16, T, C)),
+                                              ((16, T, O), (16, O, C))]
+    assert [flops for _, _, _, flops in log] == [2.0 * layer.macs(x.shape, y.shape)] * 3
+
+
 def test_the_layer_takes_winograd_where_its_gemms_are_large_and_its_tiles_many(monkeypatch):
     """16 GEMMs of (tiles, Cin) @ (Cin, Cout) with WINOGRAD_MACS multiply-adds each and
     WINOGRAD_TILES_PER_CHANNEL tiles per channel of the wider side, else the direct form's
@@ -201,7 +220,7 @@ def test_the_layer_takes_winograd_where_its_gemms_are_large_and_its_tiles_many(m
     monkeypatch.setattr(conv_module, "GEMM_LOG", [])
     N, H, C, O = 2, 8, 4, 6                      # 2 * 4 * 4 = 32 tiles
     direct = [(N * H * H, 9 * C)]
-    cases = [(1, 32 * C * O, 32 / O, [(32, C)] * 16),
+    cases = [(1, 32 * C * O, 32 / O, [(16, 32, C)]),
              (2, 32 * C * O, 32 / O, [(N * 4 * 4, 9 * C)]),
              (1, 32 * C * O + 1, 32 / O, direct),
              (1, 32 * C * O, 32 / O + 0.01, direct)]

@@ -20,6 +20,7 @@ the step are those of an unprofiled step.
 """
 import cProfile
 import collections
+import math
 import os
 import pstats
 import time
@@ -83,7 +84,7 @@ def profile_steps(step, steps):
         g = gemms[(tuple(a), tuple(b))]
         g[0] += 1
         g[1] += seconds
-        g[2] += 2.0 * a[0] * a[1] * b[-1]
+        g[2] += 2.0 * math.prod(a) * b[-1]
     rows = sorted(({"a": list(a), "b": list(b), "calls": n // steps, "ms": 1e3 * t / steps,
                     "gflops": f / t / 1e9 if t else 0.0} for (a, b), (n, t, f) in gemms.items()),
                   key=lambda r: -r["ms"])

@@ -470,12 +470,10 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
     --overlap auto): bytes sent per rank per step, times, optimizer state per rank."""
     import numpy as np
     from mpi4py import MPI
-    from threadpoolctl import threadpool_limits
-
     from mpitrain import backend
     from mpitrain.comm import Communicator
     from mpitrain.comm.buckets import DEFAULT_THRESHOLD, bucket_bounds, share_gradients
-    from mpitrain.train import limit_threads
+    from mpitrain.train import limit_threads, set_threads
     world = MPI.COMM_WORLD
     comm = Communicator(world)
     backend.use_device(device, comm.host_rank, comm.host_size)
@@ -519,8 +517,9 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
     one_times = []
     for i in range(warmup + steps):
         if world.rank == 0:      # one rank with the threads of all its node's ranks
-            with threadpool_limits(one_threads):
-                t = time_ours(one, x, y, 1, 0, precision, gflops=False)["step_ms"]
+            set_threads(one_threads)
+            t = time_ours(one, x, y, 1, 0, precision, gflops=False)["step_ms"]
+            set_threads(threads)
             if i >= warmup:
                 one_times.append(t)
         _sleep_until(world.Ibarrier())
