@@ -39,6 +39,9 @@ def acc_dtype(dtype):
 
 
 # ----- sums -----
+# The row helpers take the whole (M, C) array and a row index: a view per row (x[m])
+# would cost each row a view's set-up and its reference count, an atomic update of a
+# word the threads share; at C = 64 that took longer than the row's arithmetic.
 @njit(parallel=True, cache=True)
 def _sums_forward(x, part):
     M, C = x.shape
@@ -49,29 +52,29 @@ def _sums_forward(x, part):
         start, stop = p * ROWS, min(M, (p + 1) * ROWS)
         fours = start + (stop - start) // 4 * 4
         for m in range(start, fours, 4):
-            _shifted4(x[m], x[m + 1], x[m + 2], x[m + 3], x[0], s0, s1)
+            _shifted4(x, m, s0, s1)
         for m in range(fours, stop):
-            _shifted(x[m], x[0], s0, s1)
+            _shifted(x, m, s0, s1)
 
 
 @njit(cache=True)
-def _shifted(row, shift, s0, s1):
-    for c in range(row.size):
-        v = np.float64(load(row, c)) - np.float64(load(shift, c))
+def _shifted(x, m, s0, s1):
+    for c in range(x.shape[1]):
+        v = np.float64(load(x, (m, c))) - np.float64(load(x, (0, c)))
         s0[c] += v
         s1[c] += v * v
 
 
 @njit(cache=True)
-def _shifted4(r0, r1, r2, r3, shift, s0, s1):
-    """_shifted over four rows: the running sums are read and written once per four
-    elements, not once per element (that traffic, not x's, bounded the one-row pass)."""
-    for c in range(r0.size):
-        h = np.float64(load(shift, c))
-        v0 = np.float64(load(r0, c)) - h
-        v1 = np.float64(load(r1, c)) - h
-        v2 = np.float64(load(r2, c)) - h
-        v3 = np.float64(load(r3, c)) - h
+def _shifted4(x, m, s0, s1):
+    """_shifted over rows m..m+3: the running sums are read and written once per four
+    elements, not once per element."""
+    for c in range(x.shape[1]):
+        h = np.float64(load(x, (0, c)))
+        v0 = np.float64(load(x, (m, c))) - h
+        v1 = np.float64(load(x, (m + 1, c))) - h
+        v2 = np.float64(load(x, (m + 2, c))) - h
+        v3 = np.float64(load(x, (m + 3, c))) - h
         s0[c] += (v0 + v1) + (v2 + v3)
         s1[c] += (v0 * v0 + v1 * v1) + (v2 * v2 + v3 * v3)
 
@@ -84,23 +87,23 @@ def _sums_backward(x, dy, mean64, relu, mean, scale, beta, part):
         s0[:] = 0.0
         s1[:] = 0.0
         for m in range(p * ROWS, min(M, (p + 1) * ROWS)):
-            _products(x[m], dy[m], mean64, relu, mean, scale, beta, s0, s1)
+            _products(x, dy, m, mean64, relu, mean, scale, beta, s0, s1)
 
 
 @njit(cache=True)
-def _products(x, dy, mean64, relu, mean, scale, beta, s0, s1):
-    for c in range(x.size):
-        d = np.float64(load(dy, c))
-        if relu and _clamped(x, c, mean, scale, beta):
+def _products(x, dy, m, mean64, relu, mean, scale, beta, s0, s1):
+    for c in range(x.shape[1]):
+        d = np.float64(load(dy, (m, c)))
+        if relu and _clamped(x, m, c, mean, scale, beta):
             d = 0.0
         s0[c] += d
-        s1[c] += d * (np.float64(load(x, c)) - mean64[c])
+        s1[c] += d * (np.float64(load(x, (m, c))) - mean64[c])
 
 
 @njit(cache=True)
-def _clamped(x, c, mean, scale, beta):
-    """Whether forward's fused ReLU output 0 for x[c]: y as _affine_row stored it."""
-    return rounded(x, (load(x, c) - mean[c]) * scale[c] + beta[c]) <= 0
+def _clamped(x, m, c, mean, scale, beta):
+    """Whether forward's fused ReLU output 0 for x[m, c]: y as _affine_row stored it."""
+    return rounded(x, (load(x, (m, c)) - mean[c]) * scale[c] + beta[c]) <= 0
 
 
 def batchnorm_sums(x, dy=None, mean=None, relu=None):
@@ -190,14 +193,14 @@ def _affine(x, mean, scale, beta, relu, y):
     M = x.shape[0]
     for p in prange((M + ROWS - 1) // ROWS):
         for m in range(p * ROWS, min(M, (p + 1) * ROWS)):
-            _affine_row(x[m], mean, scale, beta, relu, y[m])
+            _affine_row(x, m, mean, scale, beta, relu, y)
 
 
 @njit(cache=True)
-def _affine_row(x, mean, scale, beta, relu, y):
-    for c in range(x.size):
-        v = (load(x, c) - mean[c]) * scale[c] + beta[c]
-        store(y, c, max(v, 0.0) if relu else v)
+def _affine_row(x, m, mean, scale, beta, relu, y):
+    for c in range(x.shape[1]):
+        v = (load(x, (m, c)) - mean[c]) * scale[c] + beta[c]
+        store(y, (m, c), max(v, 0.0) if relu else v)
 
 
 def batchnorm_affine(x, mean, scale, beta, relu=False):
@@ -213,16 +216,16 @@ def _dx(dy, x, mean, coef, relu, scale, beta, dx):
     M = x.shape[0]
     for p in prange((M + ROWS - 1) // ROWS):
         for m in range(p * ROWS, min(M, (p + 1) * ROWS)):
-            _dx_row(dy[m], x[m], mean, coef, relu, scale, beta, dx[m])
+            _dx_row(dy, x, m, mean, coef, relu, scale, beta, dx)
 
 
 @njit(cache=True)
-def _dx_row(dy, x, mean, coef, relu, scale, beta, dx):
-    for c in range(x.size):
-        d = load(dy, c)
-        if relu and _clamped(x, c, mean, scale, beta):
+def _dx_row(dy, x, m, mean, coef, relu, scale, beta, dx):
+    for c in range(x.shape[1]):
+        d = load(dy, (m, c))
+        if relu and _clamped(x, m, c, mean, scale, beta):
             d = 0.0
-        store(dx, c, coef[0, c] * d + coef[1, c] * (load(x, c) - mean[c]) + coef[2, c])
+        store(dx, (m, c), coef[0, c] * d + coef[1, c] * (load(x, (m, c)) - mean[c]) + coef[2, c])
 
 
 def batchnorm_dx(dy, x, mean, coef, relu=None):
