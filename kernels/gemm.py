@@ -1,5 +1,5 @@
-"""The two float32 GEMMs of a fully connected layer at a small batch, where OpenBLAS
-runs far below its peak.
+"""float32 GEMMs that OpenBLAS, as NumPy calls it, runs below its peak: the two of a
+fully connected layer at a small batch, and stacks of products.
 
     rows_dot_rows(a, bt)   y[m, n] = sum_k a[m, k] bt[n, k]    (y = a @ bt.T; few rows m)
     outer_sum(a, b)        y[n, j] = sum_k a[n, k] b[k, j]     (y = a @ b; few k)
@@ -128,7 +128,7 @@ def batched_matmul(a, b, out):
     """out[k] = a[k] @ b[k] for every k: (K, m, q) @ (K, q, n) -> (K, m, n), in one call
     of OpenBLAS's sgemm_batch_strided where the operands allow it (float32, each stack a
     strided view whose matrices have a unit-stride axis, out's along its rows), else by
-    np.matmul product by product. Returns out."""
+    np.matmul product by product. out must not overlap a or b. Returns out."""
     call = _batch_strided()
     layouts = None
     if (call is not None and a.dtype == b.dtype == out.dtype == np.float32
