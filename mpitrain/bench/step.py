@@ -470,6 +470,7 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
     --overlap auto): bytes sent per rank per step, times, optimizer state per rank."""
     import numpy as np
     from mpi4py import MPI
+
     from mpitrain import backend
     from mpitrain.comm import Communicator
     from mpitrain.comm.buckets import DEFAULT_THRESHOLD, bucket_bounds, share_gradients
