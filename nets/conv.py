@@ -31,23 +31,23 @@ from .module import Module, Param, constant, he_normal
 GEMM_LOG = None
 
 
-def matmul(a, b, out=None, flops=None):
+def matmul(a, b, out=None):
     """a @ b, into `out` when given, computed in out's dtype (or a's).
 
     NumPy has no fast fp16 GEMM, so on the CPU fp16 operands are multiplied in
     fp32 and the result rounded once; weight gradients (out in the fp32
     arena) are accumulated in fp32 on every device. On the CPU the products of
     a fully connected layer at a small batch go to kernels.gemm's kernels.
-
-    flops: the floating-point operations of the layer's arithmetic that this product
-    stands for, for GEMM_LOG (default 2 m n k; Winograd's GEMMs stand for more).
+    GEMM_LOG counts its 2 m n k floating-point operations.
     """
-    return _logged(_matmul, a, b, out, flops)
+    return _logged(_matmul, a, b, out, None)
 
 
-def batched_matmul(a, b, out, flops=None):
+def batched_matmul(a, b, out, flops):
     """out[k] = a[k] @ b[k] for every k, on NumPy stacks of one float dtype (Winograd's
-    16 GEMMs; kernels.gemm.batched_matmul). flops as for matmul, for the whole stack."""
+    16 GEMMs; kernels.gemm.batched_matmul). flops: the floating-point operations of the
+    layer's arithmetic that the stack stands for, for GEMM_LOG (Winograd's stand for
+    the direct form's)."""
     return _logged(gemm.batched_matmul, a, b, out, flops)
 
 
@@ -59,7 +59,7 @@ def _logged(product, a, b, out, flops):
     result = product(a, b, out)
     synchronize()
     GEMM_LOG.append((a.shape, b.shape, time.perf_counter() - start,
-                     2.0 * a.size * b.shape[-1] if flops is None else flops))
+                     2.0 * a.shape[0] * a.shape[1] * b.shape[1] if flops is None else flops))
     return result
 
 

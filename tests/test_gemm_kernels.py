@@ -145,6 +145,9 @@ def test_batched_matmul_takes_numpys_openblas_where_it_has_the_batch():
     assert gemm._batch_strided() is not None
     for a, b, out in winograd_stacks(256, 128, 64):
         assert a.shape[1] * a.shape[2] * b.shape[2] > gemm.SMALL_PRODUCT
+        # every stack has a layout CBLAS takes, so the one call, not the loop, computes it
+        assert None not in [gemm._layout(m) for m in (a, b, out)]
+        assert gemm._layout(out)[0] == gemm._NO_TRANS
         gemm.batched_matmul(a, b, out)
         np.testing.assert_allclose(out, np.matmul(a, b), rtol=1e-5, atol=1e-4)
 
