@@ -220,6 +220,16 @@ def test_bench_step_sets_topk_sharding_and_autotune_against_the_dense_step():
     # the last rank to reach the sums waits for no one: no longer than rank 0 spent there
     dense = result["no_overlap"]
     assert 0 < dense["allreduce_ms"] <= dense["comm_total_ms"] + 1e-6
+    assert 0 <= result["hidden_fraction"] <= 1
+
+
+def test_bench_step_hidden_share_is_never_negative():
+    """The main thread's wait includes the hand-off to the communication thread, so on a
+    tiny model it can outlast the all-reduce itself: nothing was hidden then, not less."""
+    from mpitrain.bench.step import hidden_fraction
+    assert hidden_fraction(2.0, 8.0) == 0.75
+    assert hidden_fraction(0.0, 8.0) == 1.0
+    assert hidden_fraction(0.13, 0.1) == 0.0
 
 
 @pytest.mark.launches
