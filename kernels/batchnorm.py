@@ -28,7 +28,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .cast import bits as _bits, load, rounded, store
+from .cast import ZERO, bits as _bits, load, rounded, store
 
 ROWS = 256          # rows per block of the parallel passes (at C = 64: 64 KiB of fp32)
 
@@ -170,8 +170,9 @@ def batchnorm_backward_coefficients(local, group, gamma, invstd, count, train, g
     in train mode, b = -a invstd (group[1] invstd) / count, d = -a group[0] / count (eval:
     0, 0); also grad_beta = local[0], grad_gamma = local[1] invstd, written in place.
     local, group: (2, C) sums (sum dy, sum dy (x - mean)): this rank's, and those for dx
-    (the group's, or local again)."""
-    coef = np.empty((3, local.shape[1]), local.dtype)
+    (the group's, or local again). The coefficients are computed in float64 and rounded
+    once to the statistics' dtype (invstd's), as on the GPU: dx's pass then runs in it."""
+    coef = np.empty((3, local.shape[1]), invstd.dtype)
     _coefficients(local, group, gamma, invstd, float(count), train, grad_gamma, grad_beta, coef)
     return coef
 
@@ -181,9 +182,10 @@ def _coefficients(local, group, gamma, invstd, count, train, grad_gamma, grad_be
     for c in range(coef.shape[1]):
         grad_beta[c] = local[0, c]
         grad_gamma[c] = local[1, c] * invstd[c]
-        a = gamma[c] * invstd[c]
+        inv = np.float64(invstd[c])
+        a = gamma[c] * inv
         coef[0, c] = a
-        coef[1, c] = -a * invstd[c] * (group[1, c] * invstd[c]) / count if train else 0.0
+        coef[1, c] = -a * inv * (group[1, c] * inv) / count if train else 0.0
         coef[2, c] = -a * group[0, c] / count if train else 0.0
 
 
@@ -200,7 +202,7 @@ def _affine(x, mean, scale, beta, relu, y):
 def _affine_row(x, m, mean, scale, beta, relu, y):
     for c in range(x.shape[1]):
         v = (load(x, (m, c)) - mean[c]) * scale[c] + beta[c]
-        store(y, (m, c), max(v, 0.0) if relu else v)
+        store(y, (m, c), max(v, ZERO) if relu else v)
 
 
 def batchnorm_affine(x, mean, scale, beta, relu=False):
@@ -214,18 +216,19 @@ def batchnorm_affine(x, mean, scale, beta, relu=False):
 @njit(parallel=True, cache=True)
 def _dx(dy, x, mean, coef, relu, scale, beta, dx):
     M = x.shape[0]
+    a, b, d = coef[0], coef[1], coef[2]    # (C,) each, taken once: cheaper than coef[k, c]
     for p in prange((M + ROWS - 1) // ROWS):
         for m in range(p * ROWS, min(M, (p + 1) * ROWS)):
-            _dx_row(dy, x, m, mean, coef, relu, scale, beta, dx)
+            _dx_row(dy, x, m, mean, a, b, d, relu, scale, beta, dx)
 
 
 @njit(cache=True)
-def _dx_row(dy, x, m, mean, coef, relu, scale, beta, dx):
+def _dx_row(dy, x, m, mean, a, b, d, relu, scale, beta, dx):
     for c in range(x.shape[1]):
-        d = load(dy, (m, c))
+        g = load(dy, (m, c))
         if relu and _clamped(x, m, c, mean, scale, beta):
-            d = 0.0
-        store(dx, (m, c), coef[0, c] * d + coef[1, c] * (load(x, (m, c)) - mean[c]) + coef[2, c])
+            g = ZERO
+        store(dx, (m, c), a[c] * g + b[c] * (load(x, (m, c)) - mean[c]) + d[c])
 
 
 def batchnorm_dx(dy, x, mean, coef, relu=None):

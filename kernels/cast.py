@@ -40,7 +40,7 @@ from mpitrain.backend import array_module
 from .segments import cuda_shape, launch, pick
 
 __all__ = ["to_half", "to_float", "astype", "float_to_half_bits", "half_bits_to_float", "bits",
-           "load", "store", "rounded", "refresh_working"]
+           "load", "store", "rounded", "ZERO", "refresh_working"]
 
 
 @intrinsic
@@ -98,6 +98,12 @@ def _store_element(a, i, v):
     def store_as_is(a, i, v):
         a[i] = v
     return store_as_is
+
+
+# The kernels' zero in `max(v, ZERO)` and `v if ... else ZERO`: a float32, so that it keeps
+# float32 arithmetic float32 (and float64 float64). Python's 0.0 is a float64, and Numba
+# would widen the whole expression, and the loop's vectors, to it.
+ZERO = np.float32(0)
 
 
 def rounded(a, v):

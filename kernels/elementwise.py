@@ -18,7 +18,7 @@ from numba import njit, prange
 from mpitrain.backend import array_module
 
 from . import gpu
-from .cast import bits as _bits, load, store
+from .cast import ZERO, bits as _bits, load, store
 
 BLOCK = 1 << 15         # elements per block of a parallel pass
 
@@ -38,7 +38,7 @@ def _relu(x, y, with_b, b):
 def _relu_block(x, y, with_b, b):
     for i in range(x.size):
         v = load(x, i) + load(b, i) if with_b else load(x, i)
-        store(y, i, max(v, 0.0))
+        store(y, i, max(v, ZERO))
 
 
 def relu(x):
@@ -70,7 +70,7 @@ def _relu_grad(dy, y, dx):
 @njit(cache=True)
 def _relu_grad_block(dy, y, dx):
     for i in range(dy.size):
-        store(dx, i, load(dy, i) if load(y, i) > 0 else 0.0)
+        store(dx, i, load(dy, i) if load(y, i) > 0 else ZERO)
 
 
 def relu_grad(dy, y):

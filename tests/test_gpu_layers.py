@@ -406,6 +406,33 @@ def test_dropout_masks_are_drawn_on_the_device_from_the_seed(dtype):
     assert d.forward(x, train=False) is x and d.backward(dy) is dy
 
 
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_batchnorm_element_passes_emulated_give_the_cpu_bits(emulated_cupy, dtype, relu):
+    """BatchNorm's y = (x - mean) scale + beta, dx's coefficients (a, b, d) from the sums,
+    and dx = a dy + b (x - mean) + d, as CUDA kernels run on the host, give the CPU
+    kernels' bits: one formula on both devices, the coefficients rounded once to the
+    statistics' dtype and dx's pass computed in it (float32 for fp16 and fp32)."""
+    from mpitrain.kernels import batchnorm as cpu
+    M, C = 37, 11
+    x, dy = rand((M, C), dtype, seed=1), rand((M, C), dtype, seed=2)
+    stat = cpu.acc_dtype(dtype)
+    mean, beta = rand(C, stat, seed=3, scale=0.3), rand(C, stat, seed=4)
+    scale, invstd = 1 + rand(C, stat, seed=5) ** 2, 1 + rand(C, stat, seed=6) ** 2
+    y = gpu.batchnorm_affine(x, mean, scale, beta, relu)
+    assert y.dtype == dtype and (y == 0).any() == relu
+    np.testing.assert_array_equal(y, cpu.batchnorm_affine(x, mean, scale, beta, relu))
+    sums = rand((2, C), stat, seed=7)           # the GPU sums in stat, the CPU in float64
+    coef = [k.batchnorm_backward_coefficients(s, s, scale, invstd, M, True,
+                                              np.empty(C, stat), np.empty(C, stat))
+            for k, s in ((gpu, sums), (cpu, sums.astype(np.float64)))]
+    assert coef[1].dtype == stat
+    np.testing.assert_array_equal(*coef)
+    fused = (scale, beta) if relu else None
+    np.testing.assert_array_equal(gpu.batchnorm_dx(dy, x, mean, coef[0], fused),
+                                  cpu.batchnorm_dx(dy, x, mean, coef[1], fused))
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
 def test_residual_kernels_emulated(emulated_cupy, dtype):
     """The CUDA kernels of a residual block's output (add_relu) and of the ReLU's gradient
