@@ -28,6 +28,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from . import team
 from .cast import ZERO, bits as _bits, load, rounded, store
 
 ROWS = 256          # rows per block of the parallel passes (at C = 64: 64 KiB of fp32)
@@ -42,6 +43,7 @@ def acc_dtype(dtype):
 # The row helpers take the whole (M, C) array and a row index: a view per row (x[m])
 # would cost each row a view's set-up and its reference count, an atomic update of a
 # word the threads share; at C = 64 that took longer than the row's arithmetic.
+@team.by_size
 @njit(parallel=True, cache=True)
 def _sums_forward(x, part):
     M, C = x.shape
@@ -79,6 +81,7 @@ def _shifted4(x, m, s0, s1):
         s1[c] += (v0 * v0 + v1 * v1) + (v2 * v2 + v3 * v3)
 
 
+@team.by_size
 @njit(parallel=True, cache=True)
 def _sums_backward(x, dy, mean64, relu, mean, scale, beta, part):
     M, C = x.shape
@@ -190,6 +193,7 @@ def _coefficients(local, group, gamma, invstd, count, train, grad_gamma, grad_be
 
 
 # ----- the element passes -----
+@team.by_size
 @njit(parallel=True, cache=True)
 def _affine(x, mean, scale, beta, relu, y):
     M = x.shape[0]
@@ -213,6 +217,7 @@ def batchnorm_affine(x, mean, scale, beta, relu=False):
     return y
 
 
+@team.by_size
 @njit(parallel=True, cache=True)
 def _dx(dy, x, mean, coef, relu, scale, beta, dx):
     M = x.shape[0]

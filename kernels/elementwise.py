@@ -17,7 +17,7 @@ from numba import njit, prange
 
 from mpitrain.backend import array_module
 
-from . import gpu
+from . import gpu, team
 from .cast import ZERO, bits as _bits, load, store
 
 BLOCK = 1 << 15         # elements per block of a parallel pass
@@ -27,6 +27,7 @@ def _flat(a):
     return _bits(np.ascontiguousarray(a)).reshape(-1)
 
 
+@team.by_size
 @njit(parallel=True, cache=True)
 def _relu(x, y, with_b, b):
     for p in prange((x.size + BLOCK - 1) // BLOCK):
@@ -60,6 +61,7 @@ def add_relu(a, b):
     return y
 
 
+@team.by_size
 @njit(parallel=True, cache=True)
 def _relu_grad(dy, y, dx):
     for p in prange((dy.size + BLOCK - 1) // BLOCK):
@@ -83,6 +85,7 @@ def relu_grad(dy, y):
     return dx
 
 
+@team.by_size
 @njit(parallel=True, cache=True)
 def _add_into(a, b):
     for p in prange((a.size + BLOCK - 1) // BLOCK):

@@ -40,6 +40,7 @@ threads.
 import numpy as np
 from numba import njit, prange
 
+from . import team
 from .cast import bits, load, rounded, store
 
 
@@ -119,6 +120,7 @@ def _tile(r, tx, th, tw):
 
 
 # ----- forward -----
+@team.by_size
 @njit(parallel=True, cache=True)
 def _padded(x, padding, xpad):
     N, H, W, C = x.shape
@@ -146,6 +148,7 @@ def padded(x, padding, out):
     return out
 
 
+@team.by_size
 @njit(parallel=True, cache=True)
 def _input_tiles(xpad, th, tw, V):
     N, C = xpad.shape[0], xpad.shape[3]
@@ -175,6 +178,7 @@ def input_tiles(xpad, th, tw, out):
     return out
 
 
+@team.by_size
 @njit(parallel=True, cache=True)
 def _filter_tiles(w, U):
     O, C = w.shape[0], w.shape[3]
@@ -198,6 +202,7 @@ def filter_tiles(w, dtype):
     return U
 
 
+@team.by_size
 @njit(parallel=True, cache=True)
 def _output_tiles(M, th, tw, y):
     N, Ho, Wo, O = y.shape
@@ -229,6 +234,7 @@ def output_tiles(M, th, tw, out):
 
 
 # ----- backward -----
+@team.by_size
 @njit(parallel=True, cache=True)
 def _output_tiles_grad(dy, th, tw, dM):
     N, Ho, Wo, O = dy.shape
@@ -263,6 +269,7 @@ def _put3(out, o, i, c, g):
     store(out, (o, i, 2, c), g[2])
 
 
+@team.by_size
 @njit(parallel=True, cache=True)
 def _filter_tiles_grad(dU, gw):
     O, C = gw.shape[0], gw.shape[3]
@@ -285,6 +292,7 @@ def filter_tiles_grad(dU, out):
     return out
 
 
+@team.by_size
 @njit(parallel=True, cache=True)
 def _untransform(dV):
     T, C = dV.shape[1], dV.shape[2]
@@ -301,6 +309,7 @@ def _untransform(dV):
             _put_tiles(dV, 12, t, c, _b(e0[3], e1[3], e2[3], e3[3]))
 
 
+@team.by_size
 @njit(parallel=True, cache=True)
 def _gathered(D, th, tw, padding, dx):
     N, H, W, C = dx.shape

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from gradcheck import check_layer
+from mpitrain.kernels import team
 from mpitrain.nets import conv as conv_module
 from mpitrain.nets.conv import Conv2d
 
@@ -160,9 +161,10 @@ def test_winograd_without_input_gradient(always_winograd):
     assert relative(fast.weight.grad, direct.weight.grad) < 1e-13
 
 
-def test_winograd_bits_do_not_depend_on_the_thread_count(always_winograd):
+def test_winograd_bits_do_not_depend_on_the_thread_count(always_winograd, monkeypatch):
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("one Numba thread (NUMBA_NUM_THREADS=1): no second count to compare")
+    monkeypatch.setattr(team, "PARALLEL_MIN_BYTES", 0)     # the team even on a small input
     x = rand((3, 10, 9, 8), np.float32)
     threads = numba.get_num_threads()
     results = []

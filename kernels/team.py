@@ -1,0 +1,34 @@
+"""Which threads run a parallel Numba kernel: the whole team, or the calling thread alone.
+
+The team's threads sleep between kernels (mpitrain/__init__.py), and waking them for
+one kernel costs 50-90 µs: about what one core takes to pass over a MiB. So a layer's
+kernel whose first array holds fewer than PARALLEL_MIN_BYTES runs on the calling thread
+alone. The Cython kernels follow the same rule with their own limit
+(kernels/_common.pxi). Either way a kernel gives the same bits: each element, and each
+block's partial sum, is computed by one thread in a fixed order.
+
+    @team.by_size
+    @njit(parallel=True, cache=True)
+    def _kernel(x, ...):        # x: the array whose size decides
+"""
+import functools
+
+import numba
+
+PARALLEL_MIN_BYTES = 1 << 20
+
+
+def by_size(kernel):
+    """`kernel`, a Numba dispatcher compiled with parallel=True, wrapped to run on the
+    calling thread alone when its first argument holds fewer than PARALLEL_MIN_BYTES,
+    and on the caller's Numba thread count otherwise."""
+    def run(first, *rest):
+        threads = numba.get_num_threads()
+        if threads == 1 or first.nbytes >= PARALLEL_MIN_BYTES:
+            return kernel(first, *rest)
+        numba.set_num_threads(1)
+        try:
+            return kernel(first, *rest)
+        finally:
+            numba.set_num_threads(threads)
+    return functools.update_wrapper(run, kernel, updated=())
