@@ -17,8 +17,9 @@ from test_checkpoint import command, environment, heartbeats, solo, wait_for
 # every test here starts mpitrain as a job (under mpiexec, or as an MPI singleton)
 pytestmark = pytest.mark.launches
 
-# 3 epochs of 22 steps: long enough to interrupt in the middle of epoch 2
-JOB = ("train", "--epochs", "3", "--batch-size", "64")
+# 22 steps an epoch, about a second each: the tests interrupt the job in epoch 2, and
+# 30 epochs keep it running well past then on a fast host
+JOB = ("train", "--epochs", "30", "--batch-size", "64")
 
 
 @pytest.fixture(scope="module")
