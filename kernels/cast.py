@@ -24,11 +24,11 @@ ARMv8 these become the hardware conversion instructions, eight values at a
 time. The CUDA kernels store into fp16 arrays directly (cvt.rn.f16.f32, the
 same rounding).
 
-The CPU casts run on Numba's thread pool (parallel=True), or with
-parallel=False on the calling thread alone: the same loop compiled without
-threads (`njit(nogil=True)`), for callers in a background thread (with some
-threading layers Numba's parallel regions must not be entered from two
-threads at once).
+The CPU casts run on Numba's thread pool (parallel=True; arrays under a MiB on
+the calling thread, kernels/team.py), or with parallel=False on the calling
+thread alone: the same loop compiled without threads (`njit(nogil=True)`), for
+callers in a background thread (with some threading layers Numba's parallel
+regions must not be entered from two threads at once).
 """
 import numpy as np
 from llvmlite import ir
@@ -37,6 +37,7 @@ from numba.extending import intrinsic, overload
 
 from mpitrain.backend import array_module
 
+from . import team
 from .segments import cuda_shape, launch, pick
 
 __all__ = ["to_half", "to_float", "astype", "float_to_half_bits", "half_bits_to_float", "bits",
@@ -219,9 +220,9 @@ def _to_float_loop(src_bits, dst):
 # Each loop compiled twice: for the thread pool, and for the calling thread alone (prange
 # is range there). Numba's cache does not tell the two apart (its key is the function's
 # bytecode and signature, not the compile options), so only the parallel one is cached.
-_to_half_cpu = {True: njit(parallel=True, cache=True)(_to_half_loop),
+_to_half_cpu = {True: team.by_size(njit(parallel=True, cache=True)(_to_half_loop)),
                 False: njit(nogil=True)(_to_half_loop)}
-_to_float_cpu = {True: njit(parallel=True, cache=True)(_to_float_loop),
+_to_float_cpu = {True: team.by_size(njit(parallel=True, cache=True)(_to_float_loop)),
                  False: njit(nogil=True)(_to_float_loop)}
 
 
