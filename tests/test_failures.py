@@ -17,8 +17,8 @@ from test_checkpoint import command, environment, heartbeats, solo, wait_for
 # every test here starts mpitrain as a job (under mpiexec, or as an MPI singleton)
 pytestmark = pytest.mark.launches
 
-# 22 steps an epoch, about a second each: the tests interrupt the job in epoch 2, and
-# 30 epochs keep it running well past then on a fast host
+# 22 steps an epoch, under a second an epoch on a fast host: the tests interrupt the job
+# in epoch 2, and 30 epochs keep it running well past then
 JOB = ("train", "--epochs", "30", "--batch-size", "64")
 
 
