@@ -222,12 +222,13 @@ setup() {
 
 # ----- launching -----
 # "VAR=n ..." assignments for `env`: each of $1 ranks on this host gets its share of the
-# cores, unless the user chose thread counts already.
+# cores for its OpenMP team, which also runs its GEMMs with OpenBLAS on one thread per call
+# (kernels/gemm.py), unless the user chose thread counts already.
 thread_env() {
     [[ -z "${OMP_NUM_THREADS:-}${OPENBLAS_NUM_THREADS:-}${NUMBA_NUM_THREADS:-}" ]] || return 0
     local n=$(( $(nproc) / $1 ))
     (( n >= 1 )) || n=1
-    echo "OMP_NUM_THREADS=$n OPENBLAS_NUM_THREADS=$n NUMBA_NUM_THREADS=$n"
+    echo "OMP_NUM_THREADS=$n OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=$n"
 }
 
 # mpiexec and its options for $1 ranks on this host (prints one word per line)

@@ -24,7 +24,7 @@ ARMv8 these become the hardware conversion instructions, eight values at a
 time. The CUDA kernels store into fp16 arrays directly (cvt.rn.f16.f32, the
 same rounding).
 
-The CPU casts run on Numba's thread pool (parallel=True; arrays under a MiB on
+The CPU casts run on Numba's thread pool (parallel=True; arrays under 64 KiB on
 the calling thread, kernels/team.py), or with parallel=False on the calling
 thread alone: the same loop compiled without threads (`njit(nogil=True)`), for
 callers in a background thread (with some threading layers Numba's parallel

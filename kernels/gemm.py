@@ -1,5 +1,25 @@
-"""float32 GEMMs that OpenBLAS, as NumPy calls it, runs below its peak: the two of a
-fully connected layer at a small batch, and stacks of products.
+"""float32 GEMMs on the CPU: every product of the layers, on the kernels' thread team.
+
+    matmul(a, b, out)          y = a @ b
+    batched_matmul(a, b, out)  out[k] = a[k] @ b[k] for every k (Winograd's 16 GEMMs)
+
+One team of threads. The layers' other kernels run on Numba's OpenMP team. OpenBLAS,
+as NumPy loads it, would run the products on a pool of its own, and two pools of
+workers on the same cores either sleep between calls, and are woken for each kernel
+and each GEMM, or spin and take each other's cores. So OpenBLAS runs one thread here
+(`blas_threads`), and a product large enough to share (TEAM_MIN_MACS
+multiply-adds) is cut into one band of output rows or columns per team thread, each
+band one cblas_sgemm call on its thread (`_team_products`); a stack of products is
+dealt out a product at a time. Between kernels the team's threads spin for a moment
+before they sleep (GOMP_SPINCOUNT, mpitrain/__init__.py), so the next kernel or GEMM
+starts without waking anyone. Each output element comes from one call over the whole
+inner dimension, so it has the same bits however many bands there are.
+Where the process has one thread, or the user gave OpenBLAS threads of its own
+(OPENBLAS_NUM_THREADS above 1), or NumPy's BLAS is not OpenBLAS, the products are the
+BLAS's own, as NumPy runs them.
+
+Two products that OpenBLAS runs below its peak on any number of threads get kernels of
+their own: those of a fully connected layer at a small batch.
 
     rows_dot_rows(a, bt)   y[m, n] = sum_k a[m, k] bt[n, k]    (y = a @ bt.T; few rows m)
     outer_sum(a, b)        y[n, j] = sum_k a[n, k] b[k, j]     (y = a @ b; few k)
@@ -14,39 +34,41 @@ stream. Each thread takes a few rows of the long operand at a time:
     float loaded from `b` feeds both rows, and the rows are read and written K/4
     times, not K.
 Each output element is summed by one thread in a fixed order: the same inputs give
-the same bits at any thread count.
+the same bits at any thread count. `matmul` takes them where the shapes and layouts
+fit (FEW_ROWS, FEW_INNER); the limits are where they stop beating OpenBLAS on the
+development host (docs/benchmarks.md).
 
-`matmul(a, b, out)` picks one of them where the shapes and layouts fit (FEW_ROWS,
-FEW_INNER) and hands every other product to NumPy. The limits are where the
-kernels stop beating OpenBLAS on the development host (docs/benchmarks.md).
-
-`batched_matmul(a, b, out)` computes a stack of products, out[k] = a[k] @ b[k], such
-as the 16 GEMMs of a Winograd convolution. NumPy would run them one after another,
-each split between the BLAS threads; OpenBLAS's sgemm_batch_strided (OpenBLAS 0.3.30
-and later) takes the whole stack in one call and gives each thread whole products.
-It is found in the OpenBLAS that NumPy loaded (threadpoolctl names its file); with
-another BLAS, or an older OpenBLAS, the products go to NumPy one by one. So do products
-of at most 100^3 multiply-adds: OpenBLAS sends those to its small-matrix kernels,
-which crash inside a batch in builds for several CPU types, NumPy's among them, up to
-0.3.31 (OpenMathLib/OpenBLAS#5980).
+On one thread, a stack of products goes to OpenBLAS's sgemm_batch_strided (OpenBLAS
+0.3.30 and later) in one call, found in the OpenBLAS that NumPy loaded (threadpoolctl
+names its file); with another BLAS, or an older OpenBLAS, the products go to NumPy one
+by one. So do products of at most 100^3 multiply-adds: OpenBLAS sends those to its
+small-matrix kernels, which crash inside a batch in builds for several CPU types,
+NumPy's among them, up to 0.3.31 (OpenMathLib/OpenBLAS#5980).
 """
 import ctypes
 import functools
+import os
 
+import numba
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 FEW_ROWS = 32           # rows_dot_rows for a @ b with a.shape[0] <= FEW_ROWS and b = bt.T
 FEW_INNER = 16          # outer_sum for a @ b with a.shape[1] <= FEW_INNER
 SMALL_PRODUCT = 100 ** 3    # m n k up to which a batch's products go to np.matmul
+TEAM_MIN_MACS = 1 << 20     # m n k from which a product, or a band of one, is the team's
+MIN_BAND = 16               # rows (or columns) of the output a team thread takes at least
 # Sums may be reordered (vectorised) and fused into FMAs; nothing more of fastmath:
 # an inf or NaN in an operand must reach the product, where the loss scale looks for it.
 FAST = {"reassoc", "contract"}
 
 
 def matmul(a, b, out=None):
-    """a @ b on NumPy arrays, into `out` when given, by a kernel of this module
-    where the operands fit one, else by np.matmul."""
+    """a @ b on NumPy arrays, into `out` when given: by a kernel of this module where the
+    operands fit one, shared among the team where it has more than one thread, else by
+    np.matmul."""
     if not (a.ndim == b.ndim == 2 and a.shape[1] == b.shape[0] > 0
             and a.dtype == b.dtype == np.float32
             and (out is None or out.shape == (a.shape[0], b.shape[1])
@@ -58,7 +80,10 @@ def matmul(a, b, out=None):
     elif N <= FEW_ROWS and a.flags.c_contiguous and b.T.flags.c_contiguous:
         kernel, args = _rows_dot_rows, (a, b.T)
     else:
-        return np.matmul(a, b, out=out)
+        y = out if out is not None else np.empty((N, b.shape[1]), np.float32)
+        if not _on_team(a[None], b[None], y[None]):
+            return np.matmul(a, b, out=out)
+        return y
     y = out if out is not None else np.empty((N, b.shape[1]), np.float32)
     kernel(*args, y)
     return y
@@ -125,10 +150,13 @@ def _outer_sum(a, b, y):
 
 
 def batched_matmul(a, b, out):
-    """out[k] = a[k] @ b[k] for every k: (K, m, q) @ (K, q, n) -> (K, m, n), in one call
-    of OpenBLAS's sgemm_batch_strided where the operands allow it (float32, each stack a
+    """out[k] = a[k] @ b[k] for every k: (K, m, q) @ (K, q, n) -> (K, m, n), float32 or
+    not: shared among the team where it has more than one thread, else in one call of
+    OpenBLAS's sgemm_batch_strided where the operands allow it (float32, each stack a
     strided view whose matrices have a unit-stride axis, out's along its rows), else by
     np.matmul product by product. out must not overlap a or b. Returns out."""
+    if _on_team(a, b, out):
+        return out
     call = _batch_strided()
     layouts = None
     if (call is not None and a.dtype == b.dtype == out.dtype == np.float32
@@ -160,27 +188,166 @@ def _layout(stack):
     return None
 
 
+# ----- the products on the team -----
+def _on_team(a, b, out):
+    """Computes the stack out[k] = a[k] @ b[k] on the team and returns True, where the
+    team has more than one thread, NumPy's OpenBLAS runs one, the operands are float32
+    with a layout CBLAS takes, and the products are large enough to share; else does
+    nothing and returns False."""
+    threads = numba.get_num_threads()
+    count, m, q = a.shape
+    n = b.shape[2]
+    if (threads == 1 or not a.dtype == b.dtype == out.dtype == np.float32
+            or count * m * n * q < TEAM_MIN_MACS or min(m, n, q) == 0):
+        return False
+    blas = _openblas()
+    if blas is None or blas.threads() != 1:
+        return False
+    layouts = [_layout(x) for x in (a, b, out)]
+    if None in layouts or layouts[2][0] != _NO_TRANS:
+        return False
+    (ta, lda, sa), (tb, ldb, sb), (_, ldc, sc) = layouts
+    # bands of the longer side of each output, enough for every thread to have work; each
+    # at least TEAM_MIN_MACS, above the products that OpenBLAS sends to its small-matrix
+    # kernels (SMALL_PRODUCT), which sum in another order: a band has the bits of the
+    # whole product
+    by_rows = m >= n
+    bands = max(1, min(-(-threads // count), max(m, n) // MIN_BAND, m * n * q // TEAM_MIN_MACS))
+    _team_products(blas.sgemm, blas.integer(0), ta, tb, m, n, q,
+                   a.ctypes.data, lda, sa, b.ctypes.data, ldb, sb, out.ctypes.data, ldc, sc,
+                   count, bands, by_rows)
+    return True
+
+
+@intrinsic
+def _cblas_sgemm(typingctx, fn, blasint, order, ta, tb, m, n, k, alpha, a, lda, b, ldb,
+                 beta, c, ldc):
+    """cblas_sgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc) called at
+    the address fn: the enums as C ints, the sizes as integers of blasint's type (the
+    BLAS's), alpha and beta as float32, the matrices given by their addresses."""
+    signature = types.void(fn, blasint, order, ta, tb, m, n, k, alpha, a, lda, b, ldb,
+                           beta, c, ldc)
+
+    def codegen(context, builder, sig, args):
+        enum, size = ir.IntType(32), ir.IntType(blasint.bitwidth)
+        pointer, single = ir.IntType(8).as_pointer(), ir.FloatType()
+        params = [enum] * 3 + [size] * 3 + [single, pointer, size, pointer, size, single,
+                                            pointer, size]
+        values = []
+        for value, param in zip(args[2:], params):
+            if param is pointer:
+                value = builder.inttoptr(value, pointer)
+            elif param is not single:
+                value = builder.sext(value, param) if param.width > value.type.width \
+                    else builder.trunc(value, param) if param.width < value.type.width else value
+            values.append(value)
+        callee = builder.inttoptr(args[0], ir.FunctionType(ir.VoidType(), params).as_pointer())
+        builder.call(callee, values)
+    return signature, codegen
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _team_products(sgemm, blasint, ta, tb, m, n, k, a, lda, sa, b, ldb, sb, c, ldc, sc,
+                   count, bands, by_rows):
+    """c[i] = a[i] @ b[i] for i < count, row-major float32 matrices at the addresses a, b
+    and c (matrix i at a + 4 i sa, ...), a[i] and b[i] transposed as ta and tb say; each
+    product in `bands` bands of its rows (by_rows) or columns, each band one sgemm call
+    (at the address sgemm) on one thread of the team."""
+    one, zero = np.float32(1.0), np.float32(0.0)
+    for t in prange(count * bands):
+        i, band = t // bands, t % bands
+        ai, bi, ci = a + 4 * i * sa, b + 4 * i * sb, c + 4 * i * sc
+        rows, cols = m, n
+        if by_rows:         # rows lo..hi of c: of a's rows, or of its columns if transposed
+            lo, hi = band * m // bands, (band + 1) * m // bands
+            ai += 4 * lo * (lda if ta == _NO_TRANS else 1)
+            ci += 4 * lo * ldc
+            rows = hi - lo
+        else:               # columns lo..hi of c: of b's columns, or of its rows if transposed
+            lo, hi = band * n // bands, (band + 1) * n // bands
+            bi += 4 * lo * (1 if tb == _NO_TRANS else ldb)
+            ci += 4 * lo
+            cols = hi - lo
+        _cblas_sgemm(sgemm, blasint, _ROW_MAJOR, ta, tb, rows, cols, k, one, ai, lda, bi, ldb,
+                     zero, ci, ldc)
+
+
+# ----- NumPy's OpenBLAS -----
+class _OpenBLAS:
+    """The OpenBLAS that NumPy loaded: its blasint (64-bit where built with USE64BITINT),
+    the address of its cblas_sgemm, its thread count."""
+
+    def __init__(self, lib):
+        config = _symbol(lib, "openblas_get_config", "scipy_openblas_get_config")
+        config.restype = ctypes.c_char_p
+        self.lib = lib
+        self.integer = np.int64 if b"USE64BITINT" in config() else np.int32
+        self.sgemm = ctypes.cast(_symbol(lib, "cblas_sgemm", "scipy_cblas_sgemm"),
+                                 ctypes.c_void_p).value
+        self.threads = _symbol(lib, "openblas_get_num_threads", "scipy_openblas_get_num_threads")
+        self.threads.restype = ctypes.c_int
+        self.set_threads = _symbol(lib, "openblas_set_num_threads",
+                                   "scipy_openblas_set_num_threads")
+        self.set_threads.argtypes = [ctypes.c_int]
+
+
 @functools.cache
-def _batch_strided():
-    """OpenBLAS's cblas_sgemm_batch_strided from the library NumPy loaded, its integers
-    (blasint) 64-bit where OpenBLAS was built with USE64BITINT; None where absent."""
+def _openblas():
+    """NumPy's OpenBLAS (_OpenBLAS), set to one thread at the first call unless the user
+    gave it more (OPENBLAS_NUM_THREADS); None where NumPy's BLAS is not an OpenBLAS with
+    the functions used here."""
     from threadpoolctl import threadpool_info
     for info in threadpool_info():
         if info.get("internal_api") != "openblas":
             continue
         lib = ctypes.CDLL(info["filepath"])
-        call = _symbol(lib, "cblas_sgemm_batch_strided", "scipy_cblas_sgemm_batch_strided")
-        config = _symbol(lib, "openblas_get_config", "scipy_openblas_get_config")
-        if call is None or config is None:
+        names = [("openblas_get_config", "scipy_openblas_get_config"),
+                 ("cblas_sgemm", "scipy_cblas_sgemm"),
+                 ("openblas_get_num_threads", "scipy_openblas_get_num_threads"),
+                 ("openblas_set_num_threads", "scipy_openblas_set_num_threads")]
+        if any(_symbol(lib, *pair) is None for pair in names):
             continue
-        config.restype = ctypes.c_char_p
-        integer = ctypes.c_int64 if b"USE64BITINT" in config() else ctypes.c_int32
-        call.argtypes = ([ctypes.c_int] * 3 + [integer] * 3 + [ctypes.c_float]
-                         + [ctypes.c_void_p, integer, integer] * 2 + [ctypes.c_float]
-                         + [ctypes.c_void_p, integer, integer, integer])
-        call.restype = None
-        return call
+        blas = _OpenBLAS(lib)
+        if not _user_blas_threads():
+            blas.set_threads(1)
+        return blas
     return None
+
+
+def _user_blas_threads():
+    """Whether the user gave OpenBLAS threads of its own: OPENBLAS_NUM_THREADS above 1."""
+    value = os.environ.get("OPENBLAS_NUM_THREADS", "")
+    return value.isdigit() and int(value) > 1
+
+
+def team_gemms(threads):
+    """Whether a process running `threads` threads cuts its products among the team: more
+    than one thread, NumPy's BLAS an OpenBLAS this module can call, and no OpenBLAS
+    threads of its own from the user."""
+    return threads > 1 and not _user_blas_threads() and _openblas() is not None
+
+
+def blas_threads(threads):
+    """The threads NumPy's BLAS runs on in a process running `threads` threads: one where
+    the team runs the products (team_gemms), else all of them."""
+    return 1 if team_gemms(threads) else threads
+
+
+@functools.cache
+def _batch_strided():
+    """OpenBLAS's cblas_sgemm_batch_strided from the library NumPy loaded, its integers
+    the library's blasint; None where absent."""
+    blas = _openblas()
+    call = blas and _symbol(blas.lib, "cblas_sgemm_batch_strided",
+                            "scipy_cblas_sgemm_batch_strided")
+    if not call:
+        return None
+    integer = ctypes.c_int64 if blas.integer == np.int64 else ctypes.c_int32
+    call.argtypes = ([ctypes.c_int] * 3 + [integer] * 3 + [ctypes.c_float]
+                     + [ctypes.c_void_p, integer, integer] * 2 + [ctypes.c_float]
+                     + [ctypes.c_void_p, integer, integer, integer])
+    call.restype = None
+    return call
 
 
 def _symbol(lib, *names):

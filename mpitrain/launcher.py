@@ -131,12 +131,13 @@ def launch_options(ranks, family):
 def job_environment(family, threads=None):
     """The environment for a job started from here: this one without launch variables
     (a job started from inside another would join it, or be refused), Open MPI's consent
-    to run as root, and, when given, the threads each rank may use for OpenMP, BLAS
-    and Numba."""
+    to run as root, and, when given, the threads each rank may use: its OpenMP and Numba
+    team, which also runs its GEMMs with OpenBLAS on one thread per call
+    (kernels/gemm.py)."""
     env = outside_environment()
     if family == "openmpi" and os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     if threads:
-        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
-            env[var] = str(threads)
+        env.update(OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads),
+                   OPENBLAS_NUM_THREADS="1")
     return env

@@ -102,11 +102,16 @@ def limit_threads(comm):
 
 
 def set_threads(threads):
-    """From now on BLAS and OpenMP (threadpoolctl) and Numba's kernels run on `threads`
-    threads (Numba's: at most the NUMBA_NUM_THREADS its pool started with)."""
+    """From now on the kernels' OpenMP team (threadpoolctl's OpenMP and Numba's own
+    setting, at most the NUMBA_NUM_THREADS its pool started with) runs on `threads`
+    threads, and so do the GEMMs: cut among the team with BLAS on one thread, or on
+    BLAS's own threads where the team cannot run them (kernels.gemm.blas_threads)."""
     import numba
     from threadpoolctl import threadpool_limits
-    threadpool_limits(threads)
+
+    from mpitrain.kernels.gemm import blas_threads
+    threadpool_limits(threads, user_api="openmp")
+    threadpool_limits(blas_threads(threads), user_api="blas")
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 
 

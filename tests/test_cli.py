@@ -271,6 +271,25 @@ def test_bench_data_times_full_batches(tmp_path):
     assert result["mpitrain"]["images"] == 3 * 4
 
 
+def test_the_idle_team_sleeps_after_a_moment():
+    """Once mpitrain is imported, the OpenMP team that runs the kernels and the GEMMs spins
+    for under a millisecond between kernels (GOMP_SPINCOUNT, mpitrain/__init__.py), then
+    sleeps: the process takes next to no CPU time while its main thread sleeps after a
+    step's worth of GEMMs on the team. (With OMP_WAIT_POLICY=ACTIVE the team's thread
+    burns the whole sleep.)"""
+    code = ("import mpitrain, time, numba, numpy as np; from mpitrain.kernels import gemm; "
+            "numba.set_num_threads(2); a = np.ones((512, 512), np.float32); "
+            "assert gemm.team_gemms(2); [gemm.matmul(a, a) for _ in range(3)]; "
+            "c = time.process_time(); time.sleep(0.3); print(time.process_time() - c)")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OPENBLAS_NUM_THREADS")}
+    env["NUMBA_NUM_THREADS"] = "2"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert float(run.stdout) < 0.03, f"{float(run.stdout):.3f} s of CPU while asleep"
+
+
 def test_idle_openblas_threads_sleep_between_gemms():
     """Once mpitrain is imported, OpenBLAS's GEMM threads sleep when a GEMM is done instead
     of spinning for about 0.1 s (OPENBLAS_THREAD_TIMEOUT, mpitrain/__init__.py): the process

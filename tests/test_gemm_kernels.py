@@ -1,6 +1,11 @@
 """kernels.gemm: the small-batch GEMMs of a fully connected layer against the float64
 product, which product `matmul` hands to which kernel, and the layer built on them; the
 batched products of a Winograd convolution."""
+import json
+import os
+import subprocess
+import sys
+
 import numba
 import numpy as np
 import pytest
@@ -157,3 +162,105 @@ def test_batched_matmul_without_a_unit_stride_axis_goes_to_numpy():
     out = np.empty((4, 200, 120), np.float32)
     gemm.batched_matmul(a, b, out)
     np.testing.assert_array_equal(out, np.matmul(a, b))
+
+
+# ----- the products on the kernels' team -----
+team_only = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2 or not gemm.team_gemms(2),
+                               reason="no team of two threads, or NumPy's BLAS is not an "
+                                      "OpenBLAS the team can call")
+
+
+@pytest.fixture
+def two_threads():
+    """Numba's team at two threads for the test, its count restored afterwards."""
+    before = numba.get_num_threads()
+    numba.set_num_threads(2)
+    yield
+    numba.set_num_threads(before)
+
+
+def openblas_alone(a, b):
+    """np.matmul of every product of the stacks on OpenBLAS's one thread, as a float32 copy."""
+    assert gemm._openblas().threads() == 1
+    return np.stack([np.matmul(x, y) for x, y in zip(a, b)])
+
+
+@team_only
+@pytest.mark.parametrize("m, q, n", [(300, 70, 90),      # bands of rows
+                                     (64, 500, 200),     # bands of columns
+                                     (41, 4000, 17)])    # 2 bands of 20 and 21 rows
+@pytest.mark.parametrize("ta, tb", [(False, False), (True, False), (False, True), (True, True)])
+def test_a_product_cut_into_bands_has_openblas_bits(m, q, n, ta, tb, two_threads):
+    """Each band is one OpenBLAS call over the whole inner dimension, so the product has
+    the bits of OpenBLAS's own product on one thread, whichever operand is transposed
+    (a transposed operand: a view of the transposed array, as conv's dy.T is)."""
+    a = randn(q, m).T if ta else randn(m, q)
+    b = randn(n, q, seed=1).T if tb else randn(q, n, seed=1)
+    y = np.full((m, n), np.nan, np.float32)
+    assert gemm._on_team(a[None], b[None], y[None])
+    np.testing.assert_array_equal(y, np.matmul(a, b))
+    np.testing.assert_array_equal(gemm.matmul(a, b), y)
+    assert_float32_product(y, a, b)
+
+
+@team_only
+@pytest.mark.parametrize("T, C, O", [(128, 256, 256), (512, 64, 48)])
+def test_a_stack_dealt_out_to_the_team_has_openblas_bits(T, C, O, two_threads):
+    """Winograd's stacks, a whole product per thread: each as OpenBLAS computes it alone."""
+    for a, b, out in winograd_stacks(T, C, O):
+        assert gemm._on_team(a, b, out)
+        np.testing.assert_array_equal(out, openblas_alone(a, b))
+    # a stack of fewer products than threads: each product in bands
+    a, b, out = randn(1, 400, 300), randn(1, 300, 200, seed=1), np.empty((1, 400, 200), np.float32)
+    assert gemm.batched_matmul(a, b, out) is out
+    np.testing.assert_array_equal(out, openblas_alone(a, b))
+
+
+@team_only
+def test_the_team_path_is_taken_only_where_it_can_be(two_threads):
+    """Not for a product under TEAM_MIN_MACS, float64, an output that is not row-major,
+    or one thread; the caller then takes np.matmul."""
+    big = randn(256, 256)
+    y = np.empty((256, 256), np.float32)
+    small = randn(64, 64)
+    assert not gemm._on_team(small[None], small[None], y[None, :64, :64])
+    assert not gemm._on_team(big[None].astype(np.float64), big[None].astype(np.float64),
+                             y[None].astype(np.float64))
+    assert not gemm._on_team(big[None], big[None], y.T[None])
+    try:
+        numba.set_num_threads(1)
+        assert not gemm._on_team(big[None], big[None], y[None])
+    finally:
+        numba.set_num_threads(2)
+    assert gemm._on_team(big[None], big[None], y[None])
+
+
+@team_only
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_a_non_finite_operand_reaches_a_product_on_the_team(bad, two_threads):
+    a, b = randn(256, 300), randn(300, 128, seed=1)
+    a[200, 5] = bad
+    y = gemm.matmul(a, b)
+    ref = a.astype(np.float64) @ b
+    np.testing.assert_array_equal(np.isfinite(y), np.isfinite(ref))
+    assert not np.isfinite(y[200]).any() and np.isfinite(y[:200]).all()
+
+
+@pytest.mark.parametrize("blas_threads, on_team", [(None, True), ("1", True), ("2", False)])
+def test_openblas_runs_one_thread_unless_the_user_gives_it_more(blas_threads, on_team):
+    """In a fresh process: after a GEMM, NumPy's OpenBLAS runs on one thread and the team
+    takes the products, unless OPENBLAS_NUM_THREADS gives OpenBLAS threads of its own,
+    which it then keeps (and the products go to it)."""
+    code = ("import mpitrain, json, numba, numpy as np; from mpitrain.kernels import gemm; "
+            "numba.set_num_threads(2); a = np.ones((256, 256), np.float32); gemm.matmul(a, a); "
+            "print(json.dumps([gemm._openblas().threads(), gemm.team_gemms(2)]))")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    if blas_threads:
+        env["OPENBLAS_NUM_THREADS"] = blas_threads
+    env["NUMBA_NUM_THREADS"] = "2"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    threads, team = json.loads(run.stdout)
+    assert team == on_team
+    assert threads == (1 if on_team else 2)

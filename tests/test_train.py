@@ -118,12 +118,15 @@ def test_shard_update_reaches_the_unsharded_accuracy(tmp_path):
     assert abs(final_top1(r) - plain) <= 1.0, r.stdout
 
 
-def test_set_threads_sets_blas_openmp_and_numba():
-    """The thread count a rank runs on reaches every pool of its kernels: OpenBLAS and
-    OpenMP through threadpoolctl, Numba's parallel kernels through its own setting."""
+def test_set_threads_sets_openmp_numba_and_blas():
+    """The thread count a rank runs on reaches every pool of its kernels: OpenMP through
+    threadpoolctl, Numba's parallel kernels through its own setting; BLAS runs one
+    thread where the GEMMs are cut among that team (kernels.gemm.team_gemms), else as
+    many."""
     import numba
     from threadpoolctl import threadpool_info, threadpool_limits
 
+    from mpitrain.kernels import gemm
     from mpitrain.train import set_threads
     before = numba.get_num_threads()
     with threadpool_limits(None):           # restores the pools' counts afterwards
@@ -132,6 +135,10 @@ def test_set_threads_sets_blas_openmp_and_numba():
                 set_threads(n)
                 assert numba.get_num_threads() == min(n, numba.config.NUMBA_NUM_THREADS)
                 pools = {(i["user_api"], i["num_threads"]) for i in threadpool_info()}
-                assert ("blas", n) in pools and all(k == n for _, k in pools), pools
+                blas = 1 if gemm.team_gemms(n) else n
+                assert ("blas", blas) in pools, pools
+                assert all(k == (blas if api == "blas" else n) for api, k in pools), pools
         finally:
             numba.set_num_threads(before)
+
+

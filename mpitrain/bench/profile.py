@@ -7,7 +7,7 @@ and the peak resident memory of a run.
                                  the rest), each GEMM shape
                                  with its calls, time and GFLOP/s, and the share of
                                  the step outside GEMMs
-    gemm_peak(threads)           GFLOP/s of a large float32 GEMM on this machine, now
+    gemm_peak()                  GFLOP/s of a large float32 GEMM on this machine, now
     PeakMemory                   the peak resident memory of a block of work, above the
                                  resident memory at its start (Linux)
 
@@ -111,11 +111,13 @@ def step_flops(step):
 
 
 def gemm_peak(n=2048, repeats=5):
-    """GFLOP/s of an n x n x n float32 GEMM (best of `repeats`) with NumPy's BLAS threads."""
+    """GFLOP/s of an n x n x n float32 GEMM (best of `repeats`) on the threads the step's
+    GEMMs run on (kernels.gemm.matmul)."""
+    from mpitrain.kernels.gemm import matmul
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((n, n)).astype(np.float32) for _ in range(2))
-    a @ b
-    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    out = matmul(a, b)
+    best = min(_timed(lambda: matmul(a, b, out)) for _ in range(repeats))
     return 2.0 * n ** 3 / best / 1e9
 
 

@@ -37,18 +37,27 @@ REEXEC_MARK = "MPITRAIN_NATIVE_OPENBLAS"     # set in the re-run: what was remov
 
 
 def blas_info():
-    """The BLAS NumPy runs on: library, version, core type, threads (threadpoolctl, if installed)."""
+    """The BLAS NumPy runs on (library, version, core type, its own threads: threadpoolctl,
+    if installed), and the threads a step runs on: Numba's team, which also runs the GEMMs
+    where kernels.gemm.team_gemms says so, else BLAS's own threads."""
+    import numba
+
+    from mpitrain.kernels.gemm import team_gemms
+    threads = numba.get_num_threads()
     info = {"forced": {k: os.environ[k] for k in OPENBLAS_FORCING if k in os.environ},
-            "thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT")}
+            "thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
+            "spin": {k: os.environ[k] for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+                     if k in os.environ},
+            "threads": threads, "gemms_on_team": team_gemms(threads)}
     try:
         from threadpoolctl import threadpool_info
     except ImportError:
-        return {**info, "library": "unknown (install threadpoolctl)", "threads": os.cpu_count()}
+        return {**info, "library": "unknown (install threadpoolctl)"}
     for lib in threadpool_info():
         if lib["user_api"] == "blas":
             return {**info, "library": lib["internal_api"], "version": lib.get("version"),
-                    "core_type": lib.get("architecture"), "threads": lib["num_threads"]}
-    return {**info, "library": "none found", "threads": os.cpu_count()}
+                    "core_type": lib.get("architecture"), "blas_threads": lib["num_threads"]}
+    return {**info, "library": "none found"}
 
 
 def _median(values):
@@ -213,9 +222,9 @@ def time_torch(model, x, y, steps, warmup, threads, lr=0.01, momentum=0.9, weigh
 def torch_in_child(spec):
     """time_torch in a fresh process that imports torch before mpitrain.
 
-    mpitrain makes idle OpenMP and OpenBLAS threads sleep (mpitrain/__init__.py); torch's
-    OpenMP runtime would read that too and run slower, so the child gets the environment
-    the user gave. The same seed rebuilds the same weights and batch.
+    mpitrain sets how idle OpenMP and OpenBLAS threads wait (mpitrain/__init__.py); torch's
+    OpenMP runtime would read that too, so the child gets the environment the user gave.
+    The same seed rebuilds the same weights and batch.
     """
     import subprocess
     import mpitrain
@@ -709,6 +718,18 @@ def format_profile(p, top=12):
     return lines
 
 
+def threads_line(b):
+    """How the step's threads are arranged, from blas_info()."""
+    spin = ", ".join(f"{k}={v}" for k, v in b["spin"].items()) or "libgomp's default"
+    if b["gemms_on_team"]:
+        return (f"{b['threads']} threads: one OpenMP team for every kernel, each GEMM cut "
+                f"among it with OpenBLAS on one thread per call; idle team threads spin "
+                f"({spin}), then sleep")
+    return (f"{b['threads']} thread(s); GEMMs on BLAS's own {b.get('blas_threads', '?')} "
+            f"thread(s), idle OpenBLAS threads spinning 2^{b.get('thread_timeout') or 28} "
+            f"cycles (OPENBLAS_THREAD_TIMEOUT); idle OpenMP threads: {spin}")
+
+
 def format_result(r):
     b = r["blas"]
     forced = ", ".join(f"{k}={v}" for k, v in b["forced"].items()) or "none"
@@ -718,8 +739,8 @@ def format_result(r):
              f"median of {r['steps']} steps after {r['warmup']} warm-up (one process, no "
              f"all-reduce){rounds}",
              f"NumPy BLAS: {b['library']} {b.get('version') or ''} core type "
-             f"{b.get('core_type') or '?'}, {b['threads']} threads; forced by environment: {forced}; "
-             f"idle threads spin 2^{b.get('thread_timeout') or 28} cycles (OPENBLAS_THREAD_TIMEOUT)"]
+             f"{b.get('core_type') or '?'}; forced by environment: {forced}",
+             threads_line(b)]
     if r.get("device", "cpu") != "cpu" or r.get("precision", "fp32") != "fp32":
         g = r.get("gpu", {})
         where = (f"{r['device']} ({g.get('gpu')}, CuPy {g.get('cupy')}, CUDA "
