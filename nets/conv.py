@@ -78,11 +78,13 @@ def _matmul(a, b, out):
 
 
 # One scratch buffer per array module, shared by every convolution of the process: a
-# layer lays out what it needs there (im2col's columns, or Winograd's tiles, padded
-# input and products) from its input in forward and again in backward (keeping x, not
-# the larger columns or tiles, between the two), and nothing holds a view of it from
-# one layer call to the next. So the buffer is as large as the largest layer's needs,
-# not as the sum of every kind's largest.
+# layer lays out what it needs there (im2col's columns, or Winograd's padded input and
+# products) from its input in forward and again in backward (keeping x, not the larger
+# columns, between the two), and nothing holds a view of it from one layer call to the
+# next. So the buffer is as large as the largest layer's needs, not as the sum of every
+# kind's largest. A Winograd layer in training keeps its tiles (four times x) and its
+# filter's tiles from forward instead, where they have x's dtype: both of its gradients
+# multiply the same ones, which saves transforming them again (docs/benchmarks.md).
 _WORKSPACE = {}
 
 
@@ -141,7 +143,7 @@ class Conv2d(Module):
         self.bias = Param((out_channels,), constant(0.0), decay=False, lars=False) if bias else None
         self.pointwise = kernel_size == 1 and padding == 0   # a GEMM on x itself, no im2col
         self.winograd = kernel_size == 3 and stride == 1      # F(2x2, 3x3) on the CPU
-        self.x = self.col = None
+        self.x = self.col = self.V = self.U = None
 
     def __repr__(self):
         return (f"Conv2d({self.in_channels}, {self.out_channels}, kernel_size={self.k}, "
@@ -177,8 +179,12 @@ class Conv2d(Module):
             y = cudnn.conv_forward(x, w, s, p)
             self.x = x if train else None                       # (N, H, W, C)
         elif self._use_winograd(x, (N, Ho, Wo)):
-            y = self._winograd_forward(x, w)
-            self.x = x if train else None                       # (N, H, W, C)
+            # training keeps the tiles where they have x's dtype, else x (fp16's are fp32)
+            keep = train and winograd.compute_dtype(x.dtype) == x.dtype
+            y, V, U = self._winograd_forward(x, w, keep)
+            self.x = x if train and not keep else None          # (N, H, W, C)
+            self.V = V if keep else None                        # (16, T, C), for dW and dx
+            self.U = U if train and self.input_grad else None   # (O, 16, C), for dx
         else:
             if self.pointwise:
                 col = self._columns(x)
@@ -240,39 +246,50 @@ class Conv2d(Module):
         dcol = matmul(dy2, w.reshape(O, -1), out=col)           # (N*Ho*Wo, k*k*C)
         return col2im(dcol, self.x_shape, k, k, s, p)
 
-    def _tiles(self, x):
+    def _tiles(self, x, keep):
         """V (16, T, C), the Winograd tiles of x (kernels/winograd.py), and room for the
-        products (16, T, O), both on the shared workspace; also the tile grid (th, tw) and
-        the compute dtype."""
+        products (16, T, O) on the shared workspace; V is a new array with `keep`
+        (training: backward multiplies the same tiles), else on the workspace too. Also
+        the tile grid (th, tw) and the compute dtype."""
         N, H, W, C = x.shape
         _, _, th, tw = winograd.tile_grid(H, W, self.padding)
         dtype = winograd.compute_dtype(x.dtype)
-        tiles = ((16, N * th * tw, C), dtype)
-        V, xpad = workspace(np, tiles, ((N, 2 * th + 2, 2 * tw + 2, C), dtype))
+        tiles, padded = ((16, N * th * tw, C), dtype), ((N, 2 * th + 2, 2 * tw + 2, C), dtype)
+        products = ((16, N * th * tw, self.out_channels), dtype)
+        if keep:
+            V, (xpad,) = np.empty(*tiles), workspace(np, padded)
+        else:
+            V, xpad = workspace(np, tiles, padded)
         V = winograd.input_tiles(winograd.padded(x, self.padding, xpad), th, tw, V)
-        _, M = workspace(np, tiles, ((16, N * th * tw, self.out_channels), dtype))
+        # the products over the padded input, which is done with
+        M = workspace(np, products)[0] if keep else workspace(np, tiles, products)[1]
         return V, M, th, tw, dtype
 
     def _winograd_flops(self, N, Ho, Wo):
         """The direct form's floating-point operations that the 16 GEMMs stand for."""
         return 2.0 * N * Ho * Wo * self.out_channels * 9 * self.in_channels
 
-    def _winograd_forward(self, x, w):
+    def _winograd_forward(self, x, w, keep):
         N, H, W, C = x.shape
         O = self.out_channels
         Ho, Wo, _, _ = winograd.tile_grid(H, W, self.padding)
-        V, M, th, tw, dtype = self._tiles(x)                   # (16, T, C), (16, T, O)
+        V, M, th, tw, dtype = self._tiles(x, keep)             # (16, T, C), (16, T, O)
         U = winograd.filter_tiles(w, dtype)                     # (O, 16, C)
         flops = self._winograd_flops(N, Ho, Wo)
         batched_matmul(V, U.transpose(1, 2, 0), M, flops)      # M[k] = V[k] @ U[:, k].T
-        return winograd.output_tiles(M, th, tw, np.empty((N, Ho, Wo, O), x.dtype))
+        return winograd.output_tiles(M, th, tw, np.empty((N, Ho, Wo, O), x.dtype)), V, U
 
     def _winograd_backward(self, dy, w, gw):
-        x, self.x = self.x, None                                # (N, H, W, C)
+        x, V, U = self.x, self.V, self.U                        # from forward
+        self.x = self.V = self.U = None
         N, Ho, Wo, O = dy.shape
-        V, dM, th, tw, dtype = self._tiles(x)                  # (16, T, C), (16, T, O)
-        dM = winograd.output_tiles_grad(dy, th, tw, dM)
-        dU = np.empty((O, 16, x.shape[3]), dtype)               # (O, 16, C)
+        _, _, th, tw = winograd.tile_grid(*self.x_shape[1:3], self.padding)
+        if V is None:                                           # the tiles again, from x
+            V, dM, _, _, _ = self._tiles(x, keep=False)
+        else:
+            dM, = workspace(np, ((16, V.shape[1], O), V.dtype))
+        dM = winograd.output_tiles_grad(dy, th, tw, dM)        # (16, T, O)
+        dU = np.empty((O, 16, V.shape[2]), V.dtype)             # (O, 16, C)
         flops = self._winograd_flops(N, Ho, Wo)
         # dU[:, k] = dM[k].T @ V[k]
         batched_matmul(dM.transpose(0, 2, 1), V, dU.transpose(1, 0, 2), flops)
@@ -280,10 +297,9 @@ class Conv2d(Module):
         self.weight.grad_ready()
         if not self.input_grad:
             return None
-        U = winograd.filter_tiles(w, dtype)                     # (O, 16, C)
         # dV[k] = dM[k] @ U[:, k], written over the tiles, which are done with
         batched_matmul(dM, U.transpose(1, 0, 2), V, flops)
-        return winograd.input_tiles_grad(V, th, tw, self.padding, x.shape, dy.dtype)
+        return winograd.input_tiles_grad(V, th, tw, self.padding, self.x_shape, dy.dtype)
 
     def macs(self, x_shape, y_shape):
         N, Ho, Wo, O = y_shape

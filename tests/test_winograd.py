@@ -143,6 +143,27 @@ def test_convolutions_share_one_workspace_and_stay_correct(always_winograd, work
         previous = buffer
 
 
+@pytest.mark.parametrize("working", [None, np.float16])
+def test_what_a_training_winograd_layer_keeps_for_backward(always_winograd, working):
+    """Where its tiles have x's dtype, a layer in training keeps them (16, T, C), and its
+    filter's tiles (O, 16, C), for backward, and not x; fp16 activations keep x in fp16
+    instead, since its tiles are fp32 (activations are held once, in the working dtype).
+    An eval forward keeps nothing, and backward lets go of everything."""
+    layer = Conv2d(3, 4, 3, padding=1).bind(dtype=np.float32, working_dtype=working, seed=3)
+    x = rand((2, 6, 6, 3), working or np.float32)
+    layer.forward(x)
+    if working is None:
+        assert layer.x is None and layer.V.shape == (16, 2 * 3 * 3, 3)
+        assert layer.V.dtype == np.float32
+    else:
+        assert layer.x is x and layer.V is None
+    assert layer.U.shape == (4, 16, 3)
+    layer.backward(rand((2, 6, 6, 4), x.dtype, seed=1))
+    assert layer.x is None and layer.V is None and layer.U is None
+    layer.forward(x, train=False)
+    assert layer.x is None and layer.V is None and layer.U is None
+
+
 def test_winograd_with_a_bias(always_winograd):
     fast, direct = twins(3, 4, 1, bias=True)
     x = rand((2, 5, 6, 3))
