@@ -77,7 +77,7 @@ def test_bench_step_times_the_same_network_in_torch():
     """The PyTorch side runs in a child process that rebuilds the network and the batch
     from the seed: the ratio means something only if both frameworks then run the same
     network with the same weights on the same batch, so their first losses (before any
-    update) agree, and only with torch on NumPy's BLAS thread count."""
+    update) agree, and only with torch on the step's thread count."""
     r = run("bench", "step", "--model", "resnet_small", "--image-size", "32", "--batch", "8",
             "--steps", "1", "--warmup", "1", "--num-classes", "10", "--seed", "3",
             "--reference", "torch", "--json")
