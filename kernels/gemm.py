@@ -80,10 +80,8 @@ def matmul(a, b, out=None):
     elif N <= FEW_ROWS and a.flags.c_contiguous and b.T.flags.c_contiguous:
         kernel, args = _rows_dot_rows, (a, b.T)
     else:
-        y = out if out is not None else np.empty((N, b.shape[1]), np.float32)
-        if not _on_team(a[None], b[None], y[None]):
-            return np.matmul(a, b, out=out)
-        return y
+        y = _on_team(a[None], b[None], None if out is None else out[None])
+        return np.matmul(a, b, out=out) if y is None else y[0]
     y = out if out is not None else np.empty((N, b.shape[1]), np.float32)
     kernel(*args, y)
     return y
@@ -150,12 +148,12 @@ def _outer_sum(a, b, y):
 
 
 def batched_matmul(a, b, out):
-    """out[k] = a[k] @ b[k] for every k: (K, m, q) @ (K, q, n) -> (K, m, n), float32 or
-    not: shared among the team where it has more than one thread, else in one call of
-    OpenBLAS's sgemm_batch_strided where the operands allow it (float32, each stack a
+    """out[k] = a[k] @ b[k] for every k: (K, m, q) @ (K, q, n) -> (K, m, n): shared among
+    the team where it has more than one thread, else in one call of OpenBLAS's
+    sgemm_batch_strided where the operands allow it (float32, each stack a
     strided view whose matrices have a unit-stride axis, out's along its rows), else by
     np.matmul product by product. out must not overlap a or b. Returns out."""
-    if _on_team(a, b, out):
+    if _on_team(a, b, out) is not None:
         return out
     call = _batch_strided()
     layouts = None
@@ -190,22 +188,27 @@ def _layout(stack):
 
 # ----- the products on the team -----
 def _on_team(a, b, out):
-    """Computes the stack out[k] = a[k] @ b[k] on the team and returns True, where the
-    team has more than one thread, NumPy's OpenBLAS runs one, the operands are float32
-    with a layout CBLAS takes, and the products are large enough to share; else does
-    nothing and returns False."""
+    """The stack out[k] = a[k] @ b[k] computed on the team, into `out` (a new array where
+    None), where the team has more than one thread, NumPy's OpenBLAS runs one, the
+    operands are float32 with a layout CBLAS takes, and the products are large enough to
+    share; else None, having done nothing."""
     threads = numba.get_num_threads()
     count, m, q = a.shape
     n = b.shape[2]
-    if (threads == 1 or not a.dtype == b.dtype == out.dtype == np.float32
+    if (threads == 1 or not a.dtype == b.dtype == np.float32
+            or (out is not None and out.dtype != np.float32)
             or count * m * n * q < TEAM_MIN_MACS or min(m, n, q) == 0):
-        return False
+        return None
     blas = _openblas()
     if blas is None or blas.threads() != 1:
-        return False
-    layouts = [_layout(x) for x in (a, b, out)]
-    if None in layouts or layouts[2][0] != _NO_TRANS:
-        return False
+        return None
+    layouts = [_layout(x) for x in (a, b)]
+    if None in layouts:
+        return None
+    out = out if out is not None else np.empty((count, m, n), np.float32)
+    layouts.append(_layout(out))
+    if layouts[2] is None or layouts[2][0] != _NO_TRANS:
+        return None
     (ta, lda, sa), (tb, ldb, sb), (_, ldc, sc) = layouts
     # bands of the longer side of each output, enough for every thread to have work; each
     # at least TEAM_MIN_MACS, above the products that OpenBLAS sends to its small-matrix
@@ -216,7 +219,7 @@ def _on_team(a, b, out):
     _team_products(blas.sgemm, blas.integer(0), ta, tb, m, n, q,
                    a.ctypes.data, lda, sa, b.ctypes.data, ldb, sb, out.ctypes.data, ldc, sc,
                    count, bands, by_rows)
-    return True
+    return out
 
 
 @intrinsic
@@ -275,20 +278,16 @@ def _team_products(sgemm, blasint, ta, tb, m, n, k, a, lda, sa, b, ldb, sb, c, l
 # ----- NumPy's OpenBLAS -----
 class _OpenBLAS:
     """The OpenBLAS that NumPy loaded: its blasint (64-bit where built with USE64BITINT),
-    the address of its cblas_sgemm, its thread count."""
+    the address of its cblas_sgemm, its thread count (get and set)."""
 
-    def __init__(self, lib):
-        config = _symbol(lib, "openblas_get_config", "scipy_openblas_get_config")
+    def __init__(self, lib, config, sgemm, threads, set_threads):
         config.restype = ctypes.c_char_p
         self.lib = lib
         self.integer = np.int64 if b"USE64BITINT" in config() else np.int32
-        self.sgemm = ctypes.cast(_symbol(lib, "cblas_sgemm", "scipy_cblas_sgemm"),
-                                 ctypes.c_void_p).value
-        self.threads = _symbol(lib, "openblas_get_num_threads", "scipy_openblas_get_num_threads")
-        self.threads.restype = ctypes.c_int
-        self.set_threads = _symbol(lib, "openblas_set_num_threads",
-                                   "scipy_openblas_set_num_threads")
-        self.set_threads.argtypes = [ctypes.c_int]
+        self.sgemm = ctypes.cast(sgemm, ctypes.c_void_p).value
+        self.threads, self.set_threads = threads, set_threads
+        threads.restype = ctypes.c_int
+        set_threads.argtypes = [ctypes.c_int]
 
 
 @functools.cache
@@ -301,13 +300,12 @@ def _openblas():
         if info.get("internal_api") != "openblas":
             continue
         lib = ctypes.CDLL(info["filepath"])
-        names = [("openblas_get_config", "scipy_openblas_get_config"),
-                 ("cblas_sgemm", "scipy_cblas_sgemm"),
-                 ("openblas_get_num_threads", "scipy_openblas_get_num_threads"),
-                 ("openblas_set_num_threads", "scipy_openblas_set_num_threads")]
-        if any(_symbol(lib, *pair) is None for pair in names):
+        found = [_symbol(lib, name, "scipy_" + name) for name in
+                 ("openblas_get_config", "cblas_sgemm", "openblas_get_num_threads",
+                  "openblas_set_num_threads")]
+        if None in found:
             continue
-        blas = _OpenBLAS(lib)
+        blas = _OpenBLAS(lib, *found)
         if not _user_blas_threads():
             blas.set_threads(1)
         return blas

@@ -197,7 +197,7 @@ def test_a_product_cut_into_bands_has_openblas_bits(m, q, n, ta, tb, two_threads
     a = randn(q, m).T if ta else randn(m, q)
     b = randn(n, q, seed=1).T if tb else randn(q, n, seed=1)
     y = np.full((m, n), np.nan, np.float32)
-    assert gemm._on_team(a[None], b[None], y[None])
+    assert gemm._on_team(a[None], b[None], y[None]) is not None
     np.testing.assert_array_equal(y, np.matmul(a, b))
     np.testing.assert_array_equal(gemm.matmul(a, b), y)
     assert_float32_product(y, a, b)
@@ -208,7 +208,7 @@ def test_a_product_cut_into_bands_has_openblas_bits(m, q, n, ta, tb, two_threads
 def test_a_stack_dealt_out_to_the_team_has_openblas_bits(T, C, O, two_threads):
     """Winograd's stacks, a whole product per thread: each as OpenBLAS computes it alone."""
     for a, b, out in winograd_stacks(T, C, O):
-        assert gemm._on_team(a, b, out)
+        assert gemm._on_team(a, b, out) is out
         np.testing.assert_array_equal(out, openblas_alone(a, b))
     # a stack of fewer products than threads: each product in bands
     a, b, out = randn(1, 400, 300), randn(1, 300, 200, seed=1), np.empty((1, 400, 200), np.float32)
@@ -219,20 +219,25 @@ def test_a_stack_dealt_out_to_the_team_has_openblas_bits(T, C, O, two_threads):
 @team_only
 def test_the_team_path_is_taken_only_where_it_can_be(two_threads):
     """Not for a product under TEAM_MIN_MACS, float64, an output that is not row-major,
-    or one thread; the caller then takes np.matmul."""
+    or one thread (None: the caller then takes np.matmul); otherwise into the given
+    output, or a new one."""
     big = randn(256, 256)
     y = np.empty((256, 256), np.float32)
     small = randn(64, 64)
-    assert not gemm._on_team(small[None], small[None], y[None, :64, :64])
-    assert not gemm._on_team(big[None].astype(np.float64), big[None].astype(np.float64),
-                             y[None].astype(np.float64))
-    assert not gemm._on_team(big[None], big[None], y.T[None])
+    assert gemm._on_team(small[None], small[None], y[None, :64, :64]) is None
+    assert gemm._on_team(big[None].astype(np.float64), big[None].astype(np.float64),
+                         y[None].astype(np.float64)) is None
+    assert gemm._on_team(big[None], big[None], y.T[None]) is None
     try:
         numba.set_num_threads(1)
-        assert not gemm._on_team(big[None], big[None], y[None])
+        assert gemm._on_team(big[None], big[None], y[None]) is None
     finally:
         numba.set_num_threads(2)
-    assert gemm._on_team(big[None], big[None], y[None])
+    out = y[None]
+    assert gemm._on_team(big[None], big[None], out) is out
+    np.testing.assert_array_equal(y, np.matmul(big, big))
+    made = gemm._on_team(big[None], big[None], None)        # no out: a new array
+    np.testing.assert_array_equal(made[0], y)
 
 
 @team_only
