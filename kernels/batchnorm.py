@@ -89,7 +89,11 @@ def _sums_backward(x, dy, mean64, relu, mean, scale, beta, part):
         s0, s1 = part[p, 0], part[p, 1]
         s0[:] = 0.0
         s1[:] = 0.0
-        for m in range(p * ROWS, min(M, (p + 1) * ROWS)):
+        start, stop = p * ROWS, min(M, (p + 1) * ROWS)
+        pairs = start + (stop - start) // 2 * 2
+        for m in range(start, pairs, 2):
+            _products2(x, dy, m, mean64, relu, mean, scale, beta, s0, s1)
+        for m in range(pairs, stop):
             _products(x, dy, m, mean64, relu, mean, scale, beta, s0, s1)
 
 
@@ -101,6 +105,22 @@ def _products(x, dy, m, mean64, relu, mean, scale, beta, s0, s1):
             d = 0.0
         s0[c] += d
         s1[c] += d * (np.float64(load(x, (m, c))) - mean64[c])
+
+
+@njit(cache=True)
+def _products2(x, dy, m, mean64, relu, mean, scale, beta, s0, s1):
+    """_products over rows m and m+1: the running sums are read and written once per two
+    elements."""
+    for c in range(x.shape[1]):
+        d0, d1 = np.float64(load(dy, (m, c))), np.float64(load(dy, (m + 1, c)))
+        if relu:
+            if _clamped(x, m, c, mean, scale, beta):
+                d0 = 0.0
+            if _clamped(x, m + 1, c, mean, scale, beta):
+                d1 = 0.0
+        s0[c] += d0 + d1
+        s1[c] += (d0 * (np.float64(load(x, (m, c))) - mean64[c])
+                  + d1 * (np.float64(load(x, (m + 1, c))) - mean64[c]))
 
 
 @njit(cache=True)

@@ -50,6 +50,27 @@ def test_batchnorm_with_its_relu_fused(train):
     check_layer(fused, x, train=train, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("relu", [False, True])
+def test_batchnorm_backward_sums_against_float64(dtype, relu):
+    """The backward sums (sum dy, sum dy (x - mean)), taken two rows a pass with one row
+    left over in the last block (2 ROWS + 3 rows), equal float64 sums of the same
+    values, with dy zeroed where forward's fused ReLU output 0."""
+    from mpitrain.kernels import batchnorm as kernels
+    M, C = 2 * kernels.ROWS + 3, 5
+    x = (0.5 + randn(M, C, seed=1)).astype(dtype)
+    dy = randn(M, C, seed=2).astype(dtype)
+    mean, scale, beta = (randn(C, seed=s).astype(np.float32) for s in (3, 4, 5))
+    sums = kernels.batchnorm_sums(x, dy, mean, (scale, beta) if relu else None)
+    d = dy.astype(np.float64)
+    if relu:
+        y = ((x.astype(np.float32) - mean) * scale + beta).astype(dtype)   # as forward stored it
+        assert (y <= 0).any() and (y > 0).any()
+        d = np.where(y > 0, d, 0.0)
+    expect = [d.sum(axis=0), (d * (x.astype(np.float64) - mean.astype(np.float64))).sum(axis=0)]
+    np.testing.assert_allclose(sums, expect, rtol=1e-12, atol=1e-12)
+
+
 def test_batchnorm_eval_gradients():
     bn = bn64(3)
     bn.running_mean.data[...] = [0.5, -1.0, 2.0]
