@@ -740,7 +740,8 @@ def run(argv=None):
         sys.stderr.flush()
         status = 130 if interrupted else 1
         if world is not None and world.size > 1:
-            world.Abort(status)
+            from mpitrain.control import end_job
+            end_job(world, status)
         sys.exit(status)
 
 

@@ -7,12 +7,17 @@
     Watchdog      ends the job when no step completes for a while, naming the ranks
                   that did not arrive or stopped living
     LossWatch     finds a run whose loss has exploded without turning inf or NaN
+    end_job       the one way a rank ends the whole job (MPI Abort), its last words kept
 """
+import array
+import fcntl
 import os
 import select
 import signal
 import socket
+import stat
 import sys
+import termios
 import threading
 import time
 
@@ -22,6 +27,55 @@ import numpy as np
 # 128 + the signal's number otherwise, as a shell reports a process ended by it
 EXIT_STATUS = {"SIGUSR1": 0, "SIGTERM": 128 + signal.SIGTERM, "SIGINT": 128 + signal.SIGINT}
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")     # in the order of precedence
+# seconds a rank ending the job waits for the launcher to read what the rank last wrote
+FORWARD_WAIT = 2.0
+# seconds an MPI Abort may take before the process ends itself
+ABORT_FALLBACK = 10
+
+
+def unread(fd):
+    """Bytes written to `fd` that its reader has not read yet, when fd is a pipe (as
+    a launcher gives each rank's stdout and stderr); 0 for anything else."""
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return 0
+        count = array.array("i", [0])
+        fcntl.ioctl(fd, termios.FIONREAD, count)
+    except OSError:                                 # closed
+        return 0
+    return count[0]
+
+
+def wait_until_read(fds=(1, 2), timeout=FORWARD_WAIT):
+    """Wait, at most `timeout` seconds in all, until every pipe among `fds` is empty."""
+    end = time.monotonic() + timeout
+    for fd in fds:
+        while unread(fd) and time.monotonic() < end:
+            time.sleep(0.001)
+
+
+def end_job(world, status):
+    """End every rank of the job at once: MPI Abort of `world` with `status`.
+
+    A launcher forwards each rank's output from a pipe, and it kills the job the moment
+    the abort reaches it, whatever the pipe still holds: the message saying why the job
+    ends would be lost now and then. So the rank first waits until the launcher has
+    read what it wrote (wait_until_read), at most FORWARD_WAIT seconds.
+
+    The watchdog and the signal watcher end the job from their own threads while the
+    main thread may be blocked inside a collective, and an MPI library may make the
+    abort wait for that collective's lock. So an alarm goes off first: if the abort
+    has not ended the process ABORT_FALLBACK seconds later, SIGALRM's default action
+    kills it (mpitrain installs no handler, which would need the GIL), and the
+    launcher ends the rest of a job one of whose ranks died."""
+    signal.alarm(ABORT_FALLBACK)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):               # closed
+            pass
+    wait_until_read()
+    world.Abort(status)
 
 
 class StopSignals:
@@ -276,7 +330,6 @@ class Watchdog:
                     f"(--collective-timeout {self.timeout:g}) after {self.where}"
                     f"{', ' + now if now else ''}{who}. Ending the job.\n")
                 self.stream.flush()
-                time.sleep(1.0)         # let the launcher forward the message before the abort
                 self.comm.abort(3)
 
     def close(self):

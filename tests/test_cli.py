@@ -1,9 +1,12 @@
 """`python -m mpitrain`: argparse refuses bad values with exit status 2; inspect and
-the benchmarks produce what they promise."""
+the benchmarks produce what they promise; a rank ending the job
+first lets the launcher read its last words."""
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -305,3 +308,33 @@ def test_idle_openblas_threads_sleep_between_gemms():
                          timeout=120)
     assert run.returncode == 0, run.stderr
     assert float(run.stdout) < 0.03, f"{float(run.stdout):.3f} s of CPU while asleep"
+
+
+# ----- ending the job -----
+def test_a_rank_ending_the_job_waits_until_the_launcher_has_read_its_output(tmp_path):
+    """Before its MPI Abort, a rank waits until what it wrote to its stdout and stderr
+    pipes has been read (control.end_job), so the message saying why the job ends
+    reaches the user. The wait returns only once a reader that comes late has read
+    every byte; a reader that never comes costs the timeout; a file is never waited for."""
+    from mpitrain.control import unread, wait_until_read
+    message = b"rank 1 of 2: uncaught exception, ending the job\n" * 100
+    r, w = os.pipe()
+    try:
+        os.write(w, message)
+        assert unread(w) == len(message)
+        reader = threading.Timer(0.2, os.read, (r, 2 * len(message)))
+        reader.start()
+        wait_until_read((w,), timeout=60)
+        assert unread(w) == 0                     # returned after the reader, not before
+        reader.join()
+        os.write(w, b"x")
+        start = time.monotonic()
+        wait_until_read((w,), timeout=0.1)
+        assert unread(w) == 1 and time.monotonic() - start >= 0.1
+    finally:
+        os.close(r)
+        os.close(w)
+    with open(tmp_path / "log", "w") as f:
+        f.write("unread until closed")
+        f.flush()
+        assert unread(f.fileno()) == 0

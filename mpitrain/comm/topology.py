@@ -29,7 +29,6 @@ play several nodes; the last node may be smaller than K.
 """
 import contextlib
 import os
-import signal
 import sys
 import threading
 
@@ -39,6 +38,7 @@ from mpi4py import MPI
 from mpitrain import backend
 from mpitrain.arena import ALIGN_BYTES
 from mpitrain.backend import array_module
+from mpitrain.control import end_job
 from mpitrain.kernels import cast
 
 from . import algorithms
@@ -260,20 +260,10 @@ class Communicator:
     def barrier(self):
         self.world.Barrier()
 
-    # seconds an MPI Abort may take before the process ends itself
-    ABORT_FALLBACK = 10
-
     def abort(self, status):
-        """End every rank of the job at once (MPI Abort) with `status`.
-
-        The watchdog and the signal watcher abort from their own threads while the
-        main thread may be blocked inside a collective, and an MPI library may make
-        the abort wait for that collective's lock. So an alarm goes off first: if
-        the abort has not ended the process ABORT_FALLBACK seconds later, SIGALRM's
-        default action kills it (mpitrain installs no handler, which would need the
-        GIL), and the launcher ends the rest of a job one of whose ranks died."""
-        signal.alarm(self.ABORT_FALLBACK)
-        self.world.Abort(status)
+        """End every rank of the job at once (MPI Abort) with `status`, from any
+        thread: control.end_job."""
+        end_job(self.world, status)
 
     @contextlib.contextmanager
     def staged(self, buf, write_back=True):
