@@ -20,10 +20,12 @@ def watchdog(request):
     """Abort the whole job, naming the test, if a test blocks (a rank left a collective)."""
     from mpi4py import MPI
 
+    from mpitrain.control import end_job
+
     def fire():
         print(f"\nrank {MPI.COMM_WORLD.rank}: {request.node.nodeid} still running after "
               f"{WATCHDOG_S} s; aborting the job", flush=True)
-        MPI.COMM_WORLD.Abort(1)
+        end_job(MPI.COMM_WORLD, 1)
     timer = threading.Timer(WATCHDOG_S, fire)
     timer.daemon = True
     timer.start()

@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 from mpitrain.comm import ALGORITHMS, Communicator
 from mpitrain.comm.buckets import Reducer, share_gradients
+from mpitrain.control import end_job
 from mpitrain.nets.activation import ReLU
 from mpitrain.nets.conv import Conv2d
 from mpitrain.nets.linear import Linear
@@ -34,7 +35,7 @@ def agree(check):
         verdict = check()
     except Exception:
         print(f"rank {WORLD.rank}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        WORLD.Abort(1)
+        end_job(WORLD, 1)
     verdicts = WORLD.allgather(verdict)
     failures = [f"rank {r}: {v}" for r, v in enumerate(verdicts) if v is not None]
     assert not failures, "\n".join(failures)
