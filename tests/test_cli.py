@@ -141,6 +141,36 @@ def test_bench_step_refuses_one_process_options_under_mpirun():
     assert r.stderr.count(message) == 1, r.stderr
 
 
+@pytest.mark.launches
+@pytest.mark.one_mpi
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: the baseline wants one thread")
+def test_bench_step_baseline_reports_the_threads_it_ran():
+    """Under mpirun the one-rank baseline runs on the threads of the node's ranks together;
+    where NUMBA_NUM_THREADS caps Numba's pool below that, bench step reports the threads
+    it did run and warns that the scaling efficiency overstates, rather than naming the
+    threads it wanted."""
+    import launcher
+
+    from mpitrain.bench.step import format_parallel
+    args = ["bench", "step", "--model", "resnet_small", "--image-size", "16", "--batch", "4",
+            "--steps", "1", "--warmup", "0", "--json"]
+    capped = launcher.environment(2)                   # NUMBA_NUM_THREADS=1 for each rank
+    free = {k: v for k, v in capped.items() if k not in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS",
+                                                         "OPENBLAS_NUM_THREADS")}
+    for env, threads in ((capped, 1), (free, 2)):
+        r = subprocess.run(launcher.mpitrain_command(2, *args), capture_output=True, text=True,
+                           timeout=180, env=env)
+        assert r.returncode == 0, r.stderr
+        result = json.loads(r.stdout)
+        assert (result["one_rank"]["threads"], result["one_rank"]["wanted_threads"]) == \
+            (threads, 2), result["one_rank"]
+        text = format_parallel(result)
+        assert f"1 rank x {threads} threads, batch 4" in text
+        warned = "warning: the one-rank baseline ran 1 thread(s), not the 2 of the node's " \
+                 "ranks together: NUMBA_NUM_THREADS=1 caps Numba's pool" in text
+        assert warned == (threads == 1), text
+
+
 def test_bench_step_profile_counts_every_gemm_of_a_training_step():
     """--profile records each GEMM: per step one per convolution and linear layer in
     forward and two in backward (dW and dx), but for the first convolution's dx, which

@@ -477,6 +477,7 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
     shard_update: with the sharded update (train --shard-update, SGD on a second copy of
     the model), each against the dense, unsharded step training would take here (its
     --overlap auto): bytes sent per rank per step, times, optimizer state per rank."""
+    import numba
     import numpy as np
     from mpi4py import MPI
 
@@ -524,10 +525,11 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
             precision=precision)
     one = new_model(model_name, num_classes, seed, precision) if world.rank == 0 else None
     one_threads = min(threads * comm.host_size, os.cpu_count())    # no more than the cores
-    one_times = []
+    one_times, one_ran = [], one_threads
     for i in range(warmup + steps):
         if world.rank == 0:      # one rank with the threads of all its node's ranks
             set_threads(one_threads)
+            one_ran = numba.get_num_threads()    # fewer where NUMBA_NUM_THREADS caps the pool
             t = time_ours(one, x, y, 1, 0, precision, gflops=False)["step_ms"]
             set_threads(threads)
             if i >= warmup:
@@ -556,8 +558,8 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
                                                                    DEFAULT_THRESHOLD))}
     if world.rank == 0:
         step = _median(one_times)
-        result["one_rank"] = {"threads": one_threads, "images_per_s": 1e3 * batch / step,
-                              "step_ms": step}
+        result["one_rank"] = {"threads": one_ran, "wanted_threads": one_threads,
+                              "images_per_s": 1e3 * batch / step, "step_ms": step}
         for key in runs:
             result[key]["efficiency"] = result[key]["images_per_s"] / result["one_rank"]["images_per_s"]
         o = result["overlap"]
@@ -595,6 +597,12 @@ def format_parallel(r):
              f"{r['comm_dtype']} on the wire",
              f"1 rank x {r['one_rank']['threads']} threads, batch {r['batch_per_rank']}: "
              f"{r['one_rank']['images_per_s']:.1f} images/s, step {r['one_rank']['step_ms']:.1f} ms"]
+    one = r["one_rank"]
+    if one["threads"] < one["wanted_threads"]:
+        lines.append(f"warning: the one-rank baseline ran {one['threads']} thread(s), not the "
+                     f"{one['wanted_threads']} of the node's ranks together: NUMBA_NUM_THREADS="
+                     f"{one['threads']} caps Numba's pool, so the scaling efficiency below "
+                     f"overstates: unset it, or set it to {one['wanted_threads']} or more")
     for key, label in (("overlap", "overlapped"), ("no_overlap", "--no-overlap")):
         t = r[key]
         lines.append(f"{r['ranks']} ranks, {label}: {t['images_per_s']:.1f} images/s, step "
