@@ -140,5 +140,3 @@ def test_set_threads_sets_openmp_numba_and_blas():
                 assert all(k == (blas if api == "blas" else n) for api, k in pools), pools
         finally:
             numba.set_num_threads(before)
-
-
