@@ -17,11 +17,14 @@ recomputing y's sign from x, which it reads anyway, and the per-channel (mean,
 scale, beta) of forward, rounded as forward stored y. That saves the ReLU
 layer's two passes, its mask, and keeping y.
 
-The element passes run on Numba's thread pool, each thread a block of rows; the
-sums are taken per block in float64 and the blocks added in order, so the result
-does not depend on the number of threads. float16 activations are read and
-written as their uint16 bits through kernels.cast.load/store (Numba's CPU target
-has no float16), with the arithmetic in the statistics dtype.
+The element passes run on Numba's thread pool, each thread a block of rows
+(block_rows: fewer rows a block where there are few, so that every thread has some);
+the sums are taken per block in float64 and the blocks added in order, so the result
+does not depend on the number of threads. Each pass asks for the rows it reaches a
+few rows later (kernels/prefetch.py), without which the sums wait on memory.
+float16 activations are read and written as their uint16 bits through
+kernels.cast.load/store (Numba's CPU target has no float16), with the arithmetic in
+the statistics dtype.
 """
 import math
 
@@ -30,8 +33,20 @@ from numba import njit, prange
 
 from . import team
 from .cast import ZERO, bits as _bits, load, rounded, store
+from .prefetch import prefetch_ahead
 
-ROWS = 256          # rows per block of the parallel passes (at C = 64: 64 KiB of fp32)
+ROWS = 256          # rows per block of the parallel passes at most (at C = 64: 64 KiB of fp32)
+MIN_BLOCKS = 8      # blocks a pass is cut into at least, where that leaves MIN_ROWS a block
+MIN_ROWS = 16       # rows a block holds at least
+
+
+@njit(cache=True)
+def block_rows(M):
+    """Rows per block of a pass over M rows: ROWS, or fewer where M is small, so that
+    the late stages' few rows (128 in ResNet-50's last stage at 64x64, batch 32) still
+    give every thread blocks. It depends on M alone, so the sums' blocks, and their bits,
+    do not depend on the thread count."""
+    return min(ROWS, max(MIN_ROWS, -(-M // MIN_BLOCKS)))
 
 
 def acc_dtype(dtype):
@@ -45,15 +60,16 @@ def acc_dtype(dtype):
 # word the threads share; at C = 64 that took longer than the row's arithmetic.
 @team.by_size
 @njit(parallel=True, cache=True)
-def _sums_forward(x, part):
+def _sums_forward(x, rows, part):
     M, C = x.shape
     for p in prange(part.shape[0]):
         s0, s1 = part[p, 0], part[p, 1]
         s0[:] = 0.0
         s1[:] = 0.0
-        start, stop = p * ROWS, min(M, (p + 1) * ROWS)
+        start, stop = p * rows, min(M, (p + 1) * rows)
         fours = start + (stop - start) // 4 * 4
         for m in range(start, fours, 4):
+            prefetch_ahead(x, m * C, (m + 4) * C)
             _shifted4(x, m, s0, s1)
         for m in range(fours, stop):
             _shifted(x, m, s0, s1)
@@ -83,15 +99,17 @@ def _shifted4(x, m, s0, s1):
 
 @team.by_size
 @njit(parallel=True, cache=True)
-def _sums_backward(x, dy, mean64, relu, mean, scale, beta, part):
+def _sums_backward(x, dy, mean64, relu, mean, scale, beta, rows, part):
     M, C = x.shape
     for p in prange(part.shape[0]):
         s0, s1 = part[p, 0], part[p, 1]
         s0[:] = 0.0
         s1[:] = 0.0
-        start, stop = p * ROWS, min(M, (p + 1) * ROWS)
+        start, stop = p * rows, min(M, (p + 1) * rows)
         pairs = start + (stop - start) // 2 * 2
         for m in range(start, pairs, 2):
+            prefetch_ahead(x, m * C, (m + 2) * C)
+            prefetch_ahead(dy, m * C, (m + 2) * C)
             _products2(x, dy, m, mean64, relu, mean, scale, beta, s0, s1)
         for m in range(pairs, stop):
             _products(x, dy, m, mean64, relu, mean, scale, beta, s0, s1)
@@ -134,13 +152,14 @@ def batchnorm_sums(x, dy=None, mean=None, relu=None):
     the sums about the shift x[0]; backward the sums of dy and dy (x - mean), dy taken
     through the fused ReLU when relu = (scale, beta) of forward's affine map is given."""
     M, C = x.shape
-    part = np.empty((-(-M // ROWS), 2, C))           # (blocks, 2, C) partial sums
+    rows = block_rows(M)
+    part = np.empty((-(-M // rows), 2, C))           # (blocks, 2, C) partial sums
     if dy is None:
-        _sums_forward(_bits(x), part)
+        _sums_forward(_bits(x), rows, part)
     else:
         scale, beta = relu if relu is not None else (mean, mean)
         _sums_backward(_bits(x), _bits(dy), mean.astype(np.float64), relu is not None, mean,
-                       scale, beta, part)
+                       scale, beta, rows, part)
     return part.sum(axis=0)
 
 
@@ -217,8 +236,10 @@ def _coefficients(local, group, gamma, invstd, count, train, grad_gamma, grad_be
 @njit(parallel=True, cache=True)
 def _affine(x, mean, scale, beta, relu, y):
     M = x.shape[0]
-    for p in prange((M + ROWS - 1) // ROWS):
-        for m in range(p * ROWS, min(M, (p + 1) * ROWS)):
+    rows = block_rows(M)
+    for p in prange((M + rows - 1) // rows):
+        for m in range(p * rows, min(M, (p + 1) * rows)):
+            prefetch_ahead(x, m * x.shape[1], (m + 1) * x.shape[1])
             _affine_row(x, m, mean, scale, beta, relu, y)
 
 
@@ -242,8 +263,11 @@ def batchnorm_affine(x, mean, scale, beta, relu=False):
 def _dx(dy, x, mean, coef, relu, scale, beta, dx):
     M = x.shape[0]
     a, b, d = coef[0], coef[1], coef[2]    # (C,) each, taken once: cheaper than coef[k, c]
-    for p in prange((M + ROWS - 1) // ROWS):
-        for m in range(p * ROWS, min(M, (p + 1) * ROWS)):
+    rows = block_rows(M)
+    for p in prange((M + rows - 1) // rows):
+        for m in range(p * rows, min(M, (p + 1) * rows)):
+            prefetch_ahead(dy, m * x.shape[1], (m + 1) * x.shape[1])
+            prefetch_ahead(x, m * x.shape[1], (m + 1) * x.shape[1])
             _dx_row(dy, x, m, mean, a, b, d, relu, scale, beta, dx)
 
 

@@ -53,11 +53,12 @@ def test_batchnorm_with_its_relu_fused(train):
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("relu", [False, True])
 def test_batchnorm_backward_sums_against_float64(dtype, relu):
-    """The backward sums (sum dy, sum dy (x - mean)), taken two rows a pass with one row
-    left over in the last block (2 ROWS + 3 rows), equal float64 sums of the same
-    values, with dy zeroed where forward's fused ReLU output 0."""
+    """The backward sums (sum dy, sum dy (x - mean)), taken two rows a pass with a row
+    left over in blocks of an odd row count, equal float64 sums of the same values,
+    with dy zeroed where forward's fused ReLU output 0."""
     from mpitrain.kernels import batchnorm as kernels
     M, C = 2 * kernels.ROWS + 3, 5
+    assert kernels.block_rows(M) % 2 == 1
     x = (0.5 + randn(M, C, seed=1)).astype(dtype)
     dy = randn(M, C, seed=2).astype(dtype)
     mean, scale, beta = (randn(C, seed=s).astype(np.float32) for s in (3, 4, 5))
@@ -69,6 +70,38 @@ def test_batchnorm_backward_sums_against_float64(dtype, relu):
         d = np.where(y > 0, d, 0.0)
     expect = [d.sum(axis=0), (d * (x.astype(np.float64) - mean.astype(np.float64))).sum(axis=0)]
     np.testing.assert_allclose(sums, expect, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("M", [128, 2 * 256 + 3, 4 * 256 + 7])
+def test_batchnorm_sums_at_few_rows_keep_their_bits_on_any_thread_count(M):
+    """A pass over few rows takes smaller blocks (block_rows: 16 rows at M = 128), so that
+    every thread has some. The blocks depend on M alone: forward's and backward's sums
+    come out with the same bits on one thread and on the team, and equal float64 sums of
+    the same values."""
+    import numba
+    from mpitrain.kernels import batchnorm as kernels
+    rows = kernels.block_rows(M)
+    assert kernels.MIN_ROWS <= rows <= kernels.ROWS
+    assert -(-M // rows) >= min(kernels.MIN_BLOCKS, M // kernels.MIN_ROWS)
+    C = 600                                  # (M, C) float32 above team.PARALLEL_MIN_BYTES
+    x = (3 + randn(M, C, seed=1)).astype(np.float32)
+    dy = randn(M, C, seed=2).astype(np.float32)
+    mean = randn(C, seed=3).astype(np.float32)
+    threads, results = numba.get_num_threads(), []
+    try:
+        for n in (1, threads):
+            numba.set_num_threads(n)
+            results.append((kernels.batchnorm_sums(x), kernels.batchnorm_sums(x, dy, mean)))
+    finally:
+        numba.set_num_threads(threads)
+    for one, team in zip(*results):
+        assert one.tobytes() == team.tobytes()
+    shifted = x.astype(np.float64) - x[0].astype(np.float64)
+    d, centred = dy.astype(np.float64), x.astype(np.float64) - mean.astype(np.float64)
+    np.testing.assert_allclose(results[0][0], [shifted.sum(0), (shifted ** 2).sum(0)],
+                               rtol=1e-12, atol=1e-9)
+    np.testing.assert_allclose(results[0][1], [d.sum(0), (d * centred).sum(0)],
+                               rtol=1e-12, atol=1e-9)
 
 
 def test_batchnorm_eval_gradients():
