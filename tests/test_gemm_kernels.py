@@ -222,7 +222,7 @@ def test_the_team_path_is_taken_only_where_it_can_be(two_threads):
     or one thread (None: the caller then takes np.matmul); otherwise into the given
     output, or a new one."""
     big = randn(256, 256)
-    y = np.empty((256, 256), np.float32)
+    y = np.zeros((256, 256), np.float32)
     small = randn(64, 64)
     assert gemm._on_team(small[None], small[None], y[None, :64, :64]) is None
     assert gemm._on_team(big[None].astype(np.float64), big[None].astype(np.float64),
