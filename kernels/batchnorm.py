@@ -8,6 +8,7 @@ nets/batchnorm.py runs one code path on either device:
     batchnorm_sums(x, dy, mean)    (sum_m dy_mc, sum_m dy_mc (x_mc - mean_c))
     batchnorm_finalize(...)        mean, invstd, scale = gamma invstd; running averages
     batchnorm_affine(x, ...)       y = (x - mean) scale + beta [then max(y, 0)]
+                                   [or max(y + r, 0): a residual block's output]
     batchnorm_backward_coefficients(...)   dgamma, dbeta, and (a, b, d) of dx
     batchnorm_dx(dy, x, ...)       dx = a dy' + b (x - mean) + d, dy' = dy [* (y > 0)]
 
@@ -234,28 +235,38 @@ def _coefficients(local, group, gamma, invstd, count, train, grad_gamma, grad_be
 # ----- the element passes -----
 @team.by_size
 @njit(parallel=True, cache=True)
-def _affine(x, mean, scale, beta, relu, y):
-    M = x.shape[0]
+def _affine(x, mean, scale, beta, relu, with_r, r, y):
+    M, C = x.shape
     rows = block_rows(M)
     for p in prange((M + rows - 1) // rows):
         for m in range(p * rows, min(M, (p + 1) * rows)):
-            prefetch_ahead(x, m * x.shape[1], (m + 1) * x.shape[1])
-            _affine_row(x, m, mean, scale, beta, relu, y)
+            prefetch_ahead(x, m * C, (m + 1) * C)
+            if with_r:
+                prefetch_ahead(r, m * C, (m + 1) * C)
+            _affine_row(x, m, mean, scale, beta, relu, with_r, r, y)
 
 
 @njit(cache=True)
-def _affine_row(x, m, mean, scale, beta, relu, y):
+def _affine_row(x, m, mean, scale, beta, relu, with_r, r, y):
     for c in range(x.shape[1]):
         v = (load(x, (m, c)) - mean[c]) * scale[c] + beta[c]
-        store(y, (m, c), max(v, ZERO) if relu else v)
+        if with_r:      # as add_relu computes from y stored in x's dtype: the same bits
+            v = max(rounded(x, v) + load(r, (m, c)), ZERO)
+        elif relu:
+            v = max(v, ZERO)
+        store(y, (m, c), v)
 
 
-def batchnorm_affine(x, mean, scale, beta, relu=False):
+def batchnorm_affine(x, mean, scale, beta, relu=False, residual=None):
     """y (M, C) = (x - mean) * scale + beta per channel (then max(y, 0) with relu),
-    computed in the statistics' dtype and rounded to x's dtype once."""
-    y = np.empty_like(x)
-    _affine(_bits(x), mean, scale, beta.astype(scale.dtype), relu, _bits(y))
-    return y
+    computed in the statistics' dtype and rounded to x's dtype once. With `residual`
+    (M, C), of x's dtype, and no relu: max(y + residual, 0), a residual block's output,
+    with the bits of elementwise.add_relu(y, residual) in the same pass."""
+    out = np.empty_like(x)
+    r = x if residual is None else np.ascontiguousarray(residual)
+    _affine(_bits(x), mean, scale, beta.astype(scale.dtype), relu, residual is not None,
+            _bits(r), _bits(out))
+    return out
 
 
 @team.by_size

@@ -484,16 +484,17 @@ def batchnorm_finalize(sums, x, count, mode, gamma, eps, momentum, running_mean,
     return mean, invstd, scale
 
 
-def batchnorm_affine(x, mean, scale, beta, relu=False):
+def batchnorm_affine(x, mean, scale, beta, relu=False, residual=None):
     """y (M, C) = (x - mean) * scale + beta per channel, computed in acc_dtype, rounded
-    to x's dtype once; max(y, 0) with relu, in the same kernel."""
+    to x's dtype once; max(y, 0) with relu, in the same kernel. With `residual` (M, C):
+    max(y + residual, 0), by add_relu after the affine kernel (the CPU's one pass)."""
     import cupy
     M, C = x.shape
     y = cupy.empty_like(x)
     _kernel("bn_affine", x.dtype)(_blocks(x.size), (THREADS,),
                                   (x, mean, scale, beta, np.int32(bool(relu)), np.int64(x.size),
                                    np.int32(C), y))
-    return y
+    return y if residual is None else add_relu(y, cupy.ascontiguousarray(residual))
 
 
 def batchnorm_backward_coefficients(local, group, gamma, invstd, count, train, grad_gamma,

@@ -25,8 +25,8 @@ def layer_table(model_name, image_size=224, num_classes=1000):
 def _record_forward(module, name, rows):
     forward = module.forward
 
-    def recording_forward(x, train=True):
-        y = forward(x, train)
+    def recording_forward(x, train=True, **options):     # options: BatchNorm's residual
+        y = forward(x, train, **options)
         rows.append((name, type(module).__name__, tuple(y.shape[1:]), module.num_params(),
                      int(module.macs(x.shape, y.shape))))
         return y

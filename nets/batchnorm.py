@@ -41,6 +41,11 @@ class BatchNorm2d(Module):
     from x (which it keeps anyway): no mask, y not kept, and two passes fewer than a
     separate ReLU layer.
 
+    residual (forward's argument, a layer without relu): a residual block's shortcut,
+    added after the affine map and clamped at 0, y = max(gamma * xhat + beta + residual,
+    0): the block's output, in the same pass. Backward is BatchNorm's own; the block
+    takes dy through that ReLU first.
+
     Distributed BN (Ying et al.): with `group` set (mpitrain.comm.syncbn.attach),
     the train-mode statistics are those of the group's ranks' batches together:
     M, the per-channel sum of x and then of (x - mean)^2 are summed over the
@@ -73,11 +78,16 @@ class BatchNorm2d(Module):
         self.running_mean = Buffer((num_features,), 0.0)
         self.running_var = Buffer((num_features,), 1.0)
 
-    def forward(self, x, train=True):
+    def forward(self, x, train=True, residual=None):
         xp = array_module(x)
         C = self.num_features
         if x.ndim != 4 or x.shape[3] != C:
             raise ValueError(f"BatchNorm2d({C}) expects an NHWC batch (N, H, W, {C}), got shape {x.shape}")
+        if residual is not None and (self.relu or residual.shape != x.shape
+                                     or residual.dtype != x.dtype):
+            raise ValueError(f"BatchNorm2d({C}): a residual needs a layer without relu and "
+                             f"x's shape and dtype {x.shape} {x.dtype}, got "
+                             f"relu={self.relu}, {residual.shape} {residual.dtype}")
         if train and x.size // C < 2:
             raise ValueError(f"BatchNorm2d needs more than one value per channel in train mode, got shape {x.shape}")
         kernels = self._kernels(x)
@@ -96,7 +106,8 @@ class BatchNorm2d(Module):
             if r is not b.data:               # buffers of another dtype than the statistics
                 b.data[...] = r
         beta = self.bias.master.astype(stat, copy=False)
-        y = kernels.batchnorm_affine(x2, mean, scale, beta, self.relu)
+        y = kernels.batchnorm_affine(x2, mean, scale, beta, self.relu,
+                                     None if residual is None else residual.reshape(-1, C))
         self.train, self.x, self.kernels = train, x2, kernels   # x: (M, C) as given
         self.mean, self.invstd = mean, invstd                    # (C,) each, in stat
         self.affine = (scale, beta) if self.relu else None       # to recompute where y > 0

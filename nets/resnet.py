@@ -7,7 +7,8 @@ resnet34 21,797,672, resnet50 25,557,032, resnet101 44,549,160, resnet152 60,192
 A residual block computes  y = relu(main(x) + shortcut(x))  where shortcut is the
 identity or `downsample` (1x1 conv with stride, then BN) when the shape changes.
 The ReLUs after a BatchNorm are fused into it (BatchNorm2d(relu=True)); they have
-no parameters, so torchvision's names are unchanged.
+no parameters, so torchvision's names are unchanged. The main branch's last BatchNorm
+adds the shortcut and applies the block's ReLU in its own pass (its `residual`).
 Backward: g = dy * [y > 0];  dx = main'(g) + shortcut'(g).
 
 Gradient order. The arena lays parameters out in reverse registration order and
@@ -35,11 +36,11 @@ class _Block(Module):
 
     def forward(self, x, train=True):
         y = x
-        for layer in self.main:
+        for layer in self.main[:-1]:
             y = layer.forward(y, train)
         shortcut = x if self.downsample is None else self.downsample.forward(x, train)
-        # a new array (layers may have cached their outputs), added and clamped in one pass
-        y = elementwise.add_relu(y, shortcut)
+        # the last BN adds the shortcut and clamps, in its one pass over the block's output
+        y = self.main[-1].forward(y, train, residual=shortcut)
         self.y = y if train else None   # (N, H, W, C); its positive entries are the ReLU mask
         return y
 

@@ -434,6 +434,22 @@ def test_batchnorm_element_passes_emulated_give_the_cpu_bits(emulated_cupy, dtyp
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_batchnorm_affine_with_a_residual_emulated_gives_the_cpu_bits(emulated_cupy, dtype):
+    """A residual block's output from its last BN, max((x - mean) scale + beta + r, 0): the
+    CUDA kernels (the affine map, then add_relu) run on the host give the bits of the CPU's
+    one pass."""
+    from mpitrain.kernels import batchnorm as cpu
+    M, C = 37, 11
+    x, r = rand((M, C), dtype, seed=1), rand((M, C), dtype, seed=2)
+    stat = cpu.acc_dtype(dtype)
+    mean, beta = rand(C, stat, seed=3, scale=0.3), rand(C, stat, seed=4)
+    scale = 1 + rand(C, stat, seed=5) ** 2
+    y = gpu.batchnorm_affine(x, mean, scale, beta, residual=r)
+    assert y.dtype == dtype and (y == 0).any() and (y > 0).any()
+    np.testing.assert_array_equal(y, cpu.batchnorm_affine(x, mean, scale, beta, residual=r))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
 def test_residual_kernels_emulated(emulated_cupy, dtype):
     """The CUDA kernels of a residual block's output (add_relu) and of the ReLU's gradient
     (relu_grad), run on the host, give the CPU passes' bits, NaN included."""

@@ -104,6 +104,30 @@ def test_batchnorm_sums_at_few_rows_keep_their_bits_on_any_thread_count(M):
                                rtol=1e-12, atol=1e-9)
 
 
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_batchnorm_with_a_residual_gives_add_relu_of_its_output(dtype, train):
+    """forward(x, residual=r), a residual block's last BN, is add_relu(forward(x), r) bit
+    for bit, in one pass; rejected on a layer with relu or a residual of another shape or
+    dtype."""
+    from mpitrain.kernels import elementwise
+    work = {np.float16: {"dtype": np.float32, "working_dtype": np.float16}}.get(dtype, {"dtype": dtype})
+    bn = BatchNorm2d(7).bind(**work)
+    bn.weight.master[...] = 1 + 0.5 * randn(7, seed=1)
+    bn.bias.master[...] = randn(7, seed=2)
+    bn.running_var.data[...] = 2.0
+    x = (1 + 2 * randn(3, 5, 9, 7, seed=3)).astype(dtype)
+    r = randn(3, 5, 9, 7, seed=4).astype(dtype)
+    y = bn.forward(x, train, residual=r)
+    expect = elementwise.add_relu(bn.forward(x, train), r)
+    assert y.dtype == dtype and (y == 0).any() and (y > 0).any()
+    np.testing.assert_array_equal(y, expect)
+    with pytest.raises(ValueError, match="residual"):
+        bn.forward(x, train, residual=r[:, :4])
+    with pytest.raises(ValueError, match="residual"):
+        BatchNorm2d(7, relu=True).bind(**work).forward(x, train, residual=r)
+
+
 def test_batchnorm_eval_gradients():
     bn = bn64(3)
     bn.running_mean.data[...] = [0.5, -1.0, 2.0]
