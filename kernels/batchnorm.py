@@ -250,7 +250,7 @@ def _affine(x, mean, scale, beta, relu, with_r, r, y):
 def _affine_row(x, m, mean, scale, beta, relu, with_r, r, y):
     for c in range(x.shape[1]):
         v = (load(x, (m, c)) - mean[c]) * scale[c] + beta[c]
-        if with_r:      # as add_relu computes from y stored in x's dtype: the same bits
+        if with_r:      # from y as x's dtype stores it: a separate add's bits
             v = max(rounded(x, v) + load(r, (m, c)), ZERO)
         elif relu:
             v = max(v, ZERO)
@@ -261,7 +261,7 @@ def batchnorm_affine(x, mean, scale, beta, relu=False, residual=None):
     """y (M, C) = (x - mean) * scale + beta per channel (then max(y, 0) with relu),
     computed in the statistics' dtype and rounded to x's dtype once. With `residual`
     (M, C), of x's dtype, and no relu: max(y + residual, 0), a residual block's output,
-    with the bits of elementwise.add_relu(y, residual) in the same pass."""
+    in the same pass, with the bits of that add applied to y as stored in x's dtype."""
     out = np.empty_like(x)
     r = x if residual is None else np.ascontiguousarray(residual)
     _affine(_bits(x), mean, scale, beta.astype(scale.dtype), relu, residual is not None,

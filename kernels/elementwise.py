@@ -1,16 +1,16 @@
 """The networks' elementwise passes: ReLU and the residual block's add, on any float dtype.
 
     relu(x)            y = max(x, 0)
-    add_relu(a, b)     y = max(a + b, 0)          (a residual block's output)
     relu_grad(dy, y)   dy where y > 0, else 0     (the ReLU's gradient, from its output)
-    add_into(a, b)     a += b                     (in place)
+    add_into(a, b)     a += b                     (in place: dx of the block's two branches)
 
 Each returns a new array (add_into: a itself). On NumPy arrays one pass of a Numba
 kernel on the thread pool, each thread a block of elements: NumPy's own
-elementwise operations run on one core, and a + b then max would be two passes.
-float16 is read and written as its uint16 bits (kernels.cast.load/store) and
-computed in float32. On CuPy arrays add_relu and relu_grad are one CUDA kernel each
-(kernels/gpu.py), relu and add_into CuPy's own one-pass operations.
+elementwise operations run on one core. float16 is read and written as its uint16
+bits (kernels.cast.load/store) and computed in float32. On CuPy arrays relu_grad is
+one CUDA kernel (kernels/gpu.py), relu and add_into CuPy's own one-pass operations.
+A residual block's output, max(a + b, 0), is its last BatchNorm's pass
+(kernels/batchnorm.py, batchnorm_affine's residual).
 """
 import numpy as np
 from numba import njit, prange
@@ -29,17 +29,16 @@ def _flat(a):
 
 @team.by_size
 @njit(parallel=True, cache=True)
-def _relu(x, y, with_b, b):
+def _relu(x, y):
     for p in prange((x.size + BLOCK - 1) // BLOCK):
         lo, hi = p * BLOCK, min(x.size, (p + 1) * BLOCK)
-        _relu_block(x[lo:hi], y[lo:hi], with_b, b[lo:hi] if with_b else b[:0])
+        _relu_block(x[lo:hi], y[lo:hi])
 
 
 @njit(cache=True)
-def _relu_block(x, y, with_b, b):
+def _relu_block(x, y):
     for i in range(x.size):
-        v = load(x, i) + load(b, i) if with_b else load(x, i)
-        store(y, i, max(v, ZERO))
+        store(y, i, max(load(x, i), ZERO))
 
 
 def relu(x):
@@ -47,17 +46,7 @@ def relu(x):
     if array_module(x) is not np:
         return array_module(x).maximum(x, 0)
     y = np.empty_like(x)
-    _relu(_flat(x), _flat(y), False, _flat(x))
-    return y
-
-
-def add_relu(a, b):
-    """max(a + b, 0), a new array (a and b of one shape and dtype)."""
-    if gpu.handles(a):
-        xp = array_module(a)
-        return gpu.add_relu(xp.ascontiguousarray(a), xp.ascontiguousarray(b))
-    y = np.empty_like(a)
-    _relu(_flat(a), _flat(y), True, _flat(b))
+    _relu(_flat(x), _flat(y))
     return y
 
 
