@@ -272,13 +272,13 @@ def batchnorm_affine(x, mean, scale, beta, relu=False, residual=None):
 @team.by_size
 @njit(parallel=True, cache=True)
 def _dx(dy, x, mean, coef, relu, scale, beta, dx):
-    M = x.shape[0]
+    M, C = x.shape
     a, b, d = coef[0], coef[1], coef[2]    # (C,) each, taken once: cheaper than coef[k, c]
     rows = block_rows(M)
     for p in prange((M + rows - 1) // rows):
         for m in range(p * rows, min(M, (p + 1) * rows)):
-            prefetch_ahead(dy, m * x.shape[1], (m + 1) * x.shape[1])
-            prefetch_ahead(x, m * x.shape[1], (m + 1) * x.shape[1])
+            prefetch_ahead(dy, m * C, (m + 1) * C)
+            prefetch_ahead(x, m * C, (m + 1) * C)
             _dx_row(dy, x, m, mean, a, b, d, relu, scale, beta, dx)
 
 
