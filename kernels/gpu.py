@@ -1,5 +1,5 @@
-"""Fused CUDA kernels for the GPU branches of batch norm, pooling, dropout and the residual
-block's add and ReLU (CuPy RawModule).
+"""Fused CUDA kernels for the GPU branches of batch norm (with a residual block's add and
+ReLU in its output pass), pooling, dropout and the ReLU's gradient (CuPy RawModule).
 
 On CuPy arrays these replace a chain of small array operations by a few
 kernels, all queued on CuPy's current stream. Every kernel is a C++ template
@@ -15,6 +15,14 @@ whatever the activations, and results are rounded to T once. Activations are
 C-contiguous NHWC; batch norm sees them as (M, C), M = N*H*W. The formulas are
 in each kernel's comment in _SOURCE and in the docstrings below.
 
+These passes are bound by memory, so their threads read and write V
+consecutive elements at a time (a 16-byte `Pack`: 8 fp16, 4 fp32 or 2 fp64
+values, when the channels are a multiple of V), which keeps more bytes in
+flight; a template parameter V = 1 serves every other shape with the same
+body. In batch norm's passes a thread keeps its V channels for all the rows
+it visits, so their coefficients are read once, into registers, not once
+an element.
+
 Reductions are deterministic: fixed chunks of rows, a fixed tree inside each
 block, and a fixed order across blocks (no atomics), so a rerun on the same
 device gives the same bits. Nothing here reads a value back to the host.
@@ -28,10 +36,11 @@ import numpy as np
 
 from .batchnorm import FINALIZE_MODES
 
-TILE_C, TILE_R = 32, 8   # batch-norm partial sums: 32 channels (one warp) x 8 rows of threads
+SUM_THREADS = 256        # threads per block of batch norm's passes over (M, C)
 FOLD = 256               # threads per block that adds the partial sums of one column
 THREADS = 256            # threads per block of the elementwise and pooling kernels
 TARGET_BLOCKS = 1024     # blocks of a partial-sum pass, whatever C: enough to fill a GPU
+ROW_BLOCKS = 4096        # blocks of batch norm's element passes (rows taken grid-stride)
 
 _SOURCE = r"""
 // ----- element access: T is unsigned short (fp16 bits), float or double -----
@@ -76,6 +85,21 @@ __device__ __forceinline__ bool relu_passes(A x_minus_mean, A scale, A beta) {
     return bn_out<T, A>(x_minus_mean, scale, beta) > 0;
 }
 
+// V consecutive elements of T as one aligned access: 16 bytes when V * sizeof(T) == 16,
+// so a warp's loads and stores of consecutive Packs are full 128-byte lines
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Pack {
+    T v[V];
+};
+template <typename T, int V>
+__device__ __forceinline__ Pack<T, V> load_pack(const T* p, long long i) {
+    return *reinterpret_cast<const Pack<T, V>*>(p + i);
+}
+template <typename T, int V>
+__device__ __forceinline__ void store_pack(T* p, long long i, const Pack<T, V>& q) {
+    *reinterpret_cast<Pack<T, V>*>(p + i) = q;
+}
+
 __device__ __forceinline__ long long first_index() {
     return (long long)blockIdx.x * blockDim.x + threadIdx.x;
 }
@@ -94,48 +118,65 @@ __device__ __forceinline__ long long grid_stride() {
 //                part[p][1][c] = sum g[r][c] (x[r][c] - mean_c)
 //                g = dy, or with relu (a fused ReLU): dy where forward's y > 0, else 0,
 //                y recomputed from x, mean, scale and beta (bn_out)
-// A block is TILE_C channels (threadIdx.x: consecutive channels, coalesced) by TILE_R
-// threads that take every TILE_R-th row; a fixed tree in shared memory adds those.
-template <typename T, typename A>
+// A thread takes V consecutive channels (one Pack; C a multiple of V), blockDim.x threads
+// consecutive packs (coalesced), and blockDim.y (a power of 2) threads every blockDim.y-th
+// row; a fixed tree in shared memory adds those.
+template <typename T, typename A, int V>
 __global__ void bn_partial_sums(const T* x, const T* dy, const A* mean, const A* scale,
                                 const A* beta, int grads, int relu, long long M, int C,
                                 long long rows, A* part) {
-    __shared__ A su[TILE_R][TILE_C];
-    __shared__ A sv[TILE_R][TILE_C];
-    const int tx = threadIdx.x, ty = threadIdx.y;
-    const int c = blockIdx.x * TILE_C + tx;
+    __shared__ A su[SUM_THREADS * V];
+    __shared__ A sv[SUM_THREADS * V];
+    const int tx = threadIdx.x, ty = threadIdx.y, TX = blockDim.x, TY = blockDim.y;
+    const int c = (blockIdx.x * TX + tx) * V;
     const long long r0 = (long long)blockIdx.y * rows;
     const long long r1 = r0 + rows < M ? r0 + rows : M;
-    A u = 0, v = 0;
+    A u[V], v[V], k[V], sc[V], be[V];
+    for (int j = 0; j < V; ++j)
+        u[j] = v[j] = 0;
     if (c < C) {
-        const A k = grads ? mean[c] : (A)load(x, c);
-        for (long long r = r0 + ty; r < r1; r += TILE_R) {
-            const long long i = r * C + c;
-            const A xc = (A)load(x, i) - k;
-            if (grads) {
-                const A g = relu && !relu_passes<T, A>(xc, scale[c], beta[c]) ? (A)0
-                                                                               : (A)load(dy, i);
-                u += g;
-                v += g * xc;
-            } else {
-                u += xc;
-                v += xc * xc;
+        for (int j = 0; j < V; ++j) {
+            k[j] = grads ? mean[c + j] : (A)load(x, c + j);
+            sc[j] = relu ? scale[c + j] : (A)0;
+            be[j] = relu ? beta[c + j] : (A)0;
+        }
+        for (long long r = r0 + ty; r < r1; r += TY) {
+            const Pack<T, V> xs = load_pack<T, V>(x, r * C + c);
+            const Pack<T, V> gs = grads ? load_pack<T, V>(dy, r * C + c) : xs;
+            for (int j = 0; j < V; ++j) {
+                const A xc = (A)load(xs.v, j) - k[j];
+                if (grads) {
+                    const A g = relu && !relu_passes<T, A>(xc, sc[j], be[j]) ? (A)0
+                                                                             : (A)load(gs.v, j);
+                    u[j] += g;
+                    v[j] += g * xc;
+                } else {
+                    u[j] += xc;
+                    v[j] += xc * xc;
+                }
             }
         }
     }
-    su[ty][tx] = u;
-    sv[ty][tx] = v;
+    const int t = (ty * TX + tx) * V;
+    for (int j = 0; j < V; ++j) {
+        su[t + j] = u[j];
+        sv[t + j] = v[j];
+    }
     __syncthreads();
-    for (int h = TILE_R / 2; h > 0; h /= 2) {
+    for (int h = TY / 2; h > 0; h /= 2) {
         if (ty < h) {
-            su[ty][tx] += su[ty + h][tx];
-            sv[ty][tx] += sv[ty + h][tx];
+            for (int j = 0; j < V; ++j) {
+                su[t + j] += su[t + h * TX * V + j];
+                sv[t + j] += sv[t + h * TX * V + j];
+            }
         }
         __syncthreads();
     }
     if (ty == 0 && c < C) {
-        part[((long long)blockIdx.y * 2) * C + c] = su[0][tx];
-        part[((long long)blockIdx.y * 2 + 1) * C + c] = sv[0][tx];
+        for (int j = 0; j < V; ++j) {
+            part[((long long)blockIdx.y * 2) * C + c + j] = su[t + j];
+            part[((long long)blockIdx.y * 2 + 1) * C + c + j] = sv[t + j];
+        }
     }
 }
 
@@ -199,15 +240,38 @@ __global__ void bn_finalize(const A* s, const T* x, int mode, double count, int 
     scale_out[c] = (A)(gamma[c] * invstd);
 }
 
-// y[i] = (x[i] - mean[c]) * scale[c] + beta[c],  c = i mod C; with relu max(y[i], 0)
-// (NaN stays NaN)
-template <typename T, typename A>
+// The element passes over (M, C) take the threads as the partial sums do: a thread keeps
+// V consecutive channels (one Pack) and their coefficients in registers, and walks the
+// rows blockIdx.y * blockDim.y + threadIdx.y, then every gridDim.y * blockDim.y-th.
+
+// y[r][c] = (x[r][c] - mean[c]) * scale[c] + beta[c], rounded to T; then with a residual
+// (with_r) max(y[r][c] + res[r][c], 0), the sum in A rounded once (the bits of a separate
+// add); else with relu max(y[r][c], 0). NaN stays NaN.
+template <typename T, typename A, int V>
 __global__ void bn_affine(const T* x, const A* mean, const A* scale, const A* beta, int relu,
-                          long long n, int C, T* y) {
-    for (long long i = first_index(); i < n; i += grid_stride()) {
-        const int c = (int)(i % C);
-        const A v = bn_out<T, A>((A)load(x, i) - mean[c], scale[c], beta[c]);
-        store(y, i, relu && v < 0 ? (A)0 : v);
+                          const T* res, int with_r, long long M, int C, T* y) {
+    const int c = (blockIdx.x * blockDim.x + threadIdx.x) * V;
+    if (c >= C)
+        return;
+    A mu[V], sc[V], be[V];
+    for (int j = 0; j < V; ++j) {
+        mu[j] = mean[c + j];
+        sc[j] = scale[c + j];
+        be[j] = beta[c + j];
+    }
+    const long long step = (long long)gridDim.y * blockDim.y;
+    for (long long r = (long long)blockIdx.y * blockDim.y + threadIdx.y; r < M; r += step) {
+        const long long i = r * C + c;
+        const Pack<T, V> xs = load_pack<T, V>(x, i);
+        const Pack<T, V> rs = with_r ? load_pack<T, V>(res, i) : xs;
+        Pack<T, V> ys;
+        for (int j = 0; j < V; ++j) {
+            A v = bn_out<T, A>((A)load(xs.v, j) - mu[j], sc[j], be[j]);
+            if (with_r)
+                v += (A)load(rs.v, j);
+            store(ys.v, j, (relu || with_r) && v < 0 ? (A)0 : v);
+        }
+        store_pack<T, V>(y, i, ys);
     }
 }
 
@@ -232,17 +296,35 @@ __global__ void bn_backward_coefficients(const A* sl, const A* sg, const A* gamm
     coef[2 * C + c] = train ? (A)(-a * sg[c] / count) : (A)0;
 }
 
-// dx[i] = a[c] g[i] + b[c] (x[i] - mean[c]) + d[c],  c = i mod C,  coef = (a, b, d),
+// dx[r][c] = a[c] g[r][c] + b[c] (x[r][c] - mean[c]) + d[c],  coef = (a, b, d),
 // g = dy, or with relu dy where forward's y > 0, else 0 (as in bn_partial_sums)
-template <typename T, typename A>
+template <typename T, typename A, int V>
 __global__ void bn_backward_dx(const T* dy, const T* x, const A* mean, const A* coef,
-                               const A* scale, const A* beta, int relu, long long n, int C,
+                               const A* scale, const A* beta, int relu, long long M, int C,
                                T* dx) {
-    for (long long i = first_index(); i < n; i += grid_stride()) {
-        const int c = (int)(i % C);
-        const A xc = (A)load(x, i) - mean[c];
-        const A g = relu && !relu_passes<T, A>(xc, scale[c], beta[c]) ? (A)0 : (A)load(dy, i);
-        store(dx, i, coef[c] * g + coef[C + c] * xc + coef[2 * C + c]);
+    const int c = (blockIdx.x * blockDim.x + threadIdx.x) * V;
+    if (c >= C)
+        return;
+    A mu[V], ca[V], cb[V], cd[V], sc[V], be[V];
+    for (int j = 0; j < V; ++j) {
+        mu[j] = mean[c + j];
+        ca[j] = coef[c + j];
+        cb[j] = coef[C + c + j];
+        cd[j] = coef[2 * C + c + j];
+        sc[j] = relu ? scale[c + j] : (A)0;
+        be[j] = relu ? beta[c + j] : (A)0;
+    }
+    const long long step = (long long)gridDim.y * blockDim.y;
+    for (long long r = (long long)blockIdx.y * blockDim.y + threadIdx.y; r < M; r += step) {
+        const long long i = r * C + c;
+        const Pack<T, V> xs = load_pack<T, V>(x, i), gs = load_pack<T, V>(dy, i);
+        Pack<T, V> ds;
+        for (int j = 0; j < V; ++j) {
+            const A xc = (A)load(xs.v, j) - mu[j];
+            const A g = relu && !relu_passes<T, A>(xc, sc[j], be[j]) ? (A)0 : (A)load(gs.v, j);
+            store(ds.v, j, ca[j] * g + cb[j] * xc + cd[j]);
+        }
+        store_pack<T, V>(dx, i, ds);
     }
 }
 
@@ -328,22 +410,18 @@ __global__ void pool_backward(const T* dy, const int* arg, int avg, int N, int H
     }
 }
 
-// ----- a residual block's output and the ReLU's gradient -----
+// ----- the ReLU's gradient -----
 
-// y[i] = max(a[i] + b[i], 0), summed in A and rounded to T once (NaN stays NaN)
-template <typename T, typename A>
-__global__ void add_relu(const T* a, const T* b, long long n, T* y) {
-    for (long long i = first_index(); i < n; i += grid_stride()) {
-        const A v = (A)load(a, i) + (A)load(b, i);
-        store(y, i, v < 0 ? (A)0 : v);
-    }
-}
-
-// dx[i] = dy[i] where y[i] > 0, else 0
-template <typename T, typename A>
+// dx[i] = dy[i] where y[i] > 0, else 0; V elements a Pack
+template <typename T, typename A, int V>
 __global__ void relu_grad(const T* dy, const T* y, long long n, T* dx) {
-    for (long long i = first_index(); i < n; i += grid_stride())
-        store(dx, i, (A)load(y, i) > 0 ? (A)load(dy, i) : (A)0);
+    for (long long b = first_index(); b * V < n; b += grid_stride()) {
+        const Pack<T, V> gs = load_pack<T, V>(dy, b * V), ys = load_pack<T, V>(y, b * V);
+        Pack<T, V> ds;
+        for (int j = 0; j < V; ++j)
+            store(ds.v, j, (A)load(ys.v, j) > 0 ? (A)load(gs.v, j) : (A)0);
+        store_pack<T, V>(dx, b * V, ds);
+    }
 }
 
 // ----- dropout -----
@@ -387,8 +465,9 @@ __global__ void dropout(const T* x, long long n, unsigned int k0, unsigned int k
 _TYPES = {np.dtype(np.float16): ("unsigned short", "float", np.float32),
           np.dtype(np.float32): ("float", "float", np.float32),
           np.dtype(np.float64): ("double", "double", np.float64)}
-_TEMPLATES_TA = ("bn_partial_sums", "bn_finalize", "bn_affine", "bn_backward_dx", "add_relu",
-                 "relu_grad", "dropout")
+# templates over <T, A, V>: each compiled for V = 1 and for the V of a 16-byte Pack
+_TEMPLATES_TAV = ("bn_partial_sums", "bn_affine", "bn_backward_dx", "relu_grad")
+_TEMPLATES_TA = ("bn_finalize", "dropout")
 _TEMPLATES_T = ("pool_forward", "pool_backward")
 _TEMPLATES_A = ("bn_fold", "bn_backward_coefficients")
 _module = None
@@ -397,7 +476,8 @@ _module = None
 def name_expressions():
     """Every template instance the module compiles, as RawModule names them."""
     names = []
-    for T, A, _ in _TYPES.values():
+    for dtype, (T, A, _) in _TYPES.items():
+        names += [f"{f}<{T}, {A}, {V}>" for f in _TEMPLATES_TAV for V in (1, 16 // dtype.itemsize)]
         names += [f"{f}<{T}, {A}>" for f in _TEMPLATES_TA] + [f"{f}<{T}>" for f in _TEMPLATES_T]
     for A in ("float", "double"):
         names += [f"{f}<{A}>" for f in _TEMPLATES_A]
@@ -406,12 +486,13 @@ def name_expressions():
 
 def source():
     """The CUDA C++ source with the block-shape constants defined."""
-    return (f"#define TILE_C {TILE_C}\n#define TILE_R {TILE_R}\n#define FOLD {FOLD}\n" + _SOURCE)
+    return f"#define SUM_THREADS {SUM_THREADS}\n#define FOLD {FOLD}\n" + _SOURCE
 
 
-def _kernel(name, dtype=None, acc=None):
-    """The compiled kernel `name` for activations of `dtype` (T and A), or for the
-    arithmetic dtype `acc` alone (A); the module compiles once (CuPy caches it on disk)."""
+def _kernel(name, dtype=None, acc=None, pack=1):
+    """The compiled kernel `name` for activations of `dtype` (T and A; `pack`: V, for the
+    templates that take it), or for the arithmetic dtype `acc` alone (A); the module
+    compiles once (CuPy caches it on disk)."""
     global _module
     import cupy
     if _module is None:
@@ -419,7 +500,8 @@ def _kernel(name, dtype=None, acc=None):
                                  name_expressions=name_expressions())
     if dtype is not None:
         T, A, _ = _TYPES[np.dtype(dtype)]
-        args = f"{T}, {A}" if name in _TEMPLATES_TA else T
+        args = (f"{T}, {A}, {pack}" if name in _TEMPLATES_TAV else
+                f"{T}, {A}" if name in _TEMPLATES_TA else T)
     else:
         args = "double" if np.dtype(acc) == np.float64 else "float"
     return _module.get_function(f"{name}<{args}>")
@@ -434,6 +516,28 @@ def acc_dtype(dtype):
     """The arithmetic (statistics) dtype of activations of `dtype`: float64 for float64,
     else float32."""
     return np.dtype(_TYPES[np.dtype(dtype)][2])
+
+
+def _pack(C, *arrays):
+    """V of the Pack kernels for rows of C elements: the elements of 16 bytes when C is
+    a multiple of them and every array starts on 16 bytes (CuPy's allocations start on
+    256), else 1."""
+    V = 16 // arrays[0].itemsize
+    interface = "__cuda_array_interface__" if hasattr(arrays[0], "__cuda_array_interface__") \
+        else "__array_interface__"
+    aligned = all(getattr(a, interface)["data"][0] % 16 == 0 for a in arrays)
+    return V if C % V == 0 and aligned else 1
+
+
+def _row_blocks(M, C, V, target):
+    """(grid, block) of the (M, C) passes: blockDim.x threads across the C / V packs (up
+    to a warp), blockDim.y (a power of 2) down the rows, SUM_THREADS threads a block, and
+    about `target` blocks (at most one row a thread, and 65535 along y)."""
+    tx = min(32, C // V)
+    ty = 1 << (SUM_THREADS // tx).bit_length() - 1
+    gx = -(-C // (V * tx))
+    gy = max(1, min(-(-M // ty), target // gx, 65535))
+    return (gx, gy), (tx, ty)
 
 
 def _blocks(n):
@@ -453,14 +557,15 @@ def batchnorm_sums(x, dy=None, mean=None, relu=None):
     import cupy
     M, C = x.shape
     acc = acc_dtype(x.dtype)
-    ctiles = -(-C // TILE_C)
-    rows = -(-M // max(1, min(-(-M // TILE_R), TARGET_BLOCKS // ctiles)))
+    grads = dy is not None
+    V = _pack(C, x, dy) if grads else _pack(C, x)
+    (ctiles, P), block = _row_blocks(M, C, V, TARGET_BLOCKS)
+    rows = -(-M // P)
     P = -(-M // rows)                                 # chunks of `rows` rows, none empty
     part = cupy.empty((P, 2, C), acc)                 # (P, 2, C) partial sums
-    grads = dy is not None
     scale, beta = relu if relu is not None else (part, part)     # unread without relu
-    _kernel("bn_partial_sums", x.dtype)(
-        (ctiles, P), (TILE_C, TILE_R),
+    _kernel("bn_partial_sums", x.dtype, pack=V)(
+        (ctiles, P), block,
         (x, dy if grads else x, mean if grads else part, scale, beta, np.int32(grads),
          np.int32(relu is not None), np.int64(M), np.int32(C), np.int64(rows), part))
     sums = cupy.empty((2, C), acc)
@@ -487,14 +592,17 @@ def batchnorm_finalize(sums, x, count, mode, gamma, eps, momentum, running_mean,
 def batchnorm_affine(x, mean, scale, beta, relu=False, residual=None):
     """y (M, C) = (x - mean) * scale + beta per channel, computed in acc_dtype, rounded
     to x's dtype once; max(y, 0) with relu, in the same kernel. With `residual` (M, C):
-    max(y + residual, 0), by add_relu after the affine kernel (the CPU's one pass)."""
+    max(y + residual, 0), also in that kernel (the CPU's one pass, and its bits)."""
     import cupy
     M, C = x.shape
     y = cupy.empty_like(x)
-    _kernel("bn_affine", x.dtype)(_blocks(x.size), (THREADS,),
-                                  (x, mean, scale, beta, np.int32(bool(relu)), np.int64(x.size),
-                                   np.int32(C), y))
-    return y if residual is None else add_relu(y, cupy.ascontiguousarray(residual))
+    r = x if residual is None else cupy.ascontiguousarray(residual)     # unread without
+    V = _pack(C, x, r, y)
+    _kernel("bn_affine", x.dtype, pack=V)(
+        *_row_blocks(M, C, V, ROW_BLOCKS),
+        (x, mean, scale, beta, np.int32(bool(relu)), r, np.int32(residual is not None),
+         np.int64(M), np.int32(C), y))
+    return y
 
 
 def batchnorm_backward_coefficients(local, group, gamma, invstd, count, train, grad_gamma,
@@ -521,28 +629,23 @@ def batchnorm_dx(dy, x, mean, coef, relu=None):
     M, C = x.shape
     dx = cupy.empty_like(dy)
     scale, beta = relu if relu is not None else (coef, coef)     # unread without relu
-    _kernel("bn_backward_dx", dy.dtype)(_blocks(dy.size), (THREADS,),
-                                        (dy, x, mean, coef, scale, beta,
-                                         np.int32(relu is not None), np.int64(dy.size),
-                                         np.int32(C), dx))
+    V = _pack(C, dy, x, dx)
+    _kernel("bn_backward_dx", dy.dtype, pack=V)(
+        *_row_blocks(M, C, V, ROW_BLOCKS),
+        (dy, x, mean, coef, scale, beta, np.int32(relu is not None), np.int64(M),
+         np.int32(C), dx))
     return dx
 
 
-# ----- the residual block's elementwise passes -----
-
-def add_relu(a, b):
-    """max(a + b, 0), a new array: one pass (a and b C-contiguous, of one shape and dtype)."""
-    import cupy
-    y = cupy.empty_like(a)
-    _kernel("add_relu", a.dtype)(_blocks(a.size), (THREADS,), (a, b, np.int64(a.size), y))
-    return y
-
+# ----- the ReLU's gradient -----
 
 def relu_grad(dy, y):
     """dy where y > 0, else 0, a new array: one pass (dy and y C-contiguous)."""
     import cupy
     dx = cupy.empty_like(dy)
-    _kernel("relu_grad", dy.dtype)(_blocks(dy.size), (THREADS,), (dy, y, np.int64(dy.size), dx))
+    V = _pack(dy.size, dy, y, dx)
+    _kernel("relu_grad", dy.dtype, pack=V)(_blocks(dy.size // V), (THREADS,),
+                                           (dy, y, np.int64(dy.size), dx))
     return dx
 
 

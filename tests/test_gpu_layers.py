@@ -39,7 +39,8 @@ def rand(shape, dtype=np.float32, seed=0, loc=0.0, scale=1.0):
 def test_kernel_source_compiles_for_every_instance(tmp_path):
     """Every name expression the RawModule compiles instantiates without error (nvcc, C++17)."""
     names = gpu.name_expressions()
-    assert len(names) == len(set(names)) == 3 * 9 + 2 * 2
+    # per dtype: 4 templates at two pack widths, 4 without one; 2 over the arithmetic type
+    assert len(names) == len(set(names)) == 3 * (4 * 2 + 4) + 2 * 2
     pointers = ", ".join(f"(void*)&{n}" for n in names)
     src = gpu.source() + f"\nvoid instantiate_all() {{ void* k[] = {{{pointers}}}; (void)k; }}\n"
     (tmp_path / "k.cu").write_text(src)
@@ -226,7 +227,7 @@ def check_batchnorm(dtype, loc, group, steps, xp, forward, backward, to_host, re
     """y, dx, dgamma, dbeta and the running statistics of the device layer (on xp, run by
     forward(layer, x, train) and backward(layer, dy), x and dy NumPy) against the float64
     CPU layer on the same values, for each train flag of `steps`."""
-    C = 24                                              # not a multiple of the 32-channel tile
+    C = 24          # whole 16-byte packs of fp16 (8) and fp32 (4) channels, not a warp's 32
     ref, dev = bn_layers(C, dtype, group, xp, relu)
     out_tol = 1e-4 if dtype == np.float32 else 2e-3     # fp16 outputs: rounded to 11 bits
     for step, train in enumerate(steps):
@@ -406,16 +407,35 @@ def test_dropout_masks_are_drawn_on_the_device_from_the_seed(dtype):
     assert d.forward(x, train=False) is x and d.backward(dy) is dy
 
 
+def unaligned(a):
+    """a C-contiguous copy of `a` that starts one element past a 16-byte boundary"""
+    buf = np.empty(a.size + 16, a.dtype)
+    skip = (-buf.ctypes.data % 16) // a.itemsize + 1
+    out = buf[skip:skip + a.size].reshape(a.shape)
+    out[...] = a
+    return out
+
+
+# C = 11: one element a thread (V = 1); C = 24: 16-byte packs, unless an array is unaligned
+SHAPES = [(11, False), (24, False), (24, True)]
+
+
+@pytest.mark.parametrize("C,misaligned", SHAPES)
 @pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
-def test_batchnorm_element_passes_emulated_give_the_cpu_bits(emulated_cupy, dtype, relu):
+def test_batchnorm_element_passes_emulated_give_the_cpu_bits(emulated_cupy, dtype, relu, C,
+                                                            misaligned):
     """BatchNorm's y = (x - mean) scale + beta, dx's coefficients (a, b, d) from the sums,
     and dx = a dy + b (x - mean) + d, as CUDA kernels run on the host, give the CPU
     kernels' bits: one formula on both devices, the coefficients rounded once to the
-    statistics' dtype and dx's pass computed in it (float32 for fp16 and fp32)."""
+    statistics' dtype and dx's pass computed in it (float32 for fp16 and fp32). Whole
+    16-byte packs of channels where the arrays allow, one element at a time elsewhere."""
     from mpitrain.kernels import batchnorm as cpu
-    M, C = 37, 11
+    M = 37
     x, dy = rand((M, C), dtype, seed=1), rand((M, C), dtype, seed=2)
+    if misaligned:
+        x = unaligned(x)
+    assert gpu._pack(C, x, dy) == (1 if C == 11 or misaligned else 16 // x.itemsize)
     stat = cpu.acc_dtype(dtype)
     mean, beta = rand(C, stat, seed=3, scale=0.3), rand(C, stat, seed=4)
     scale, invstd = 1 + rand(C, stat, seed=5) ** 2, 1 + rand(C, stat, seed=6) ** 2
@@ -433,32 +453,38 @@ def test_batchnorm_element_passes_emulated_give_the_cpu_bits(emulated_cupy, dtyp
                                   cpu.batchnorm_dx(dy, x, mean, coef[1], fused))
 
 
+@pytest.mark.parametrize("C,misaligned", SHAPES)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
-def test_batchnorm_affine_with_a_residual_emulated_gives_the_cpu_bits(emulated_cupy, dtype):
+def test_batchnorm_affine_with_a_residual_emulated_gives_the_cpu_bits(emulated_cupy, dtype, C,
+                                                                      misaligned):
     """A residual block's output from its last BN, max((x - mean) scale + beta + r, 0): the
-    CUDA kernels (the affine map, then add_relu) run on the host give the bits of the CPU's
-    one pass."""
+    CUDA affine kernel with the residual added in it, run on the host, gives the bits of
+    the CPU's one pass, and of the separate add of y's rounded values."""
     from mpitrain.kernels import batchnorm as cpu
-    M, C = 37, 11
+    M = 37
     x, r = rand((M, C), dtype, seed=1), rand((M, C), dtype, seed=2)
+    if misaligned:
+        r = unaligned(r)
     stat = cpu.acc_dtype(dtype)
     mean, beta = rand(C, stat, seed=3, scale=0.3), rand(C, stat, seed=4)
     scale = 1 + rand(C, stat, seed=5) ** 2
     y = gpu.batchnorm_affine(x, mean, scale, beta, residual=r)
     assert y.dtype == dtype and (y == 0).any() and (y > 0).any()
     np.testing.assert_array_equal(y, cpu.batchnorm_affine(x, mean, scale, beta, residual=r))
+    alone = gpu.batchnorm_affine(x, mean, scale, beta)
+    np.testing.assert_array_equal(y, np.maximum(alone + r, 0))
 
 
+@pytest.mark.parametrize("shape", [(3, 5, 7, 11), (2, 3, 4, 8)])     # odd size; whole packs
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
-def test_residual_kernels_emulated(emulated_cupy, dtype):
-    """The CUDA kernels of a residual block's output (add_relu, after BatchNorm's affine
-    kernel) and of the ReLU's gradient (relu_grad), run on the host, give NumPy's and the
-    CPU pass's bits, NaN included."""
+def test_relu_grad_kernel_emulated(emulated_cupy, dtype, shape):
+    """The CUDA kernel of the ReLU's gradient, run on the host, gives the CPU pass's bits:
+    dy where y > 0, else 0 (0 where y is NaN)."""
     from mpitrain.kernels import elementwise
-    a, b, dy = (rand((3, 5, 7, 11), dtype, seed=s) for s in (1, 2, 3))
-    a.flat[5] = np.nan
-    y = gpu.add_relu(a, b)
-    assert y.dtype == dtype and np.isnan(y.flat[5]) and (y == 0).any()
-    with np.errstate(invalid="ignore"):
-        np.testing.assert_array_equal(y, np.maximum(a + b, 0))
+    y, dy = rand(shape, dtype, seed=1), rand(shape, dtype, seed=2)
+    y.flat[5] = np.nan
+    assert gpu._pack(y.size, dy, y) == (1 if y.size % 2 else 16 // y.itemsize)
+    dx = gpu.relu_grad(dy, y)
+    assert dx.dtype == dtype and dx.flat[5] == 0 and (dx != 0).any() and (dx == 0).sum() > 1
+    np.testing.assert_array_equal(dx, np.where(y > 0, dy, 0))
     np.testing.assert_array_equal(gpu.relu_grad(dy, y), elementwise.relu_grad(dy, y))
