@@ -459,20 +459,21 @@ def test_batchnorm_affine_with_a_residual_emulated_gives_the_cpu_bits(emulated_c
                                                                       misaligned):
     """A residual block's output from its last BN, max((x - mean) scale + beta + r, 0): the
     CUDA affine kernel with the residual added in it, run on the host, gives the bits of
-    the CPU's one pass, and of the separate add of y's rounded values."""
+    the CPU's one pass, and of the separate add of y's rounded values, NaN included."""
     from mpitrain.kernels import batchnorm as cpu
     M = 37
     x, r = rand((M, C), dtype, seed=1), rand((M, C), dtype, seed=2)
+    r.flat[5] = np.nan
     if misaligned:
         r = unaligned(r)
     stat = cpu.acc_dtype(dtype)
     mean, beta = rand(C, stat, seed=3, scale=0.3), rand(C, stat, seed=4)
     scale = 1 + rand(C, stat, seed=5) ** 2
     y = gpu.batchnorm_affine(x, mean, scale, beta, residual=r)
-    assert y.dtype == dtype and (y == 0).any() and (y > 0).any()
+    assert y.dtype == dtype and (y == 0).any() and (y > 0).any() and np.isnan(y.flat[5])
     np.testing.assert_array_equal(y, cpu.batchnorm_affine(x, mean, scale, beta, residual=r))
     alone = gpu.batchnorm_affine(x, mean, scale, beta)
-    np.testing.assert_array_equal(y, np.maximum(alone + r, 0))
+    np.testing.assert_array_equal(y, np.maximum(alone + r, 0))      # NaN stays NaN
 
 
 @pytest.mark.parametrize("shape", [(3, 5, 7, 11), (2, 3, 4, 8)])     # odd size; whole packs
