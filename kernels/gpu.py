@@ -36,7 +36,7 @@ import numpy as np
 
 from .batchnorm import FINALIZE_MODES
 
-SUM_THREADS = 256        # threads per block of batch norm's passes over (M, C)
+ROW_THREADS = 256        # threads per block of batch norm's passes over (M, C)
 FOLD = 256               # threads per block that adds the partial sums of one column
 THREADS = 256            # threads per block of the elementwise and pooling kernels
 TARGET_BLOCKS = 1024     # blocks of a partial-sum pass, whatever C: enough to fill a GPU
@@ -125,8 +125,8 @@ template <typename T, typename A, int V>
 __global__ void bn_partial_sums(const T* x, const T* dy, const A* mean, const A* scale,
                                 const A* beta, int grads, int relu, long long M, int C,
                                 long long rows, A* part) {
-    __shared__ A su[SUM_THREADS * V];
-    __shared__ A sv[SUM_THREADS * V];
+    __shared__ A su[ROW_THREADS * V];
+    __shared__ A sv[ROW_THREADS * V];
     const int tx = threadIdx.x, ty = threadIdx.y, TX = blockDim.x, TY = blockDim.y;
     const int c = (blockIdx.x * TX + tx) * V;
     const long long r0 = (long long)blockIdx.y * rows;
@@ -486,7 +486,7 @@ def name_expressions():
 
 def source():
     """The CUDA C++ source with the block-shape constants defined."""
-    return f"#define SUM_THREADS {SUM_THREADS}\n#define FOLD {FOLD}\n" + _SOURCE
+    return f"#define ROW_THREADS {ROW_THREADS}\n#define FOLD {FOLD}\n" + _SOURCE
 
 
 def _kernel(name, dtype=None, acc=None, pack=1):
@@ -531,10 +531,10 @@ def _pack(C, *arrays):
 
 def _row_blocks(M, C, V, target):
     """(grid, block) of the (M, C) passes: blockDim.x threads across the C / V packs (up
-    to a warp), blockDim.y (a power of 2) down the rows, SUM_THREADS threads a block, and
+    to a warp), blockDim.y (a power of 2) down the rows, ROW_THREADS threads a block, and
     about `target` blocks (at most one row a thread, and 65535 along y)."""
     tx = min(32, C // V)
-    ty = 1 << (SUM_THREADS // tx).bit_length() - 1
+    ty = 1 << (ROW_THREADS // tx).bit_length() - 1
     gx = -(-C // (V * tx))
     gy = max(1, min(-(-M // ty), target // gx, 65535))
     return (gx, gy), (tx, ty)
