@@ -5,7 +5,7 @@ Geometry (kernel kh x kw, stride s, zero padding p):
     Ho = (H + 2p - kh) // s + 1,   Wo = (W + 2p - kw) // s + 1
     row r = (n*Ho + oh)*Wo + ow,   column q = (i*kw + j)*C + c
     im2col:  col[r, q] = x[n, oh*s - p + i, ow*s - p + j, c]   (0 outside the image)
-    col2im:  dx[n, h, w, c] += sum of col[r, q] over every (r, q) that im2col read from (n, h, w, c)
+    col2im:  dx[n, h, w, c] (+)= sum of col[r, q] over every (r, q) that im2col read from (n, h, w, c)
 
 Columns are ordered (i, j, c), so `col @ W.reshape(O, kh*kw*C).T` is the
 convolution with OHWI weights W. For a fixed output pixel and kernel row i, the
@@ -75,8 +75,10 @@ def im2col(x, int kh, int kw, int stride, int pad, col):
 
 cdef void _col2im_row(const floating* col, floating* dx, Py_ssize_t q,
                       Py_ssize_t H, Py_ssize_t W, Py_ssize_t C, Py_ssize_t Ho, Py_ssize_t Wo,
-                      Py_ssize_t kh, Py_ssize_t kw, Py_ssize_t s, Py_ssize_t p) noexcept nogil:
-    """Gather into input row q = n*H + ih every column entry that im2col copied from it.
+                      Py_ssize_t kh, Py_ssize_t kw, Py_ssize_t s, Py_ssize_t p,
+                      bint zero) noexcept nogil:
+    """Gather into input row q = n*H + ih every column entry that im2col copied from it,
+    having zeroed the row first with `zero`.
 
     Each thread owns whole input rows, so no two threads write the same dx element.
     """
@@ -84,6 +86,8 @@ cdef void _col2im_row(const floating* col, floating* dx, Py_ssize_t q,
     cdef Py_ssize_t i, t, oh, ow, iw0, j0, j1, k, L
     cdef const floating* src
     cdef floating* dst
+    if zero:
+        memset(dx + q * W * C, 0, W * C * sizeof(floating))
     for i in range(kh):
         t = ih + p - i                  # = oh * s for the output row that reads ih through kernel row i
         if t < 0 or t % s != 0:
@@ -105,11 +109,12 @@ cdef void _col2im_row(const floating* col, floating* dx, Py_ssize_t q,
 
 
 def col2im(const floating[:, ::1] col, int kh, int kw, int stride, int pad,
-           floating[:, :, :, ::1] dx):
+           floating[:, :, :, ::1] dx, bint zero):
     """The adjoint of im2col: dx[n, oh*s - p + i, ow*s - p + j, c] += col[(n*Ho + oh)*Wo + ow, (i*kw + j)*C + c].
 
     col: (N*Ho*Wo, kh*kw*C); dx: (N, H, W, C) of the same dtype (float32 or
-    float64), summed into (the caller zeroes it). Parallel over the N*H input rows.
+    float64), summed into, or into zeros with `zero` (each thread zeroes the rows it
+    sums into, while they are in its cache). Parallel over the N*H input rows.
     """
     cdef Py_ssize_t N = dx.shape[0], H = dx.shape[1], W = dx.shape[2], C = dx.shape[3]
     cdef Py_ssize_t Ho = (H + 2 * pad - kh) // stride + 1
@@ -124,4 +129,4 @@ def col2im(const floating[:, ::1] col, int kh, int kw, int stride, int pad,
     cdef Py_ssize_t q
     cdef bint threads = col.shape[0] * col.shape[1] * sizeof(floating) > PARALLEL_MIN_BYTES
     for q in prange(N * H, nogil=True, schedule="static", use_threads_if=threads):
-        _col2im_row(cptr, dptr, q, H, W, C, Ho, Wo, kh, kw, stride, pad)
+        _col2im_row(cptr, dptr, q, H, W, C, Ho, Wo, kh, kw, stride, pad, zero)

@@ -1,6 +1,7 @@
 """float32 GEMMs on the CPU: every product of the layers, on the kernels' thread team.
 
     matmul(a, b, out)          y = a @ b
+    matmul(a, b, out, accumulate=True)    out += a @ b   (one GEMM with beta = 1)
     batched_matmul(a, b, out)  out[k] = a[k] @ b[k] for every k (Winograd's 16 GEMMs)
 
 One team of threads. The layers' other kernels run on Numba's OpenMP team. OpenBLAS,
@@ -14,6 +15,13 @@ dealt out a product at a time. Between kernels the team's threads spin for a mom
 before they sleep (GOMP_SPINCOUNT, mpitrain/__init__.py), so the next kernel or GEMM
 starts without waking anyone. Each output element comes from one call over the whole
 inner dimension, so it has the same bits however many bands there are.
+An accumulating product (beta = 1) adds into `out` inside OpenBLAS's kernel, which
+reads and writes each output element anyway: no pass of its own, and none of the
+zeroing pass over the output that beta = 0 costs. It goes to OpenBLAS on one thread
+too, so each output element is one call's over the whole inner dimension whatever the
+thread count, and has the same bits on any; they are those of a separate add where
+the inner dimension fits one of OpenBLAS's blocks of it (448 in the SkylakeX build),
+and differ by a rounding beyond.
 Where the process has one thread, or the user gave OpenBLAS threads of its own
 (OPENBLAS_NUM_THREADS above 1), or NumPy's BLAS is not OpenBLAS, the products are the
 BLAS's own, as NumPy runs them.
@@ -65,16 +73,20 @@ MIN_BAND = 16               # rows (or columns) of the output a team thread take
 FAST = {"reassoc", "contract"}
 
 
-def matmul(a, b, out=None):
+def matmul(a, b, out=None, accumulate=False):
     """a @ b on NumPy arrays, into `out` when given: by a kernel of this module where the
     operands fit one, shared among the team where it has more than one thread, else by
-    np.matmul."""
+    np.matmul. accumulate: out += a @ b (out given), as one GEMM with beta = 1 where
+    OpenBLAS can take it (module docstring), else the product added after."""
     if not (a.ndim == b.ndim == 2 and a.shape[1] == b.shape[0] > 0
             and a.dtype == b.dtype == np.float32
             and (out is None or out.shape == (a.shape[0], b.shape[1])
                  and out.dtype == np.float32 and out.flags.c_contiguous)):
-        return np.matmul(a, b, out=out)
+        return np.add(out, np.matmul(a, b), out=out) if accumulate else np.matmul(a, b, out=out)
     N, K = a.shape
+    if accumulate:
+        y = _on_team(a[None], b[None], out[None], beta=1.0)
+        return np.add(out, np.matmul(a, b), out=out) if y is None else out
     if K <= FEW_INNER and K % 4 == 0 and N % 2 == 0 and b.flags.c_contiguous:
         kernel, args = _outer_sum, (a, b)
     elif N <= FEW_ROWS and a.flags.c_contiguous and b.T.flags.c_contiguous:
@@ -187,15 +199,16 @@ def _layout(stack):
 
 
 # ----- the products on the team -----
-def _on_team(a, b, out):
-    """The stack out[k] = a[k] @ b[k] computed on the team, into `out` (a new array where
-    None), where the team has more than one thread, NumPy's OpenBLAS runs one, the
-    operands are float32 with a layout CBLAS takes, and the products are large enough to
-    share; else None, having done nothing."""
+def _on_team(a, b, out, beta=0.0):
+    """The stack out[k] = a[k] @ b[k] + beta out[k] computed on the team, into `out` (a
+    new array where None; beta 0 or 1), where the team has more than one thread (or beta
+    is 1: then on one thread too), NumPy's OpenBLAS runs one, the operands
+    are float32 with a layout CBLAS takes, and the products are large enough to share;
+    else None, having done nothing."""
     threads = numba.get_num_threads()
     count, m, q = a.shape
     n = b.shape[2]
-    if (threads == 1 or not a.dtype == b.dtype == np.float32
+    if (threads == 1 and beta == 0 or not a.dtype == b.dtype == np.float32
             or (out is not None and out.dtype != np.float32)
             or count * m * n * q < TEAM_MIN_MACS or min(m, n, q) == 0):
         return None
@@ -217,8 +230,8 @@ def _on_team(a, b, out):
     by_rows = m >= n
     bands = max(1, min(-(-threads // count), max(m, n) // MIN_BAND, m * n * q // TEAM_MIN_MACS))
     _team_products(blas.sgemm, blas.integer(0), ta, tb, m, n, q,
-                   a.ctypes.data, lda, sa, b.ctypes.data, ldb, sb, out.ctypes.data, ldc, sc,
-                   count, bands, by_rows)
+                   a.ctypes.data, lda, sa, b.ctypes.data, ldb, sb, np.float32(beta),
+                   out.ctypes.data, ldc, sc, count, bands, by_rows)
     return out
 
 
@@ -250,13 +263,13 @@ def _cblas_sgemm(typingctx, fn, blasint, order, ta, tb, m, n, k, alpha, a, lda, 
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _team_products(sgemm, blasint, ta, tb, m, n, k, a, lda, sa, b, ldb, sb, c, ldc, sc,
+def _team_products(sgemm, blasint, ta, tb, m, n, k, a, lda, sa, b, ldb, sb, beta, c, ldc, sc,
                    count, bands, by_rows):
-    """c[i] = a[i] @ b[i] for i < count, row-major float32 matrices at the addresses a, b
-    and c (matrix i at a + 4 i sa, ...), a[i] and b[i] transposed as ta and tb say; each
-    product in `bands` bands of its rows (by_rows) or columns, each band one sgemm call
-    (at the address sgemm) on one thread of the team."""
-    one, zero = np.float32(1.0), np.float32(0.0)
+    """c[i] = a[i] @ b[i] + beta c[i] for i < count, row-major float32 matrices at the
+    addresses a, b and c (matrix i at a + 4 i sa, ...), a[i] and b[i] transposed as ta and
+    tb say; each product in `bands` bands of its rows (by_rows) or columns, each band one
+    sgemm call (at the address sgemm) on one thread of the team."""
+    one = np.float32(1.0)
     for t in prange(count * bands):
         i, band = t // bands, t % bands
         ai, bi, ci = a + 4 * i * sa, b + 4 * i * sb, c + 4 * i * sc
@@ -272,7 +285,7 @@ def _team_products(sgemm, blasint, ta, tb, m, n, k, a, lda, sa, b, ldb, sb, c, l
             ci += 4 * lo
             cols = hi - lo
         _cblas_sgemm(sgemm, blasint, _ROW_MAJOR, ta, tb, rows, cols, k, one, ai, lda, bi, ldb,
-                     zero, ci, ldc)
+                     beta, ci, ldc)
 
 
 # ----- NumPy's OpenBLAS -----

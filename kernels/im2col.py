@@ -16,7 +16,7 @@ import numpy as np
 
 from mpitrain.backend import array_module
 
-from . import _im2col, cast
+from . import _im2col, cast, elementwise
 
 
 def conv_output_size(size, k, stride, pad):
@@ -42,15 +42,22 @@ def im2col(x, kh, kw, stride=1, pad=0, out=None):
     return _im2col.im2col(np.ascontiguousarray(x), kh, kw, stride, pad, out)
 
 
-def col2im(col, x_shape, kh, kw, stride=1, pad=0):
-    """The adjoint of im2col: (N*Ho*Wo, kh*kw*C) -> a new (N, H, W, C) array of col's dtype."""
+def col2im(col, x_shape, kh, kw, stride=1, pad=0, add_to=None):
+    """The adjoint of im2col: (N*Ho*Wo, kh*kw*C) -> a new (N, H, W, C) array of col's dtype;
+    with add_to (an array of that shape and dtype) added into add_to, which it returns.
+    A float32 or float64 add_to on the CPU is the kernel's own sum, which starts from it
+    (no pass of its own)."""
     if not isinstance(col, np.ndarray):
-        return col2im_generic(col, x_shape, kh, kw, stride, pad)
+        dx = col2im_generic(col, x_shape, kh, kw, stride, pad)
+        return dx if add_to is None else elementwise.add_into(add_to, dx)
     # the kernel sums in float32 or float64; float16 gradients are summed in float32
     work = np.float32 if col.dtype == np.float16 else col.dtype
-    dx = np.zeros(x_shape, work)
-    _im2col.col2im(np.ascontiguousarray(cast.astype(col, work)), kh, kw, stride, pad, dx)
-    return cast.astype(dx, col.dtype)
+    into = add_to is not None and add_to.dtype == col.dtype == work and add_to.flags.c_contiguous
+    dx = add_to if into else np.empty(x_shape, work)
+    _im2col.col2im(np.ascontiguousarray(cast.astype(col, work)), kh, kw, stride, pad, dx,
+                   not into)
+    dx = cast.astype(dx, col.dtype)
+    return dx if into or add_to is None else elementwise.add_into(add_to, dx)
 
 
 def _window(start, count, stride):

@@ -6,8 +6,11 @@ With k x k kernels, stride s, zero padding p, Ho = (H + 2p - k) // s + 1:
               as a GEMM: y = col @ W.reshape(O, k*k*C).T, col = im2col(x)  (N*Ho*Wo, k*k*C)
     backward  dW = dy^T @ col,  db = sum over rows of dy,  dx = col2im(dy @ W.reshape(O, k*k*C))
 
-where dy is reshaped to (N*Ho*Wo, O). A 1x1 convolution without padding needs
-no im2col: col is x itself (x[:, ::s, ::s] when strided), reshaped to (-1, C).
+where dy is reshaped to (N*Ho*Wo, O). A 1x1 convolution without padding and
+stride needs no im2col: col is x itself, reshaped to (-1, C) (strided, im2col copies
+x[:, ::s, ::s], and col2im scatters dx back). A residual block's first convolution
+adds dx into the shortcut's gradient (backward's add_to): on the CPU inside the GEMM,
+as its beta = 1, or inside col2im's sums, so that the block's add is no pass of its own.
 On a GPU with the cuDNN frontend, forward and both gradients go to cuDNN instead;
 dW lands in the fp32 gradient arena (from fp16 x and dy: cuDNN's fp16 result,
 widened; where cuDNN cannot build a geometry, dW alone takes the GEMM above with
@@ -19,7 +22,7 @@ import numpy as np
 
 from mpitrain.arena import aligned_offsets
 from mpitrain.backend import array_module, synchronize
-from mpitrain.kernels import cast, cudnn, gemm, winograd
+from mpitrain.kernels import cast, cudnn, elementwise, gemm, winograd
 from mpitrain.kernels.im2col import col2im, conv_output_size, im2col
 
 from .module import Module, Param, constant, he_normal
@@ -31,8 +34,9 @@ from .module import Module, Param, constant, he_normal
 GEMM_LOG = None
 
 
-def matmul(a, b, out=None):
-    """a @ b, into `out` when given, computed in out's dtype (or a's).
+def matmul(a, b, out=None, accumulate=False):
+    """a @ b, into `out` when given, computed in out's dtype (or a's); accumulate: out +=
+    a @ b, inside the GEMM (beta = 1) where out is a NumPy float32 array, else added after.
 
     NumPy has no fast fp16 GEMM, so on the CPU fp16 operands are multiplied in
     fp32 and the result rounded once; weight gradients (out in the fp32
@@ -40,7 +44,7 @@ def matmul(a, b, out=None):
     a fully connected layer at a small batch go to kernels.gemm's kernels.
     GEMM_LOG counts its 2 m n k floating-point operations.
     """
-    return _logged(_matmul, a, b, out, None)
+    return _logged(_matmul, a, b, out, None, accumulate)
 
 
 def batched_matmul(a, b, out, flops):
@@ -51,24 +55,28 @@ def batched_matmul(a, b, out, flops):
     return _logged(gemm.batched_matmul, a, b, out, flops)
 
 
-def _logged(product, a, b, out, flops):
+def _logged(product, a, b, out, flops, *options):
     if GEMM_LOG is None:
-        return product(a, b, out)
+        return product(a, b, out, *options)
     synchronize()
     start = time.perf_counter()
-    result = product(a, b, out)
+    result = product(a, b, out, *options)
     synchronize()
     GEMM_LOG.append((a.shape, b.shape, time.perf_counter() - start,
                      2.0 * a.shape[0] * a.shape[1] * b.shape[1] if flops is None else flops))
     return result
 
 
-def _matmul(a, b, out):
+def _matmul(a, b, out, accumulate):
     xp = array_module(a)
     dtype = out.dtype if out is not None else a.dtype
     compute = np.float32 if xp is np and dtype == np.float16 else dtype
     product = gemm.matmul if xp is np else xp.matmul
     a, b = cast.astype(a, compute), cast.astype(b, compute)
+    if accumulate:
+        if xp is np and out.dtype == compute:
+            return gemm.matmul(a, b, out=out, accumulate=True)
+        return elementwise.add_into(out, cast.astype(product(a, b), out.dtype))
     if out is None:
         return cast.astype(product(a, b), dtype)
     if out.dtype == compute:
@@ -104,6 +112,11 @@ def workspace(xp, *parts):
         buf = _WORKSPACE[xp.__name__] = xp.empty(total, np.uint8)
     return [buf[o:o + n].view(dtype).reshape(shape)
             for (shape, dtype), o, n in zip(parts, offsets, nbytes)]
+
+
+def _added(add_to, dx):
+    """dx, or add_to += dx (add_to returned) where add_to is given."""
+    return dx if add_to is None else elementwise.add_into(add_to, dx)
 
 
 # Winograd pays where its 16 GEMMs (T, C) @ (C, O) are large enough to run near the
@@ -160,11 +173,11 @@ class Conv2d(Module):
 
     def _columns(self, x, out=None):
         """col (N*Ho*Wo, k*k*C) of the GEMM form (module docstring): x itself for a
-        pointwise convolution, else im2col(x) (into `out` when given)."""
+        pointwise convolution of stride 1, else im2col(x) (into `out` when given; for a
+        strided pointwise one, x[:, ::s, ::s])."""
         k, s, p = self.k, self.stride, self.padding
-        if self.pointwise:
-            xs = x if s == 1 else x[:, ::s, ::s, :]
-            return array_module(x).ascontiguousarray(xs).reshape(-1, x.shape[3])
+        if self.pointwise and s == 1:
+            return array_module(x).ascontiguousarray(x).reshape(-1, x.shape[3])
         return im2col(x, k, k, s, p, out=out)
 
     def forward(self, x, train=True):
@@ -198,7 +211,11 @@ class Conv2d(Module):
             y += self.bias.data
         return y
 
-    def backward(self, dy):
+    def backward(self, dy, add_to=None):
+        """dx (None without input_grad). add_to: an array of x's shape and dy's dtype, which
+        it overwrites with add_to + dx and returns: a residual block's first layer adds its
+        dx to the shortcut's gradient inside the GEMM (beta = 1) or col2im that makes it,
+        where those can, else after."""
         k, s, p, O = self.k, self.stride, self.padding, self.out_channels
         w = self.weight.data
         gw = self.weight.grad                                   # (O, k, k, C) arena view
@@ -214,9 +231,11 @@ class Conv2d(Module):
                 dy2 = dy.reshape(-1, O)                         # (N*Ho*Wo, O), contiguous
                 matmul(dy2.T, self._columns(x), out=gw.reshape(O, -1))
             self.weight.grad_ready()
-            return cudnn.conv_backward_data(dy, w, self.x_shape, s, p) if self.input_grad else None
+            if not self.input_grad:
+                return None
+            return _added(add_to, cudnn.conv_backward_data(dy, w, self.x_shape, s, p))
         if self._use_winograd(dy, dy.shape):
-            return self._winograd_backward(dy, w, gw)
+            return _added(add_to, self._winograd_backward(dy, w, gw))
         xp = array_module(dy)
         dy2 = xp.ascontiguousarray(dy).reshape(-1, O)           # (N*Ho*Wo, O)
         if self.pointwise:
@@ -229,22 +248,22 @@ class Conv2d(Module):
         self.weight.grad_ready()                                # its bucket may be summed now
         if not self.input_grad:
             return None
-        if self.pointwise:
-            dcol = matmul(dy2, w.reshape(O, -1))                # (N*Ho*Wo, C)
-            if s == 1:
-                return dcol.reshape(self.x_shape)
-            N, H, W, C = self.x_shape
-            dx = xp.zeros(self.x_shape, dy.dtype)
-            dx[:, ::s, ::s, :] = dcol.reshape(N, dy.shape[1], dy.shape[2], C)
-            return dx
+        w2 = w.reshape(O, -1)                                   # (O, k*k*C)
+        if self.pointwise and s == 1:                           # dx = dy @ W, no col2im
+            if add_to is None:
+                return matmul(dy2, w2).reshape(self.x_shape)
+            matmul(dy2, w2, out=add_to.reshape(dy2.shape[0], -1), accumulate=True)
+            return add_to
+        if self.pointwise:                                      # scattered to every s-th pixel
+            return col2im(matmul(dy2, w2), self.x_shape, 1, 1, s, 0, add_to)
         if xp is np and col.dtype == np.float16:
             # fp16 on the CPU: the product stays fp32 through col2im, which sums in fp32
             # anyway, and dx is rounded once; col is not needed any more: dcol takes its place
-            dcol = matmul(dy2, w.reshape(O, -1), out=workspace(np, (col.shape, np.float32))[0])
-            return cast.astype(col2im(dcol, self.x_shape, k, k, s, p), dy.dtype)
+            dcol = matmul(dy2, w2, out=workspace(np, (col.shape, np.float32))[0])
+            return _added(add_to, cast.astype(col2im(dcol, self.x_shape, k, k, s, p), dy.dtype))
         # col is not needed any more: dcol overwrites the workspace in place
-        dcol = matmul(dy2, w.reshape(O, -1), out=col)           # (N*Ho*Wo, k*k*C)
-        return col2im(dcol, self.x_shape, k, k, s, p)
+        dcol = matmul(dy2, w2, out=col)                         # (N*Ho*Wo, k*k*C)
+        return col2im(dcol, self.x_shape, k, k, s, p, add_to)
 
     def _tiles(self, x, keep):
         """V (16, T, C), the Winograd tiles of x (kernels/winograd.py), and room for the

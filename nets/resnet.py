@@ -9,7 +9,8 @@ identity or `downsample` (1x1 conv with stride, then BN) when the shape changes.
 The ReLUs after a BatchNorm are fused into it (BatchNorm2d(relu=True)); they have
 no parameters, so torchvision's names are unchanged. The main branch's last BatchNorm
 adds the shortcut and applies the block's ReLU in its own pass (its `residual`).
-Backward: g = dy * [y > 0];  dx = main'(g) + shortcut'(g).
+Backward: g = dy * [y > 0];  dx = main'(g) + shortcut'(g), the sum made by the main
+branch's first convolution as it computes its dx (Conv2d.backward's add_to).
 
 Gradient order. The arena lays parameters out in reverse registration order and
 the trainer all-reduces a bucket as soon as backward has written it, so each
@@ -48,9 +49,10 @@ class _Block(Module):
         y, self.y = self.y, None
         g = elementwise.relu_grad(dy, y)
         dshortcut = g if self.downsample is None else self.downsample.backward(g)
-        for layer in reversed(self.main):
+        for layer in reversed(self.main[1:]):
             g = layer.backward(g)
-        return elementwise.add_into(g, dshortcut)
+        # the first layer adds its dx into the shortcut's (read by now, if it is g itself)
+        return self.main[0].backward(g, add_to=dshortcut)
 
 
 class BasicBlock(_Block):

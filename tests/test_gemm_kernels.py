@@ -170,6 +170,11 @@ team_only = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2 or not gemm.te
                                       "OpenBLAS the team can call")
 
 
+openblas_calls = pytest.mark.skipif(not gemm.team_gemms(2),
+                                    reason="NumPy's BLAS is not an OpenBLAS this module can "
+                                           "call, or OPENBLAS_NUM_THREADS gives it threads")
+
+
 @pytest.fixture
 def two_threads():
     """Numba's team at two threads for the test, its count restored afterwards."""
@@ -249,6 +254,61 @@ def test_a_non_finite_operand_reaches_a_product_on_the_team(bad, two_threads):
     ref = a.astype(np.float64) @ b
     np.testing.assert_array_equal(np.isfinite(y), np.isfinite(ref))
     assert not np.isfinite(y[200]).any() and np.isfinite(y[:200]).all()
+
+
+# ----- accumulating products: out += a @ b -----
+def assert_float32_sum(y, base, a, b):
+    """|y - (base + a b)| <= (K + 1) eps32 (|base| + |a| |b|), elementwise, in float64."""
+    a64, b64, c64 = a.astype(np.float64), b.astype(np.float64), base.astype(np.float64)
+    bound = (a.shape[1] + 1) * 2.0 ** -23 * (np.abs(c64) + np.abs(a64) @ np.abs(b64))
+    assert y.dtype == np.float32
+    assert np.all(np.abs(y - (c64 + a64 @ b64)) <= bound)
+
+
+@pytest.mark.parametrize("m, q, n", [(300, 64, 200),        # one of OpenBLAS's inner blocks
+                                     (300, 1000, 200),      # several
+                                     (20, 30, 10)])         # under TEAM_MIN_MACS: NumPy's
+def test_an_accumulating_product_adds_into_out(m, q, n):
+    """out += a @ b: into out itself, the float32 sum within its rounding bound of the
+    float64 one. Where the inner dimension fits one of OpenBLAS's blocks (or the product
+    is NumPy's and then added), it has the bits of the separate add."""
+    a, b, base = randn(q, m).T, randn(q, n, seed=1), randn(m, n, seed=2)   # a: as dy.T
+    out = base.copy()
+    assert gemm.matmul(a, b, out=out, accumulate=True) is out
+    assert_float32_sum(out, base, a, b)
+    if q <= 64:
+        np.testing.assert_array_equal(out, base + np.matmul(a, b))
+
+
+def test_an_accumulating_product_takes_numpy_where_the_gemms_cannot():
+    """float64, or an out that is not C-contiguous: NumPy's product, added into out."""
+    a, b, base = randn(300, 200), randn(200, 100, seed=1), randn(300, 100, seed=2)
+    for dtype, order in [(np.float32, "F"), (np.float64, "C"), (np.float64, "F")]:
+        x, y = a.astype(dtype), b.astype(dtype)
+        out = base.astype(dtype, order=order)
+        assert gemm.matmul(x, y, out=out, accumulate=True) is out
+        np.testing.assert_array_equal(out, base.astype(dtype) + np.matmul(x, y))
+
+
+@openblas_calls
+def test_an_accumulating_product_has_the_same_bits_on_one_thread_and_on_the_team():
+    """Each element one OpenBLAS call over the whole inner dimension, on one thread too
+    (not NumPy's product and an add, which round otherwise past one inner block)."""
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one Numba thread (NUMBA_NUM_THREADS=1): no second count to compare")
+    a, b, base = randn(2000, 300).T, randn(2000, 200, seed=1), randn(300, 200, seed=2)
+    threads = numba.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2):
+            numba.set_num_threads(count)
+            out = base.copy()
+            gemm.matmul(a, b, out=out, accumulate=True)
+            results.append(out)
+    finally:
+        numba.set_num_threads(threads)
+    np.testing.assert_array_equal(results[0], results[1])
+    assert_float32_sum(results[0], base, a, b)
 
 
 @pytest.mark.parametrize("blas_threads, on_team", [(None, True), ("1", True), ("2", False)])

@@ -81,6 +81,41 @@ def test_col2im_float16_sums_in_float32_and_rounds_once():
     np.testing.assert_array_equal(dx, ref.astype(np.float16))
 
 
+def integers(shape, dtype, seed):
+    """Small whole numbers: every sum of a few of them is exact in any float dtype, so
+    sums taken in another order must agree to the bit."""
+    return np.random.default_rng(seed).integers(-8, 9, shape).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("N,H,W,C,k,s,p", GEOMETRIES)
+def test_col2im_adds_into_a_given_array(N, H, W, C, k, s, p, dtype):
+    """add_to: col2im's sums added into it and it returned (float32 and float64: the
+    kernel's sums start from it; float16: summed in float32, rounded, then added)."""
+    Ho, Wo = (H + 2 * p - k) // s + 1, (W + 2 * p - k) // s + 1
+    col = integers((N * Ho * Wo, k * k * C), dtype, seed=1)
+    base = integers((N, H, W, C), dtype, seed=2)
+    into = base.copy()
+    assert col2im(col, base.shape, k, k, s, p, add_to=into) is into
+    np.testing.assert_array_equal(into, base + col2im(col, base.shape, k, k, s, p))
+
+
+@pytest.mark.parametrize("N,H,W,C,k,s,p", GEOMETRIES)
+def test_col2im_kernel_zeroes_what_it_sums_into_or_adds_to_it(N, H, W, C, k, s, p):
+    """The Cython kernel on its own: with zero, whatever dx held (NaN here) is gone,
+    pixels no column reaches included; without, its sums are added to dx."""
+    from mpitrain.kernels import _im2col
+    Ho, Wo = (H + 2 * p - k) // s + 1, (W + 2 * p - k) // s + 1
+    col = integers((N * Ho * Wo, k * k * C), np.float32, seed=1)
+    dx = np.full((N, H, W, C), np.nan, np.float32)
+    _im2col.col2im(col, k, k, s, p, dx, True)
+    np.testing.assert_array_equal(dx, col2im_generic(col, dx.shape, k, k, s, p))
+    base = integers(dx.shape, np.float32, seed=2)
+    dx = base.copy()
+    _im2col.col2im(col, k, k, s, p, dx, False)
+    np.testing.assert_array_equal(dx, base + col2im_generic(col, dx.shape, k, k, s, p))
+
+
 # ----- pooling kernels -----
 POOLS = [(2, 7, 9, 3, 3, 2, 1), (2, 8, 8, 3, 2, 2, 0), (1, 5, 6, 2, 3, 1, 1), (2, 9, 9, 3, 5, 3, 2)]
 
@@ -204,6 +239,33 @@ def test_conv2d_float16_is_the_float32_product_rounded_once(k, s, p):
     np.testing.assert_allclose(half.bias.grad, dy2.sum(axis=0), rtol=1e-6)    # a sum, not a GEMM
     dcol = dy2 @ w                      # fp32 through col2im; dx rounded once
     np.testing.assert_array_equal(dx, col2im(dcol, x.shape, k, k, s, p).astype(np.float16))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("k,s,p", [(1, 1, 0), (1, 2, 0), (3, 1, 1), (3, 2, 1)])
+def test_conv2d_adds_its_input_gradient_into_add_to(k, s, p, dtype):
+    """backward(dy, add_to): add_to + dx, written into add_to and returned, the weight
+    gradient unchanged. Whole-number inputs and weights make every sum exact, so the
+    sums inside the GEMM (beta = 1) or col2im agree with a separate add to the bit; the
+    1x1 layer of stride 1 has 2^21 multiply-adds, enough for the team's GEMM."""
+    N, H, W, C, O = 2, 16, 16, 64, 64
+    working = np.float16 if dtype == np.float16 else None
+    layers = []
+    for _ in range(2):
+        conv = Conv2d(C, O, k, stride=s, padding=p).bind(
+            dtype=np.float32 if working else dtype, working_dtype=working, seed=0)
+        conv.weight.master[...] = integers(conv.weight.shape, np.float32, seed=3) / 8
+        conv.arena.sync_working()
+        layers.append(conv)
+    x = integers((N, H, W, C), dtype, seed=4) / 4
+    dy = integers(layers[0].forward(x).shape, dtype, seed=5) / 4
+    layers[1].forward(x)
+    dx = layers[0].backward(dy)
+    base = integers(x.shape, dtype, seed=6)
+    into = base.copy()
+    assert layers[1].backward(dy, add_to=into) is into
+    np.testing.assert_array_equal(into, base + dx)
+    np.testing.assert_array_equal(layers[1].weight.grad, layers[0].weight.grad)
 
 
 # ----- pooling layers -----

@@ -164,6 +164,18 @@ def test_what_a_training_winograd_layer_keeps_for_backward(always_winograd, work
     assert layer.x is None and layer.V is None and layer.U is None
 
 
+def test_winograd_adds_its_input_gradient_into_add_to(always_winograd):
+    """backward(dy, add_to): add_to + dx, in add_to, which it returns."""
+    layer, again = twins(3, 4, 1, np.float32)[0], twins(3, 4, 1, np.float32)[0]
+    x = rand((2, 5, 7, 3), np.float32)
+    dy = rand(layer.forward(x).shape, np.float32, seed=1)
+    again.forward(x)
+    base = rand(x.shape, np.float32, seed=2)
+    into = base.copy()
+    assert again.backward(dy, add_to=into) is into
+    np.testing.assert_array_equal(into, base + layer.backward(dy))
+
+
 def test_winograd_with_a_bias(always_winograd):
     fast, direct = twins(3, 4, 1, bias=True)
     x = rand((2, 5, 6, 3))
