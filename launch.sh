@@ -178,7 +178,7 @@ install() {
     else                                   # MPICH from PyPI, in the venv
         "$PY" -m pip install -q mpich mpi4py
     fi
-    "$PY" -m pip install -q --no-build-isolation -e ".[test]"
+    "$PY" -m pip install -q --no-build-isolation -e ".[test,mkl]"
     MPI_LIBRARY=$(mpi_library)
     MPI_IMPL=$(mpi_impl "$MPI_EXEC")
     write_record

@@ -4,27 +4,35 @@
     matmul(a, b, out, accumulate=True)    out += a @ b   (one GEMM with beta = 1)
     batched_matmul(a, b, out)  out[k] = a[k] @ b[k] for every k (Winograd's 16 GEMMs)
 
-One team of threads. The layers' other kernels run on Numba's OpenMP team. OpenBLAS,
-as NumPy loads it, would run the products on a pool of its own, and two pools of
-workers on the same cores either sleep between calls, and are woken for each kernel
-and each GEMM, or spin and take each other's cores. So OpenBLAS runs one thread here
-(`blas_threads`), and a product large enough to share (TEAM_MIN_MACS
-multiply-adds) is cut into one band of output rows or columns per team thread, each
-band one cblas_sgemm call on its thread (`_team_products`); a stack of products is
-dealt out a product at a time. Between kernels the team's threads spin for a moment
-before they sleep (GOMP_SPINCOUNT, mpitrain/__init__.py), so the next kernel or GEMM
-starts without waking anyone. Each output element comes from one call over the whole
-inner dimension, so it has the same bits however many bands there are.
+One team of threads. The layers' other kernels run on Numba's OpenMP team. A BLAS
+would run the products on a pool of its own, and two pools of workers on the same
+cores either sleep between calls, and are woken for each kernel and each GEMM, or spin
+and take each other's cores. So the BLAS runs one thread here, and a product large
+enough to share (TEAM_MIN_MACS multiply-adds) is cut into one band of output rows or
+columns per team thread, each band one cblas_sgemm call on its thread
+(`_team_products`); a stack of products is dealt out a product at a time. Between
+kernels the team's threads spin for a moment before they sleep (GOMP_SPINCOUNT,
+mpitrain/__init__.py), so the next kernel or GEMM starts without waking anyone. Each
+output element comes from one call over the whole inner dimension, so it has the same
+bits however many bands there are.
+
+The BLAS the team calls (`team_blas`) is MKL's sequential library where the mkl
+package is installed (the `mkl` extra, which launch.sh installs on x86-64 Linux), else
+NumPy's own OpenBLAS, set to one thread (`blas_threads`); MPITRAIN_BLAS=openblas
+chooses OpenBLAS. With MKL, products large enough for the team go to it on one thread
+too, so that their bits do not depend on the thread count; the smaller ones stay
+NumPy's. MKL runs in its reproducible mode (CBWR AUTO, STRICT), whose bits do not
+depend on where the operands lie in memory.
 An accumulating product (beta = 1) adds into `out` inside OpenBLAS's kernel, which
 reads and writes each output element anyway: no pass of its own, and none of the
-zeroing pass over the output that beta = 0 costs. It goes to OpenBLAS on one thread
+zeroing pass over the output that beta = 0 costs. It goes to the BLAS on one thread
 too, so each output element is one call's over the whole inner dimension whatever the
-thread count, and has the same bits on any; they are those of a separate add where
-the inner dimension fits one of OpenBLAS's blocks of it (448 in the SkylakeX build),
+thread count, and has the same bits on any; with OpenBLAS they are those of a separate
+add where the inner dimension fits one of its blocks of it (448 in the SkylakeX build),
 and differ by a rounding beyond.
-Where the process has one thread, or the user gave OpenBLAS threads of its own
-(OPENBLAS_NUM_THREADS above 1), or NumPy's BLAS is not OpenBLAS, the products are the
-BLAS's own, as NumPy runs them.
+Without MKL, where the process has one thread, or the user gave OpenBLAS threads of
+its own (OPENBLAS_NUM_THREADS above 1), or NumPy's BLAS is not OpenBLAS, the products
+are the BLAS's own, as NumPy runs them.
 
 Two products that OpenBLAS runs below its peak on any number of threads get kernels of
 their own: those of a fully connected layer at a small batch.
@@ -46,7 +54,7 @@ the same bits at any thread count. `matmul` takes them where the shapes and layo
 fit (FEW_ROWS, FEW_INNER); the limits are where they stop beating OpenBLAS on the
 development host (docs/benchmarks.md).
 
-On one thread, a stack of products goes to OpenBLAS's sgemm_batch_strided (OpenBLAS
+Without MKL, on one thread, a stack of products goes to OpenBLAS's sgemm_batch_strided (OpenBLAS
 0.3.30 and later) in one call, found in the OpenBLAS that NumPy loaded (threadpoolctl
 names its file); with another BLAS, or an older OpenBLAS, the products go to NumPy one
 by one. So do products of at most 100^3 multiply-adds: OpenBLAS sends those to its
@@ -200,20 +208,19 @@ def _layout(stack):
 
 # ----- the products on the team -----
 def _on_team(a, b, out, beta=0.0):
-    """The stack out[k] = a[k] @ b[k] + beta out[k] computed on the team, into `out` (a
-    new array where None; beta 0 or 1), where the team has more than one thread (or beta
-    is 1: then on one thread too), NumPy's OpenBLAS runs one, the operands
-    are float32 with a layout CBLAS takes, and the products are large enough to share;
-    else None, having done nothing."""
+    """The stack out[k] = a[k] @ b[k] + beta out[k] computed on the team by team_blas(),
+    into `out` (a new array where None; beta 0 or 1), where the team has more than one
+    thread (or beta is 1, or the BLAS is not NumPy's: then on one thread too), the BLAS
+    runs one thread of its own, the operands are float32 with a layout CBLAS takes, and
+    the products are large enough to share; else None, having done nothing."""
     threads = numba.get_num_threads()
     count, m, q = a.shape
     n = b.shape[2]
-    if (threads == 1 and beta == 0 or not a.dtype == b.dtype == np.float32
+    blas = team_blas()
+    if (blas is None or threads == 1 and beta == 0 and blas.numpys
+            or not a.dtype == b.dtype == np.float32
             or (out is not None and out.dtype != np.float32)
-            or count * m * n * q < TEAM_MIN_MACS or min(m, n, q) == 0):
-        return None
-    blas = _openblas()
-    if blas is None or blas.threads() != 1:
+            or count * m * n * q < TEAM_MIN_MACS or min(m, n, q) == 0 or blas.threads() != 1):
         return None
     layouts = [_layout(x) for x in (a, b)]
     if None in layouts:
@@ -288,26 +295,73 @@ def _team_products(sgemm, blasint, ta, tb, m, n, k, a, lda, sa, b, ldb, sb, beta
                      beta, ci, ldc)
 
 
-# ----- NumPy's OpenBLAS -----
-class _OpenBLAS:
-    """The OpenBLAS that NumPy loaded: its blasint (64-bit where built with USE64BITINT),
-    the address of its cblas_sgemm, its thread count (get and set)."""
+# ----- the team's BLAS: MKL where installed, else NumPy's OpenBLAS -----
+class _Blas:
+    """A BLAS whose cblas_sgemm the team calls: its name and version, the library, the
+    address of cblas_sgemm, its integer type (blasint), its thread count, and whether it
+    is NumPy's own BLAS (np.matmul then computes the team's bits)."""
 
-    def __init__(self, lib, config, sgemm, threads, set_threads):
-        config.restype = ctypes.c_char_p
-        self.lib = lib
-        self.integer = np.int64 if b"USE64BITINT" in config() else np.int32
+    def __init__(self, name, version, lib, sgemm, integer, threads, numpys):
+        self.name, self.version, self.lib, self.integer = name, version, lib, integer
         self.sgemm = ctypes.cast(sgemm, ctypes.c_void_p).value
-        self.threads, self.set_threads = threads, set_threads
-        threads.restype = ctypes.c_int
-        set_threads.argtypes = [ctypes.c_int]
+        self.threads, self.numpys = threads, numpys
+
+
+@functools.cache
+def team_blas():
+    """The BLAS the team's products go to (_Blas): MKL where the mkl package is installed
+    (`pip install mpitrain[mkl]`) and MPITRAIN_BLAS is not "openblas", else NumPy's
+    OpenBLAS; None where neither is found. On the development host MKL's products ran
+    17% faster than OpenBLAS's at the shapes of ResNet-50's step, and the step 9% faster
+    (docs/benchmarks.md)."""
+    from mpitrain.checks import ConfigError
+    given = os.environ.get("MPITRAIN_BLAS", "")
+    choice = given.lower()
+    if choice not in ("", "mkl", "openblas"):
+        raise ConfigError(f"MPITRAIN_BLAS={given!r}: expected mkl or openblas (or unset)")
+    openblas = _openblas()      # on one thread either way: NumPy's smaller products are its
+    mkl = _mkl() if choice != "openblas" else None
+    if choice == "mkl" and mkl is None:
+        raise ConfigError("MPITRAIN_BLAS=mkl, but MKL is not installed: "
+                          "pip install mpitrain[mkl], or unset MPITRAIN_BLAS")
+    return mkl or openblas
+
+
+# MKL's constants (mkl_service.h)
+_MKL_INTERFACE_LP64, _MKL_THREADING_SEQUENTIAL = 0, 1
+_MKL_CBWR_AUTO, _MKL_CBWR_STRICT = 2, 0x10000
+
+
+def _mkl():
+    """MKL's single dynamic library (libmkl_rt) from the mkl package, as _Blas: set to its
+    LP64 interface (32-bit integers), its sequential threading layer (no threads of its
+    own: the team's threads call it, one product or band each), and reproducible results
+    (CBWR AUTO and STRICT: the same bits whatever the operands' alignment, which a resumed
+    run needs); None where the package is not installed or the library does not load."""
+    import importlib.metadata
+    try:
+        files = importlib.metadata.files("mkl") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for path in (f.locate() for f in files if f.name.startswith("libmkl_rt.so")):
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:
+            continue
+        lib.MKL_Set_Interface_Layer(_MKL_INTERFACE_LP64)
+        lib.MKL_Set_Threading_Layer(_MKL_THREADING_SEQUENTIAL)
+        if lib.MKL_CBWR_Set(_MKL_CBWR_AUTO | _MKL_CBWR_STRICT) != 0:
+            continue
+        return _Blas("mkl", importlib.metadata.version("mkl") + " (sequential)", lib,
+                     lib.cblas_sgemm, np.int32, lambda: 1, numpys=False)
+    return None
 
 
 @functools.cache
 def _openblas():
-    """NumPy's OpenBLAS (_OpenBLAS), set to one thread at the first call unless the user
-    gave it more (OPENBLAS_NUM_THREADS); None where NumPy's BLAS is not an OpenBLAS with
-    the functions used here."""
+    """NumPy's OpenBLAS (_Blas), set to one thread at the first call unless the user gave
+    it more (OPENBLAS_NUM_THREADS); None where NumPy's BLAS is not an OpenBLAS with the
+    functions used here."""
     from threadpoolctl import threadpool_info
     for info in threadpool_info():
         if info.get("internal_api") != "openblas":
@@ -318,10 +372,14 @@ def _openblas():
                   "openblas_set_num_threads")]
         if None in found:
             continue
-        blas = _OpenBLAS(lib, *found)
+        config, sgemm, threads, set_threads = found
+        config.restype, threads.restype = ctypes.c_char_p, ctypes.c_int
+        set_threads.argtypes = [ctypes.c_int]
         if not _user_blas_threads():
-            blas.set_threads(1)
-        return blas
+            set_threads(1)
+        integer = np.int64 if b"USE64BITINT" in config() else np.int32
+        return _Blas("openblas", f"{info.get('version')} (NumPy's)", lib, sgemm, integer,
+                     threads, numpys=True)
     return None
 
 
@@ -333,9 +391,10 @@ def _user_blas_threads():
 
 def team_gemms(threads):
     """Whether a process running `threads` threads cuts its products among the team: more
-    than one thread, NumPy's BLAS an OpenBLAS this module can call, and no OpenBLAS
-    threads of its own from the user."""
-    return threads > 1 and not _user_blas_threads() and _openblas() is not None
+    than one thread and a team BLAS (team_blas), and, where that is NumPy's OpenBLAS, no
+    OpenBLAS threads of its own from the user."""
+    blas = team_blas()
+    return threads > 1 and blas is not None and not (blas.numpys and _user_blas_threads())
 
 
 def blas_threads(threads):

@@ -1,6 +1,7 @@
 """kernels.gemm: the small-batch GEMMs of a fully connected layer against the float64
 product, which product `matmul` hands to which kernel, and the layer built on them; the
 batched products of a Winograd convolution."""
+import ctypes
 import json
 import os
 import subprocess
@@ -170,9 +171,9 @@ team_only = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2 or not gemm.te
                                       "OpenBLAS the team can call")
 
 
-openblas_calls = pytest.mark.skipif(not gemm.team_gemms(2),
-                                    reason="NumPy's BLAS is not an OpenBLAS this module can "
-                                           "call, or OPENBLAS_NUM_THREADS gives it threads")
+blas_calls = pytest.mark.skipif(not gemm.team_gemms(2),
+                                reason="no BLAS this module can call (MKL, or NumPy's "
+                                       "OpenBLAS without OPENBLAS_NUM_THREADS above 1)")
 
 
 @pytest.fixture
@@ -184,10 +185,22 @@ def two_threads():
     numba.set_num_threads(before)
 
 
-def openblas_alone(a, b):
-    """np.matmul of every product of the stacks on OpenBLAS's one thread, as a float32 copy."""
-    assert gemm._openblas().threads() == 1
-    return np.stack([np.matmul(x, y) for x, y in zip(a, b)])
+def blas_alone(a, b, base=None):
+    """Every product of the (count, m, k) @ (count, k, n) stacks, or base + it, by one
+    cblas_sgemm call each of the team's BLAS (kernels.gemm.team_blas) on this thread, the
+    operands in the layouts the team passes: the bits the team's products must have."""
+    blas = gemm.team_blas()
+    assert blas.threads() == 1
+    size = ctypes.c_int64 if blas.integer == np.int64 else ctypes.c_int32
+    sgemm = ctypes.CFUNCTYPE(None, *[ctypes.c_int] * 3, size, size, size, ctypes.c_float,
+                             ctypes.c_void_p, size, ctypes.c_void_p, size, ctypes.c_float,
+                             ctypes.c_void_p, size)(blas.sgemm)
+    out = np.zeros(a.shape[:2] + b.shape[2:], np.float32) if base is None else base.copy()
+    for x, y, z in zip(a, b, out):
+        (ta, lda, _), (tb, ldb, _) = gemm._layout(x[None]), gemm._layout(y[None])
+        sgemm(gemm._ROW_MAJOR, ta, tb, x.shape[0], y.shape[1], x.shape[1], 1.0, x.ctypes.data,
+              lda, y.ctypes.data, ldb, 0.0 if base is None else 1.0, z.ctypes.data, z.shape[1])
+    return out
 
 
 @team_only
@@ -195,37 +208,37 @@ def openblas_alone(a, b):
                                      (64, 500, 200),     # bands of columns
                                      (41, 4000, 17)])    # 2 bands of 20 and 21 rows
 @pytest.mark.parametrize("ta, tb", [(False, False), (True, False), (False, True), (True, True)])
-def test_a_product_cut_into_bands_has_openblas_bits(m, q, n, ta, tb, two_threads):
-    """Each band is one OpenBLAS call over the whole inner dimension, so the product has
-    the bits of OpenBLAS's own product on one thread, whichever operand is transposed
+def test_a_product_cut_into_bands_has_the_bits_of_one_call(m, q, n, ta, tb, two_threads):
+    """Each band is one call of the BLAS over the whole inner dimension, so the product
+    has the bits of the BLAS's own product in one call, whichever operand is transposed
     (a transposed operand: a view of the transposed array, as conv's dy.T is)."""
     a = randn(q, m).T if ta else randn(m, q)
     b = randn(n, q, seed=1).T if tb else randn(q, n, seed=1)
     y = np.full((m, n), np.nan, np.float32)
     assert gemm._on_team(a[None], b[None], y[None]) is not None
-    np.testing.assert_array_equal(y, np.matmul(a, b))
+    np.testing.assert_array_equal(y, blas_alone(a[None], b[None])[0])
     np.testing.assert_array_equal(gemm.matmul(a, b), y)
     assert_float32_product(y, a, b)
 
 
 @team_only
 @pytest.mark.parametrize("T, C, O", [(128, 256, 256), (512, 64, 48)])
-def test_a_stack_dealt_out_to_the_team_has_openblas_bits(T, C, O, two_threads):
-    """Winograd's stacks, a whole product per thread: each as OpenBLAS computes it alone."""
+def test_a_stack_dealt_out_to_the_team_has_the_bits_of_one_call_each(T, C, O, two_threads):
+    """Winograd's stacks, a whole product per thread: each as the BLAS computes it alone."""
     for a, b, out in winograd_stacks(T, C, O):
         assert gemm._on_team(a, b, out) is out
-        np.testing.assert_array_equal(out, openblas_alone(a, b))
+        np.testing.assert_array_equal(out, blas_alone(a, b))
     # a stack of fewer products than threads: each product in bands
     a, b, out = randn(1, 400, 300), randn(1, 300, 200, seed=1), np.empty((1, 400, 200), np.float32)
     assert gemm.batched_matmul(a, b, out) is out
-    np.testing.assert_array_equal(out, openblas_alone(a, b))
+    np.testing.assert_array_equal(out, blas_alone(a, b))
 
 
 @team_only
 def test_the_team_path_is_taken_only_where_it_can_be(two_threads):
     """Not for a product under TEAM_MIN_MACS, float64, an output that is not row-major,
-    or one thread (None: the caller then takes np.matmul); otherwise into the given
-    output, or a new one."""
+    or one thread where the BLAS is NumPy's own (None: the caller then takes np.matmul,
+    with the same bits); otherwise into the given output, or a new one."""
     big = randn(256, 256)
     y = np.zeros((256, 256), np.float32)
     small = randn(64, 64)
@@ -235,12 +248,13 @@ def test_the_team_path_is_taken_only_where_it_can_be(two_threads):
     assert gemm._on_team(big[None], big[None], y.T[None]) is None
     try:
         numba.set_num_threads(1)
-        assert gemm._on_team(big[None], big[None], y[None]) is None
+        alone = gemm._on_team(big[None], big[None], y[None])
+        assert (alone is None) == gemm.team_blas().numpys
     finally:
         numba.set_num_threads(2)
     out = y[None]
     assert gemm._on_team(big[None], big[None], out) is out
-    np.testing.assert_array_equal(y, np.matmul(big, big))
+    np.testing.assert_array_equal(y, blas_alone(big[None], big[None])[0])
     made = gemm._on_team(big[None], big[None], None)        # no out: a new array
     np.testing.assert_array_equal(made[0], y)
 
@@ -265,19 +279,20 @@ def assert_float32_sum(y, base, a, b):
     assert np.all(np.abs(y - (c64 + a64 @ b64)) <= bound)
 
 
-@pytest.mark.parametrize("m, q, n", [(300, 64, 200),        # one of OpenBLAS's inner blocks
-                                     (300, 1000, 200),      # several
+@pytest.mark.parametrize("m, q, n", [(300, 64, 200), (300, 1000, 200),
                                      (20, 30, 10)])         # under TEAM_MIN_MACS: NumPy's
 def test_an_accumulating_product_adds_into_out(m, q, n):
     """out += a @ b: into out itself, the float32 sum within its rounding bound of the
-    float64 one. Where the inner dimension fits one of OpenBLAS's blocks (or the product
-    is NumPy's and then added), it has the bits of the separate add."""
+    float64 one: the BLAS's own product with beta = 1 where the team takes it, else
+    NumPy's product, then added."""
     a, b, base = randn(q, m).T, randn(q, n, seed=1), randn(m, n, seed=2)   # a: as dy.T
     out = base.copy()
     assert gemm.matmul(a, b, out=out, accumulate=True) is out
     assert_float32_sum(out, base, a, b)
-    if q <= 64:
+    if m * q * n < gemm.TEAM_MIN_MACS:
         np.testing.assert_array_equal(out, base + np.matmul(a, b))
+    elif gemm.team_blas() is not None:
+        np.testing.assert_array_equal(out, blas_alone(a[None], b[None], base[None])[0])
 
 
 def test_an_accumulating_product_takes_numpy_where_the_gemms_cannot():
@@ -290,10 +305,10 @@ def test_an_accumulating_product_takes_numpy_where_the_gemms_cannot():
         np.testing.assert_array_equal(out, base.astype(dtype) + np.matmul(x, y))
 
 
-@openblas_calls
+@blas_calls
 def test_an_accumulating_product_has_the_same_bits_on_one_thread_and_on_the_team():
-    """Each element one OpenBLAS call over the whole inner dimension, on one thread too
-    (not NumPy's product and an add, which round otherwise past one inner block)."""
+    """Each element one BLAS call over the whole inner dimension, on one thread too (not
+    NumPy's product and an add, which round otherwise past one inner block)."""
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("one Numba thread (NUMBA_NUM_THREADS=1): no second count to compare")
     a, b, base = randn(2000, 300).T, randn(2000, 200, seed=1), randn(300, 200, seed=2)
@@ -311,21 +326,75 @@ def test_an_accumulating_product_has_the_same_bits_on_one_thread_and_on_the_team
     assert_float32_sum(results[0], base, a, b)
 
 
+def in_fresh_process(code, **env):
+    """stdout's JSON of `code` run in a new Python with two Numba threads and `env` (a None
+    value removes the variable)."""
+    env = {**os.environ, "NUMBA_NUM_THREADS": "2", **env}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={k: v for k, v in env.items() if v is not None}, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
 @pytest.mark.parametrize("blas_threads, on_team", [(None, True), ("1", True), ("2", False)])
 def test_openblas_runs_one_thread_unless_the_user_gives_it_more(blas_threads, on_team):
-    """In a fresh process: after a GEMM, NumPy's OpenBLAS runs on one thread and the team
-    takes the products, unless OPENBLAS_NUM_THREADS gives OpenBLAS threads of its own,
-    which it then keeps (and the products go to it)."""
-    code = ("import mpitrain, json, numba, numpy as np; from mpitrain.kernels import gemm; "
-            "numba.set_num_threads(2); a = np.ones((256, 256), np.float32); gemm.matmul(a, a); "
-            "print(json.dumps([gemm._openblas().threads(), gemm.team_gemms(2)]))")
-    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
-    if blas_threads:
-        env["OPENBLAS_NUM_THREADS"] = blas_threads
-    env["NUMBA_NUM_THREADS"] = "2"
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode == 0, run.stderr
-    threads, team = json.loads(run.stdout)
+    """In a fresh process, OpenBLAS the team's BLAS (MPITRAIN_BLAS=openblas): after a
+    GEMM, NumPy's OpenBLAS runs on one thread and the team takes the products, unless
+    OPENBLAS_NUM_THREADS gives OpenBLAS threads of its own, which it then keeps (and the
+    products go to it)."""
+    threads, team = in_fresh_process(
+        "import mpitrain, json, numba, numpy as np; from mpitrain.kernels import gemm; "
+        "numba.set_num_threads(2); a = np.ones((256, 256), np.float32); gemm.matmul(a, a); "
+        "print(json.dumps([gemm._openblas().threads(), gemm.team_gemms(2)]))",
+        MPITRAIN_BLAS="openblas", OPENBLAS_NUM_THREADS=blas_threads)
     assert team == on_team
     assert threads == (1 if on_team else 2)
+
+
+def mkl_installed():
+    import importlib.metadata
+    try:
+        return importlib.metadata.files("mkl") is not None
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("choice", [None, "mkl", "openblas", "OpenBLAS", "atlas"])
+def test_the_team_blas_is_mkl_where_installed_unless_mpitrain_blas_says_openblas(choice):
+    """MPITRAIN_BLAS unset: MKL where the mkl package is installed, else NumPy's OpenBLAS;
+    mkl or openblas (any case): that one, an error naming the fix where MKL is asked for
+    and missing; anything else: an error naming the choices. MKL runs no thread of its
+    own, and the team takes products on one thread too (its bits are not np.matmul's);
+    NumPy's OpenBLAS, set to one thread, still runs NumPy's own products either way."""
+    code = ("import mpitrain, json; from mpitrain.kernels import gemm\n"
+            "try:\n    b = gemm.team_blas(); out = [b.name, b.threads(), b.numpys, "
+            "gemm._openblas().threads()]\n"
+            "except ValueError as e:\n    out = str(e)\n"
+            "print(json.dumps(out))")
+    got = in_fresh_process(code, MPITRAIN_BLAS=choice, OPENBLAS_NUM_THREADS=None)
+    want = "openblas" if (choice or "").lower() == "openblas" or not mkl_installed() else "mkl"
+    if choice == "atlas":
+        assert "MPITRAIN_BLAS='atlas': expected mkl or openblas (or unset)" in got
+    elif choice == "mkl" and not mkl_installed():
+        assert "pip install mpitrain[mkl]" in got
+    else:
+        assert got == [want, 1, want == "openblas", 1]
+
+
+@pytest.mark.skipif(not mkl_installed(), reason="MKL not installed (pip install mpitrain[mkl])")
+def test_mkl_products_have_the_same_bits_at_any_alignment():
+    """MKL runs in its reproducible mode (CBWR AUTO, STRICT): the same product from
+    operands copied to other addresses, 4 bytes off a 64-byte boundary or on one, has the
+    same bits, as a resumed run needs of arrays that land elsewhere."""
+    a, b = randn(300, 500), randn(500, 200, seed=1)
+    results = []
+    for offset in (0, 1, 3, 16):
+        buf = np.empty(a.size + b.size + 64, np.float32)
+        start = (-buf.ctypes.data // 4) % 16 + offset                # 64-byte aligned, then off
+        x = buf[start:start + a.size].reshape(a.shape)
+        y = buf[start + a.size:start + a.size + b.size].reshape(b.shape)
+        x[...], y[...] = a, b
+        results.append(blas_alone(x[None], y[None])[0])
+    for r in results[1:]:
+        np.testing.assert_array_equal(r, results[0])
+    assert gemm.team_blas().name == "mkl"

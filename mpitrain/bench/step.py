@@ -38,25 +38,29 @@ REEXEC_MARK = "MPITRAIN_NATIVE_OPENBLAS"     # set in the re-run: what was remov
 
 def blas_info():
     """The BLAS NumPy runs on (library, version, core type, its own threads: threadpoolctl,
-    if installed), and the threads a step runs on: Numba's team, which also runs the GEMMs
-    where kernels.gemm.team_gemms says so, else BLAS's own threads."""
+    if installed), the BLAS the team's GEMMs call (kernels.gemm.team_blas: name, version),
+    and the threads a step runs on: Numba's team, which also runs the GEMMs where
+    kernels.gemm.team_gemms says so, else BLAS's own threads."""
     import numba
 
-    from mpitrain.kernels.gemm import team_gemms
+    from mpitrain.kernels.gemm import team_blas, team_gemms
     threads = numba.get_num_threads()
+    team = team_blas()
     info = {"forced": {k: os.environ[k] for k in OPENBLAS_FORCING if k in os.environ},
             "thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
             "spin": {k: os.environ[k] for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
                      if k in os.environ},
-            "threads": threads, "gemms_on_team": team_gemms(threads)}
+            "threads": threads, "gemms_on_team": team_gemms(threads),
+            "gemm_library": team and f"{team.name} {team.version}"}
     try:
         from threadpoolctl import threadpool_info
     except ImportError:
         return {**info, "library": "unknown (install threadpoolctl)"}
-    for lib in threadpool_info():
-        if lib["user_api"] == "blas":
-            return {**info, "library": lib["internal_api"], "version": lib.get("version"),
-                    "core_type": lib.get("architecture"), "blas_threads": lib["num_threads"]}
+    for lib in threadpool_info():           # NumPy's: not the MKL that kernels.gemm loads
+        if lib["user_api"] != "blas" or lib["internal_api"] == "mkl":
+            continue
+        return {**info, "library": lib["internal_api"], "version": lib.get("version"),
+                "core_type": lib.get("architecture"), "blas_threads": lib["num_threads"]}
     return {**info, "library": "none found"}
 
 
@@ -665,12 +669,13 @@ def _reexec_without_openblas_forcing(argv, to_stderr):
 def main_step(args, argv):
     """The `bench step` command: parse result of cli.build_parser, and the raw argv (for the re-run)."""
     from mpitrain.backend import DeviceError
+    from mpitrain.checks import ConfigError
     if args.native_openblas and REEXEC_MARK not in os.environ \
             and any(k in os.environ for k in OPENBLAS_FORCING):
         _reexec_without_openblas_forcing(argv, to_stderr=args.json)
     try:
         result = _run_step(args)
-    except (DeviceError, OneProcessOnly) as e:   # every rank alike: rank 0 says it
+    except (DeviceError, OneProcessOnly, ConfigError) as e:   # every rank alike: rank 0 says it
         from mpitrain.launcher import launched_rank
         if launched_rank() == 0:
             sys.stderr.write(f"python -m mpitrain bench step: error: {e}\n")
@@ -731,8 +736,8 @@ def threads_line(b):
     spin = ", ".join(f"{k}={v}" for k, v in b["spin"].items()) or "libgomp's default"
     if b["gemms_on_team"]:
         return (f"{b['threads']} threads: one OpenMP team for every kernel, each GEMM cut "
-                f"among it with OpenBLAS on one thread per call; idle team threads spin "
-                f"({spin}), then sleep")
+                f"among it, one {b['gemm_library'].split()[0]} call per band; idle team "
+                f"threads spin ({spin}), then sleep")
     return (f"{b['threads']} thread(s); GEMMs on BLAS's own {b.get('blas_threads', '?')} "
             f"thread(s), idle OpenBLAS threads spinning 2^{b.get('thread_timeout') or 28} "
             f"cycles (OPENBLAS_THREAD_TIMEOUT); idle OpenMP threads: {spin}")
@@ -748,6 +753,7 @@ def format_result(r):
              f"all-reduce){rounds}",
              f"NumPy BLAS: {b['library']} {b.get('version') or ''} core type "
              f"{b.get('core_type') or '?'}; forced by environment: {forced}",
+             f"the team's GEMMs: {b.get('gemm_library') or 'none: NumPy alone'}",
              threads_line(b)]
     if r.get("device", "cpu") != "cpu" or r.get("precision", "fp32") != "fp32":
         g = r.get("gpu", {})
