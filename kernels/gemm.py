@@ -234,6 +234,12 @@ def _on_team(a, b, out, beta=0.0):
     # at least TEAM_MIN_MACS, above the products that OpenBLAS sends to its small-matrix
     # kernels (SMALL_PRODUCT), which sum in another order: a band has the bits of the
     # whole product
+    if threads == 1:
+        a, b, c = a.ctypes.data, b.ctypes.data, out.ctypes.data
+        for i in range(count):
+            blas.call(_ROW_MAJOR, ta, tb, m, n, q, 1.0, a + 4 * i * sa, lda, b + 4 * i * sb, ldb,
+                      beta, c + 4 * i * sc, ldc)
+        return out
     by_rows = m >= n
     bands = max(1, min(-(-threads // count), max(m, n) // MIN_BAND, m * n * q // TEAM_MIN_MACS))
     _team_products(blas.sgemm, blas.integer(0), ta, tb, m, n, q,
@@ -305,6 +311,12 @@ class _Blas:
         self.name, self.version, self.lib, self.integer = name, version, lib, integer
         self.sgemm = ctypes.cast(sgemm, ctypes.c_void_p).value
         self.threads, self.numpys = threads, numpys
+        size = ctypes.c_int64 if integer == np.int64 else ctypes.c_int32
+        # cblas_sgemm from Python, for the products of a team of one: a Numba kernel's
+        # launch cost more than the call
+        self.call = ctypes.CFUNCTYPE(None, *[ctypes.c_int] * 3, size, size, size,
+                                     ctypes.c_float, ctypes.c_void_p, size, ctypes.c_void_p,
+                                     size, ctypes.c_float, ctypes.c_void_p, size)(self.sgemm)
 
 
 @functools.cache

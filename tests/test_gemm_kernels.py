@@ -185,6 +185,14 @@ def two_threads():
     numba.set_num_threads(before)
 
 
+def mkl_installed():
+    import importlib.metadata
+    try:
+        return importlib.metadata.files("mkl") is not None
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
 def blas_alone(a, b, base=None):
     """Every product of the (count, m, k) @ (count, k, n) stacks, or base + it, by one
     cblas_sgemm call each of the team's BLAS (kernels.gemm.team_blas) on this thread, the
@@ -232,6 +240,23 @@ def test_a_stack_dealt_out_to_the_team_has_the_bits_of_one_call_each(T, C, O, tw
     a, b, out = randn(1, 400, 300), randn(1, 300, 200, seed=1), np.empty((1, 400, 200), np.float32)
     assert gemm.batched_matmul(a, b, out) is out
     np.testing.assert_array_equal(out, blas_alone(a, b))
+
+
+@pytest.mark.skipif(not mkl_installed(), reason="MKL not installed (pip install mpitrain[mkl])")
+def test_with_mkl_one_thread_computes_the_products_as_the_team_does():
+    """MKL takes the team's products on one thread too, called from Python there (a
+    Numba kernel's launch cost more): each product, of a stack or alone, with the bits of
+    one MKL call, as on the team."""
+    stacks = winograd_stacks(128, 256, 64) + [(randn(1, 300, 400), randn(1, 400, 200, seed=1),
+                                               np.empty((1, 300, 200), np.float32))]
+    threads = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        for a, b, out in stacks:
+            assert gemm._on_team(a, b, out) is out
+            np.testing.assert_array_equal(out, blas_alone(a, b))
+    finally:
+        numba.set_num_threads(threads)
 
 
 @team_only
@@ -349,14 +374,6 @@ def test_openblas_runs_one_thread_unless_the_user_gives_it_more(blas_threads, on
         MPITRAIN_BLAS="openblas", OPENBLAS_NUM_THREADS=blas_threads)
     assert team == on_team
     assert threads == (1 if on_team else 2)
-
-
-def mkl_installed():
-    import importlib.metadata
-    try:
-        return importlib.metadata.files("mkl") is not None
-    except importlib.metadata.PackageNotFoundError:
-        return False
 
 
 @pytest.mark.parametrize("choice", [None, "mkl", "openblas", "OpenBLAS", "atlas"])
