@@ -2,7 +2,9 @@
 
     relu(x)            y = max(x, 0)
     relu_grad(dy, y)   dy where y > 0, else 0     (the ReLU's gradient, from its output)
-    add_into(a, b)     a += b                     (in place: dx of the block's two branches)
+    add_into(a, b)     a += b                     (in place: a residual block's dx, where its
+                                                   first convolution cannot add its own
+                                                   into the shortcut's: nets/conv.py)
 
 Each returns a new array (add_into: a itself). On NumPy arrays one pass of a Numba
 kernel on the thread pool, each thread a block of elements: NumPy's own

@@ -23,13 +23,15 @@ chooses OpenBLAS. With MKL, products large enough for the team go to it on one t
 too, so that their bits do not depend on the thread count; the smaller ones stay
 NumPy's. MKL runs in its reproducible mode (CBWR AUTO, STRICT), whose bits do not
 depend on where the operands lie in memory.
-An accumulating product (beta = 1) adds into `out` inside OpenBLAS's kernel, which
-reads and writes each output element anyway: no pass of its own, and none of the
-zeroing pass over the output that beta = 0 costs. It goes to the BLAS on one thread
-too, so each output element is one call's over the whole inner dimension whatever the
-thread count, and has the same bits on any; with OpenBLAS they are those of a separate
-add where the inner dimension fits one of its blocks of it (448 in the SkylakeX build),
-and differ by a rounding beyond.
+
+An accumulating product (beta = 1) adds into `out` inside the BLAS's kernel, which
+reads and writes each output element anyway: no pass of its own (and, with OpenBLAS,
+none of the zeroing pass over the output that beta = 0 costs). It goes to the BLAS on
+one thread too, so each output element is one call's over the whole inner dimension
+whatever the thread count, and has the same bits on any; with OpenBLAS they are those
+of a separate add where the inner dimension fits one of its blocks of it (448 in the
+SkylakeX build), and differ by a rounding beyond.
+
 Without MKL, where the process has one thread, or the user gave OpenBLAS threads of
 its own (OPENBLAS_NUM_THREADS above 1), or NumPy's BLAS is not OpenBLAS, the products
 are the BLAS's own, as NumPy runs them.
@@ -54,9 +56,9 @@ the same bits at any thread count. `matmul` takes them where the shapes and layo
 fit (FEW_ROWS, FEW_INNER); the limits are where they stop beating OpenBLAS on the
 development host (docs/benchmarks.md).
 
-Without MKL, on one thread, a stack of products goes to OpenBLAS's sgemm_batch_strided (OpenBLAS
-0.3.30 and later) in one call, found in the OpenBLAS that NumPy loaded (threadpoolctl
-names its file); with another BLAS, or an older OpenBLAS, the products go to NumPy one
+Without MKL, on one thread, a stack of products goes to OpenBLAS's
+sgemm_batch_strided (OpenBLAS 0.3.30 and later) in one call, found in the OpenBLAS that
+NumPy loaded (threadpoolctl names its file); with another BLAS, or an older OpenBLAS, the products go to NumPy one
 by one. So do products of at most 100^3 multiply-adds: OpenBLAS sends those to its
 small-matrix kernels, which crash inside a batch in builds for several CPU types,
 NumPy's among them, up to 0.3.31 (OpenMathLib/OpenBLAS#5980).
@@ -85,7 +87,7 @@ def matmul(a, b, out=None, accumulate=False):
     """a @ b on NumPy arrays, into `out` when given: by a kernel of this module where the
     operands fit one, shared among the team where it has more than one thread, else by
     np.matmul. accumulate: out += a @ b (out given), as one GEMM with beta = 1 where
-    OpenBLAS can take it (module docstring), else the product added after."""
+    the team's BLAS can take it (module docstring), else the product added after."""
     if not (a.ndim == b.ndim == 2 and a.shape[1] == b.shape[0] > 0
             and a.dtype == b.dtype == np.float32
             and (out is None or out.shape == (a.shape[0], b.shape[1])
@@ -230,16 +232,16 @@ def _on_team(a, b, out, beta=0.0):
     if layouts[2] is None or layouts[2][0] != _NO_TRANS:
         return None
     (ta, lda, sa), (tb, ldb, sb), (_, ldc, sc) = layouts
-    # bands of the longer side of each output, enough for every thread to have work; each
-    # at least TEAM_MIN_MACS, above the products that OpenBLAS sends to its small-matrix
-    # kernels (SMALL_PRODUCT), which sum in another order: a band has the bits of the
-    # whole product
-    if threads == 1:
+    if threads == 1:            # each product one call, from here
         a, b, c = a.ctypes.data, b.ctypes.data, out.ctypes.data
         for i in range(count):
             blas.call(_ROW_MAJOR, ta, tb, m, n, q, 1.0, a + 4 * i * sa, lda, b + 4 * i * sb, ldb,
                       beta, c + 4 * i * sc, ldc)
         return out
+    # bands of the longer side of each output, enough for every thread to have work; each
+    # at least TEAM_MIN_MACS, above the products that OpenBLAS sends to its small-matrix
+    # kernels (SMALL_PRODUCT), which sum in another order: a band has the bits of the
+    # whole product
     by_rows = m >= n
     bands = max(1, min(-(-threads // count), max(m, n) // MIN_BAND, m * n * q // TEAM_MIN_MACS))
     _team_products(blas.sgemm, blas.integer(0), ta, tb, m, n, q,
