@@ -171,22 +171,28 @@ def _outer_sum(a, b, y):
 
 def batched_matmul(a, b, out):
     """out[k] = a[k] @ b[k] for every k: (K, m, q) @ (K, q, n) -> (K, m, n): shared among
-    the team where it has more than one thread, else in one call of OpenBLAS's
-    sgemm_batch_strided where the operands allow it (float32, each stack a
-    strided view whose matrices have a unit-stride axis, out's along its rows), else by
-    np.matmul product by product. out must not overlap a or b. Returns out."""
-    if _on_team(a, b, out) is not None:
-        return out
-    call = _batch_strided()
-    layouts = None
-    if (call is not None and a.dtype == b.dtype == out.dtype == np.float32
-            and min(a.shape[1:] + b.shape[2:]) > 1 and a.shape[0] > 0
-            and a.shape[1] * a.shape[2] * b.shape[2] > SMALL_PRODUCT):
-        layouts = [_layout(m) for m in (a, b, out)]
-    if layouts is None or None in layouts or layouts[2][0] != _NO_TRANS:
+    the team where it takes them (_on_team), else in one call of OpenBLAS's
+    sgemm_batch_strided where the operands allow it (_batch_call), else by np.matmul
+    product by product. out must not overlap a or b. Returns out."""
+    if _on_team(a, b, out) is None and _batch_call(a, b, out) is None:
         for k in range(a.shape[0]):
             np.matmul(a[k], b[k], out=out[k])
-        return out
+    return out
+
+
+def _batch_call(a, b, out):
+    """The stack in one call of OpenBLAS's sgemm_batch_strided, into out, which it
+    returns: where NumPy's OpenBLAS has it, the operands are float32, each stack a
+    strided view whose matrices have a unit-stride axis (out's along its rows), and the
+    products are above SMALL_PRODUCT; else None, having done nothing."""
+    call = _batch_strided()
+    if (call is None or not a.dtype == b.dtype == out.dtype == np.float32
+            or min(a.shape[1:] + b.shape[2:]) <= 1 or a.shape[0] == 0
+            or a.shape[1] * a.shape[2] * b.shape[2] <= SMALL_PRODUCT):
+        return None
+    layouts = [_layout(m) for m in (a, b, out)]
+    if None in layouts or layouts[2][0] != _NO_TRANS:
+        return None
     (ta, lda, sa), (tb, ldb, sb), (_, ldc, sc) = layouts
     K, m, q = a.shape
     call(_ROW_MAJOR, ta, tb, m, b.shape[2], q, 1.0, a.ctypes.data, lda, sa,

@@ -141,8 +141,9 @@ def test_batched_matmul_is_each_product_of_the_stack(T, C, O):
 
 
 def test_batched_matmul_takes_numpys_openblas_where_it_has_the_batch():
-    """The one-call path is found where NumPy runs on OpenBLAS 0.3.30 or later (its
-    sgemm_batch_strided), and gives each product as np.matmul does."""
+    """The one-call path (batched_matmul's without a team to take the stack) is found
+    where NumPy runs on OpenBLAS 0.3.30 or later (its sgemm_batch_strided), and gives
+    each product as np.matmul does."""
     from threadpoolctl import threadpool_info
     versions = [tuple(int(v) for v in info["version"].split(".")[:3])
                 for info in threadpool_info() if info.get("internal_api") == "openblas"]
@@ -154,7 +155,8 @@ def test_batched_matmul_takes_numpys_openblas_where_it_has_the_batch():
         # every stack has a layout CBLAS takes, so the one call, not the loop, computes it
         assert None not in [gemm._layout(m) for m in (a, b, out)]
         assert gemm._layout(out)[0] == gemm._NO_TRANS
-        gemm.batched_matmul(a, b, out)
+        out[...] = np.nan
+        assert gemm._batch_call(a, b, out) is out
         np.testing.assert_allclose(out, np.matmul(a, b), rtol=1e-5, atol=1e-4)
 
 
@@ -167,8 +169,8 @@ def test_batched_matmul_without_a_unit_stride_axis_goes_to_numpy():
 
 # ----- the products on the kernels' team -----
 team_only = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2 or not gemm.team_gemms(2),
-                               reason="no team of two threads, or NumPy's BLAS is not an "
-                                      "OpenBLAS the team can call")
+                               reason="no team of two threads, or no BLAS the team can "
+                                      "call (MKL, or NumPy's OpenBLAS on one thread)")
 
 
 blas_calls = pytest.mark.skipif(not gemm.team_gemms(2),
@@ -191,6 +193,11 @@ def mkl_installed():
         return importlib.metadata.files("mkl") is not None
     except importlib.metadata.PackageNotFoundError:
         return False
+
+
+mkl_team = pytest.mark.skipif(getattr(gemm.team_blas(), "name", None) != "mkl",
+                              reason="the team's BLAS is not MKL (not installed: pip install "
+                                     "mpitrain[mkl]; or MPITRAIN_BLAS=openblas)")
 
 
 def blas_alone(a, b, base=None):
@@ -242,7 +249,7 @@ def test_a_stack_dealt_out_to_the_team_has_the_bits_of_one_call_each(T, C, O, tw
     np.testing.assert_array_equal(out, blas_alone(a, b))
 
 
-@pytest.mark.skipif(not mkl_installed(), reason="MKL not installed (pip install mpitrain[mkl])")
+@mkl_team
 def test_with_mkl_one_thread_computes_the_products_as_the_team_does():
     """MKL takes the team's products on one thread too, called from Python there (a
     Numba kernel's launch cost more): each product, of a stack or alone, with the bits of
@@ -398,7 +405,7 @@ def test_the_team_blas_is_mkl_where_installed_unless_mpitrain_blas_says_openblas
         assert got == [want, 1, want == "openblas", 1]
 
 
-@pytest.mark.skipif(not mkl_installed(), reason="MKL not installed (pip install mpitrain[mkl])")
+@mkl_team
 def test_mkl_products_have_the_same_bits_at_any_alignment():
     """MKL runs in its reproducible mode (CBWR AUTO, STRICT): the same product from
     operands copied to other addresses, 4 bytes off a 64-byte boundary or on one, has the
