@@ -31,13 +31,20 @@ host; the outcome is cached for the process. `reason()` says why not,
 
 Which of cuDNN's plans runs each graph is measured, not guessed: the first
 call of a geometry times the heuristics' best few plans on its own operands and
-keeps the fastest (TUNE_PLANS; PyTorch's cudnn.benchmark does the same). TF32
+keeps the fastest (TUNE_PLANS; PyTorch's cudnn.benchmark does the same), every
+plan where the input has few channels (the heuristics rank those worst), and
+no more than a few plans that cuDNN compiles at run time (each costs seconds).
+The choice is kept on disk by plan name (PLAN_CACHE), keyed by the geometry,
+the GPU and the cuDNN and frontend versions, so a machine tunes once. TF32
 says whether fp32 convolutions may use TF32 tensor cores.
 
 Every graph runs on CuPy's current stream (the handle's stream is set before
 each execution) and shares one workspace, grown when a graph needs more: the
 graphs run one after another on that stream, so they never use it at once.
 """
+import json
+import os
+
 import numpy as np
 
 # Which plan runs a graph: the first `TUNE_PLANS` of the heuristics' ranked plans are each
@@ -46,6 +53,16 @@ import numpy as np
 # needing more workspace than TUNE_WORKSPACE bytes are passed over.
 TUNE_PLANS = 8
 TUNE_WORKSPACE = 1 << 30
+# every plan is timed where the input has fewer channels than this (a first convolution's
+# 3: the heuristics' first plans are slow there), and at most TUNE_COMPILED of the plans
+# that are compiled at run time, wherever they rank
+TUNE_ALL_BELOW_CHANNELS = 8
+TUNE_COMPILED = 2
+# the file of chosen plans: $MPITRAIN_PLAN_CACHE, else ~/.cache/mpitrain/cudnn-plans.json;
+# "" keeps choices in memory only
+PLAN_CACHE = os.environ.get("MPITRAIN_PLAN_CACHE",
+                            os.path.join(os.path.expanduser("~"), ".cache", "mpitrain",
+                                         "cudnn-plans.json"))
 # fp32 convolutions may run on TF32 tensor cores (10-bit mantissa products, fp32 sums),
 # as PyTorch allows by default; False keeps them in full fp32 (an exact comparison).
 TF32 = True
@@ -205,7 +222,7 @@ def _graph(kind, a, b, out, stride, pad):
             _handle = cudnn.create_handle()
         try:
             entry = _build(cudnn, kind, a, b, out, stride, pad)
-            _tune(entry, a, b, out)
+            _tune(entry, a, b, out, plan_key(kind, a, b, out, stride, pad, _device_name()))
         except Exception as e:    # cudnnGraphNotSupportedError, or a refusal in validate()
             entry = Unsupported(f"{kind} {a.dtype.name} x {b.dtype.name} -> {out.dtype.name}, "
                                 f"{a.shape} {b.shape}: {type(e).__name__}: {e}")
@@ -243,18 +260,112 @@ def _build(cudnn, kind, a, b, out, stride, pad):
     return g, ta, tb, tout
 
 
-def _tune(entry, a, b, out):
-    """Pin the fastest of the first TUNE_PLANS plans, timed on these operands (each
-    built, run once to warm up, then three times between CUDA events). A plan that
-    fails to build or run is passed over; with none timed the heuristics' choice stays."""
+def plans_to_time(count, channels, compiled):
+    """The indices of the heuristics' ranked plans (count of them) to time: the first
+    TUNE_PLANS, or all where the input has fewer than TUNE_ALL_BELOW_CHANNELS channels,
+    less the plans compiled at run time (compiled(index) -> bool) beyond the first
+    TUNE_COMPILED of them."""
+    limit = count if channels < TUNE_ALL_BELOW_CHANNELS else min(TUNE_PLANS, count)
+    chosen, seen = [], 0
+    for index in range(limit):
+        if compiled(index):
+            seen += 1
+            if seen > TUNE_COMPILED:
+                continue
+        chosen.append(index)
+    return chosen
+
+
+def plan_key(kind, a, b, out, stride, pad, device):
+    """The disk cache's key of a graph: its geometry, dtypes, TF32, the GPU's name and
+    compute capability, and the cuDNN and frontend versions (a plan chosen under one may
+    not exist or be best under another)."""
+    v = version()
+    return "|".join(str(part) for part in (
+        kind, a.shape, b.shape, out.shape, a.dtype.str, b.dtype.str, out.dtype.str, stride,
+        pad, TF32, device, v["cudnn"], v["cudnn_frontend"]))
+
+
+def load_plans(path=None):
+    """{key: plan name} from the cache file ({} where there is none, or it is unreadable:
+    the plans are then timed again)."""
+    path = PLAN_CACHE if path is None else path
+    if not path:
+        return {}
+    try:
+        with open(path) as f:
+            plans = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return plans if isinstance(plans, dict) else {}
+
+
+def save_plan(key, name, path=None):
+    """Add key -> plan name to the cache file, replacing the file whole (a reader never
+    sees half of it; a concurrent writer's entry may be lost, and is tuned again)."""
+    path = PLAN_CACHE if path is None else path
+    if not path:
+        return
+    plans = load_plans(path)
+    plans[key] = name
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(plans, f, indent=0, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:                 # a read-only home: the choice stays in this process
+        pass
+
+
+def _device_name():
+    import cupy
+    device = cupy.cuda.Device()
+    name = cupy.cuda.runtime.getDeviceProperties(device.id)["name"]
+    return f"{name.decode() if isinstance(name, bytes) else name} sm_{device.compute_capability}"
+
+
+def _plan_names(g, count):
+    """The ranked plans' names (None for one that cannot be named)."""
+    names = []
+    for index in range(count):
+        try:
+            names.append(g.get_plan_name_at_index(index))
+        except Exception:
+            names.append(None)
+    return names
+
+
+def _compiled(cudnn, g, index):
+    """Whether cuDNN compiles the plan at `index` at run time (unknown: no)."""
+    try:
+        notes = g.get_behavior_notes_for_plan_at_index(index)
+    except Exception:
+        return False
+    return cudnn.behavior_note.RUNTIME_COMPILATION in notes
+
+
+def _tune(entry, a, b, out, key):
+    """Pin the plan the cache names for `key`, else the fastest of plans_to_time's, timed
+    on these operands (each built, run once to warm up, then three times between CUDA
+    events), and remember it. A plan that fails to build or run is passed over; with
+    none timed the heuristics' choice stays."""
     import cudnn
     import cupy
     g, ta, tb, tout = entry
+    count = g.get_execution_plan_count()
+    names = _plan_names(g, count)
+    cached = load_plans().get(key)
+    if cached is not None and cached in names:
+        g.select_plan(names.index(cached))
+        g.build_plans()
+        return
     pointers = {ta: a.data.ptr, tb: b.data.ptr, tout: out.data.ptr}
     cudnn.set_stream(handle=_handle, stream=cupy.cuda.get_current_stream().ptr)
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
     times = {}
-    for index in range(min(TUNE_PLANS, g.get_execution_plan_count())):
+    channels = min(a.shape[-1], out.shape[-1])      # the image's (fprop, wgrad) or dx's
+    for index in plans_to_time(count, channels, lambda i: _compiled(cudnn, g, i)):
         try:
             g.build_plan_at_index(index)
             need = g.get_workspace_size_plan_at_index(index)
@@ -271,7 +382,10 @@ def _tune(entry, a, b, out):
         except Exception:           # this engine declines these shapes: try the next
             continue
     if times:
-        g.select_plan(min(times, key=times.get))
+        best = min(times, key=times.get)
+        g.select_plan(best)
+        if names[best] is not None:
+            save_plan(key, names[best])
     g.build_plans()                 # the plan that runs: the fastest, else the first that builds
 
 

@@ -5,12 +5,14 @@
     add_into(a, b)     a += b                     (in place: a residual block's dx, where its
                                                    first convolution cannot add its own
                                                    into the shortcut's: nets/conv.py)
+    column_sums(a, out)  out_c = sum_m a_mc        (a bias's gradient from dy, (M, C))
 
 Each returns a new array (add_into: a itself). On NumPy arrays one pass of a Numba
 kernel on the thread pool, each thread a block of elements: NumPy's own
 elementwise operations run on one core. float16 is read and written as its uint16
 bits (kernels.cast.load/store) and computed in float32. On CuPy arrays relu_grad is
-one CUDA kernel (kernels/gpu.py), relu and add_into CuPy's own one-pass operations.
+one CUDA kernel (kernels/gpu.py), relu and add_into CuPy's own one-pass operations;
+column_sums is NumPy's pairwise sum on the CPU and gpu.column_sums on a GPU.
 A residual block's output, max(a + b, 0), is its last BatchNorm's pass
 (kernels/batchnorm.py, batchnorm_affine's residual).
 """
@@ -97,3 +99,11 @@ def add_into(a, b):
         return a
     _add_into(_bits(a).reshape(-1), _flat(b))
     return a
+
+
+def column_sums(a, out):
+    """out (C,) = the sums over the rows of a (M, C), in out's dtype; returns out."""
+    if gpu.handles(a):
+        out[...] = gpu.column_sums(array_module(a).ascontiguousarray(a))
+        return out
+    return a.sum(axis=0, dtype=out.dtype, out=out)

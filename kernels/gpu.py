@@ -573,6 +573,29 @@ def batchnorm_sums(x, dy=None, mean=None, relu=None):
     return sums
 
 
+def column_sums(a):
+    """(C,) sums over the rows of the (M, C) array a, in acc_dtype: a bias's gradient
+    from dy. batchnorm_sums' backward kernels with dy = a and a zero mean (their first row
+    is sum_m a_mc), folded for that row alone: the whole GPU at memory speed, where a
+    reduction over the leading axis of a C-contiguous array would take one block per 32
+    columns."""
+    import cupy
+    M, C = a.shape
+    acc = acc_dtype(a.dtype)
+    V = _pack(C, a)
+    (ctiles, P), block = _row_blocks(M, C, V, TARGET_BLOCKS)
+    rows = -(-M // P)
+    P = -(-M // rows)
+    part = cupy.empty((P, 2, C), acc)
+    _kernel("bn_partial_sums", a.dtype, pack=V)(
+        (ctiles, P), block,
+        (a, a, cupy.zeros(C, acc), part, part, np.int32(1), np.int32(0), np.int64(M),
+         np.int32(C), np.int64(rows), part))
+    sums = cupy.empty((2, C), acc)
+    _kernel("bn_fold", acc=acc)((C,), (FOLD,), (part, np.int32(P), np.int32(C), sums))
+    return sums[0]
+
+
 def batchnorm_finalize(sums, x, count, mode, gamma, eps, momentum, running_mean, running_var):
     """kernels.batchnorm.batchnorm_finalize (its docstring has the formulas) on CuPy arrays:
     (mean, invstd, scale), each (C,) in acc_dtype, from one kernel (one thread per channel),

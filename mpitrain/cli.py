@@ -294,11 +294,13 @@ def build_parser():
                       help="under mpirun: also time the sharded update (train --shard-update) "
                            "against the unsharded one, with the optimizer state per rank")
     step.add_argument("--profile", type=nonnegative_int, default=0, metavar="N",
-                      help="one process: 2N more steps: N under cProfile for the time per "
-                           "kind of work "
-                           "(GEMM, im2col, col2im, BatchNorm, ReLU, pooling, loss, copies, "
-                           "update), N without it for each GEMM shape with its GFLOP/s and "
-                           "the share outside GEMMs")
+                      help="one process: on the CPU, 2N more steps: N under cProfile for the "
+                           "time per kind of work (GEMM, im2col, col2im, BatchNorm, ReLU, "
+                           "pooling, loss, copies, update), N without it for each GEMM shape "
+                           "with its GFLOP/s and the share outside GEMMs; on a GPU, N more "
+                           "steps timed by CUDA events per layer type and phase, with GB/s "
+                           "and TFLOP/s against the card's measured peaks, the host's time to "
+                           "queue a step, and the kernels one step launches")
     step.add_argument("--rounds", type=positive_int, default=1, metavar="N",
                       help="one process: time mpitrain (and --reference) N times, taking turns "
                            "at going first, and report each round and the median ratio (a "

@@ -220,7 +220,7 @@ class Conv2d(Module):
         w = self.weight.data
         gw = self.weight.grad                                   # (O, k, k, C) arena view
         if self.bias is not None:
-            dy.reshape(-1, O).sum(axis=0, dtype=self.bias.grad.dtype, out=self.bias.grad)
+            elementwise.column_sums(dy.reshape(-1, O), self.bias.grad)
             self.bias.grad_ready()
         if self._use_cudnn(dy):
             x, self.x = self.x, None

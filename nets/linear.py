@@ -2,7 +2,7 @@
 import numpy as np
 
 from mpitrain.arena import Param
-from mpitrain.backend import array_module
+from mpitrain.kernels.elementwise import column_sums
 
 from .conv import matmul
 from .module import Module, uniform
@@ -34,9 +34,8 @@ class Linear(Module):
         return y
 
     def backward(self, dy):
-        xp = array_module(dy)
         if self.bias is not None:
-            xp.sum(dy, axis=0, dtype=self.bias.grad.dtype, out=self.bias.grad)
+            column_sums(dy, self.bias.grad)
             self.bias.grad_ready()
         matmul(dy.T, self.x, out=self.weight.grad)     # accumulated in the arena's fp32
         self.weight.grad_ready()

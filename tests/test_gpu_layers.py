@@ -201,7 +201,7 @@ def emulated_cupy(monkeypatch):
     if shutil.which("g++") is None:
         pytest.skip("g++ is not installed")
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
-        RawModule=EmulatedModule, empty=np.empty, empty_like=np.empty_like,
+        RawModule=EmulatedModule, empty=np.empty, empty_like=np.empty_like, zeros=np.zeros,
         ascontiguousarray=np.ascontiguousarray))
     monkeypatch.setattr(gpu, "_module", None)
 
@@ -489,3 +489,46 @@ def test_relu_grad_kernel_emulated(emulated_cupy, dtype, shape):
     assert dx.dtype == dtype and dx.flat[5] == 0 and (dx != 0).any() and (dx == 0).sum() > 1
     np.testing.assert_array_equal(dx, np.where(y > 0, dy, 0))
     np.testing.assert_array_equal(gpu.relu_grad(dy, y), elementwise.relu_grad(dy, y))
+
+
+@pytest.mark.parametrize("M,C,misaligned", [(37, 11, False), (4099, 64, False), (300, 24, True)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_column_sums_kernel_emulated(emulated_cupy, dtype, M, C, misaligned):
+    """A bias's gradient on a GPU, the sums over the rows of dy (M, C), as the CUDA kernels
+    run on the host: within the float32 sums' rounding of the float64 sums (float64 of
+    float64), in packs and one element at a time, and the same bits when run again."""
+    a = rand((M, C), dtype, seed=1, loc=0.5)
+    if misaligned:
+        a = unaligned(a)
+    got = gpu.column_sums(a)
+    assert got.shape == (C,) and got.dtype == gpu.acc_dtype(dtype)
+    exact = a.astype(np.float64).sum(axis=0)
+    bound = (1e-12 if dtype == np.float64 else 1e-5) * np.abs(a.astype(np.float64)).sum(axis=0)
+    assert (np.abs(got - exact) <= bound).all()
+    np.testing.assert_array_equal(got, gpu.column_sums(a))
+
+
+def test_bias_gradients_on_the_cpu_keep_numpys_sums():
+    """elementwise.column_sums on NumPy arrays is NumPy's sum over axis 0 in the gradient's
+    dtype, bit for bit (the CPU step's bits are unchanged by the GPU's kernel)."""
+    from mpitrain.kernels import elementwise
+    for dtype in (np.float16, np.float32):
+        a = rand((1000, 24), dtype, seed=2)
+        out = np.empty(24, np.float32)
+        assert elementwise.column_sums(a, out) is out
+        np.testing.assert_array_equal(out, a.sum(axis=0, dtype=np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_conv_and_linear_bias_gradients_on_the_device(dtype):
+    """AlexNet conv1's bias gradient shape (a large M, 64 channels) and a linear layer's,
+    through elementwise.column_sums on CuPy arrays: within fp32 rounding of float64."""
+    import cupy
+    from mpitrain.kernels import elementwise
+    for M, C in ((2 * 55 * 55 * 8, 64), (512, 4096), (37, 11)):
+        a = rand((M, C), dtype, seed=3, loc=0.5)
+        out = cupy.empty(C, np.float32)
+        got = cupy.asnumpy(elementwise.column_sums(cupy.asarray(a), out))
+        exact = a.astype(np.float64).sum(axis=0)
+        assert (np.abs(got - exact) <= 1e-5 * np.abs(a.astype(np.float64)).sum(axis=0)).all()

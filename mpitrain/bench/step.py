@@ -156,8 +156,22 @@ def time_ours(model, x, y, steps, warmup, precision="fp32", profile=0, gflops=Tr
     from mpitrain import backend
     if gflops and backend.device == "cpu":  # on a GPU cuDNN's convolutions pass no GEMM to count
         out["gflops"] = step_flops(whole_step) / out["step_ms"] / 1e6
-    if profile:
+    if profile and backend.device == "cpu":
         out["profile"] = profile_steps(whole_step, profile)
+    elif profile:
+        out["layer_profile"] = gpu_profile(step, x, y, profile, whole_step)
+    return out
+
+
+def gpu_profile(step, x, y, steps, whole_step):
+    """mpitrain.bench.layers' profile of `steps` steps on the GPU (CUDA events), with the
+    card's peaks and the kernels of one more step."""
+    from mpitrain import backend
+
+    from .layers import EventClock, kernels, peaks, profile_layers
+    clock = EventClock()
+    out = profile_layers(step, x, y, steps, clock)
+    out.update(clock="CUDA events", peaks=peaks(backend.xp, clock), kernels=kernels(whole_step))
     return out
 
 
@@ -336,8 +350,9 @@ def _median_rounds(runs):
             continue
         chosen = dict(sorted(figures, key=lambda f: f["images_per_s"])[(len(figures) - 1) // 2])
         chosen["peak_memory"] = max(f["peak_memory"] for f in figures)
-        if "profile" in figures[0]:
-            chosen["profile"] = figures[0]["profile"]
+        for key in ("profile", "layer_profile"):
+            if key in figures[0]:
+                chosen[key] = figures[0][key]
         out[side] = chosen
     rounds = [{"first": run["first"], **{side: run[side]["images_per_s"]
                                          for side in ("mpitrain", "torch") if side in run}}
@@ -794,6 +809,9 @@ def format_result(r):
                      f"({r['gemm_peak_gflops']:.0f} GFLOP/s, a 2048^3 float32 GEMM)")
     if "profile" in r["mpitrain"]:
         lines += format_profile(r["mpitrain"]["profile"])
+    if "layer_profile" in r["mpitrain"]:
+        from .layers import format_profile as format_layers
+        lines += format_layers(r["mpitrain"]["layer_profile"])
     if "torch_error" in r:
         lines.append(r["torch_error"])
     return "\n".join(lines)

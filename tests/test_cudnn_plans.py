@@ -1,0 +1,52 @@
+"""Which cuDNN plans are timed, and the disk cache of the chosen ones (kernels/cudnn.py):
+the rules a CPU can check. The timing itself runs in the `gpu` tests."""
+import json
+import os
+
+import numpy as np
+
+from mpitrain.kernels import cudnn
+
+
+def test_the_first_plans_are_timed_and_every_plan_where_the_input_has_few_channels():
+    never = lambda i: False                                       # noqa: E731
+    assert cudnn.plans_to_time(30, 64, never) == list(range(cudnn.TUNE_PLANS))
+    assert cudnn.plans_to_time(5, 64, never) == list(range(5))
+    assert cudnn.plans_to_time(30, 3, never) == list(range(30))
+    assert cudnn.plans_to_time(30, cudnn.TUNE_ALL_BELOW_CHANNELS, never) == list(range(8))
+
+
+def test_plans_compiled_at_run_time_are_timed_only_the_first_few():
+    compiled = {1, 4, 5, 9, 20}
+    got = cudnn.plans_to_time(30, 3, lambda i: i in compiled)
+    kept = sorted(compiled)[:cudnn.TUNE_COMPILED]
+    assert got == [i for i in range(30) if i not in compiled or i in kept]
+    assert cudnn.plans_to_time(8, 64, lambda i: True) == list(range(cudnn.TUNE_COMPILED))
+
+
+def test_the_cache_key_names_the_geometry_the_device_and_the_versions():
+    x, w = np.empty((2, 8, 8, 3), np.float16), np.empty((4, 3, 3, 3), np.float16)
+    y = np.empty((2, 8, 8, 4), np.float16)
+    key = cudnn.plan_key("fprop", x, w, y, 1, 1, "GPU sm_90")
+    assert key.startswith("fprop|(2, 8, 8, 3)|(4, 3, 3, 3)|(2, 8, 8, 4)|<f2|<f2|<f2|1|1|")
+    assert "GPU sm_90" in key
+    assert key != cudnn.plan_key("fprop", x, w, y, 1, 1, "GPU sm_80")
+    assert key != cudnn.plan_key("fprop", x, w, y.astype(np.float32), 1, 1, "GPU sm_90")
+    assert key != cudnn.plan_key("wgrad", x, w, y, 1, 1, "GPU sm_90")
+
+
+def test_chosen_plans_are_kept_in_one_file_replaced_whole(tmp_path):
+    path = str(tmp_path / "sub" / "plans.json")
+    assert cudnn.load_plans(path) == {}
+    cudnn.save_plan("a", "eng0_k2=1", path)
+    cudnn.save_plan("b", "eng7", path)
+    assert cudnn.load_plans(path) == {"a": "eng0_k2=1", "b": "eng7"}
+    assert json.loads(open(path).read()) == {"a": "eng0_k2=1", "b": "eng7"}
+    assert os.listdir(tmp_path / "sub") == ["plans.json"]         # no temporary file left
+    with open(path, "w") as f:
+        f.write('{"a": ')                                          # a torn file: tuned again
+    assert cudnn.load_plans(path) == {}
+    cudnn.save_plan("c", "eng1", path)
+    assert cudnn.load_plans(path) == {"c": "eng1"}
+    cudnn.save_plan("d", "eng1", "")                               # "": memory only
+    assert cudnn.load_plans("") == {}
