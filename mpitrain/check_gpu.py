@@ -21,8 +21,20 @@ the install step put in place is what the later steps import:
                  gradient, the update and the updated master weights
     nccl         a one-rank Communicator's all-reduce and broadcast of CuPy
                  arrays through NCCL, and the Reducer's stream path (nccl_check)
-    bench        `bench step --device gpu` on ResNet-50 at 224x224, fp16 batch
-                 256 and fp32 batch 128, against PyTorch where it sees the GPU
+    bench        `bench step --device gpu` at 224x224 on ResNet-50 fp16 batch 256
+                 and fp32 batch 128 and AlexNet fp16 batch 512 (BENCH), against
+                 PyTorch where it sees the GPU
+    profile      `bench step --device gpu --profile N` of ResNet-50 and AlexNet in
+                 fp16: device time per layer type and phase, kernels per step
+
+The order puts the measurements first: install, build, environment, bench,
+profile, then tests, compare and nccl. `--budget SECONDS` bounds the whole
+check: a step starts only while time is left, and its commands may run only
+as long as what is left; the steps that did not fit are reported as skipped
+for time. `--out-dir DIR` keeps the report (DIR/report.json) and each step's
+whole output (DIR/STEP.log) there, each written as its step ends. `--dry-run`
+goes through the same steps without a GPU and without running their commands,
+recording each command line: the control flow, checked where there is no GPU.
 
 Exit status: 0 every step passed, 1 a step failed, 2 no GPU (or CuPy does not
 see it, or no MPI library) or bad arguments. This module imports only the
@@ -33,13 +45,14 @@ import argparse
 import glob
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = ("install", "build", "tests", "compare", "nccl", "bench")
+STEPS = ("install", "build", "bench", "profile", "tests", "compare", "nccl")
 
 # fp32: the largest |gpu - cpu| / max |cpu| each quantity may show. The fp32 step runs
 # cuDNN without TF32 (kernels/cudnn.py TF32), so both sides compute in fp32 and differ in
@@ -54,8 +67,10 @@ TOLERANCE = {"logits": 1e-4, "loss": 1e-5, "grad": 2e-3, "update": 2e-3, "master
 # the CPU's own distance, or by one fp16 rounding (FP16_FLOOR), whichever is larger.
 FP16_MARGIN, FP16_FLOOR = 2.0, 2.0 ** -11
 
-# (precision, batch) of the throughput runs: ResNet-50 at 224x224
-BENCH = (("fp16", 256), ("fp32", 128))
+# (model, precision, batch) of the throughput runs at 224x224
+BENCH = (("resnet50", "fp16", 256), ("resnet50", "fp32", 128), ("alexnet", "fp16", 512))
+# (model, batch) of the profiles, in fp16
+PROFILE = (("resnet50", 256), ("alexnet", 512))
 
 
 class CheckError(Exception):
@@ -76,18 +91,33 @@ def add_arguments(parser):
                         help="timed steps per throughput run (default: 20)")
     parser.add_argument("--warmup", type=nonnegative_int, default=5,
                         help="untimed steps before them (default: 5)")
+    parser.add_argument("--profile-steps", type=positive_int, default=5, metavar="N",
+                        help="steps per profile (default: 5)")
+    parser.add_argument("--budget", type=nonnegative_int, metavar="SECONDS",
+                        help="stop starting steps once this many seconds have passed, and "
+                             "stop a step's commands there (default: no limit)")
+    parser.add_argument("--out-dir", metavar="DIR",
+                        help="write the report (DIR/report.json) and each step's output "
+                             "(DIR/STEP.log) there as each step ends")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="go through the steps without a GPU, recording each command "
+                             "instead of running it")
 
 
 def run(args):
     """The whole check; returns the exit status."""
     try:
         wheels = _wheel_files(args.wheels) if args.wheels else None
-        problem = preflight()
+        problem = None if args.dry_run else preflight()
         if problem:
             raise CheckError(problem)
+        CLOCK.start(args.budget, args.dry_run)
         report = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0],
-                  "root": ROOT, "steps": {}}
-        out = args.out or f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}.json"
+                  "root": ROOT, "budget": args.budget, "dry_run": args.dry_run, "steps": {}}
+        if args.out_dir:
+            os.makedirs(args.out_dir, exist_ok=True)
+        out = args.out or (os.path.join(args.out_dir, "report.json") if args.out_dir else
+                           f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}.json")
         try:
             _all_steps(args, wheels, report, lambda: _save(report, out))
         finally:
@@ -118,11 +148,20 @@ def _all_steps(args, wheels, report, save):
         if (group or name) in skip:
             steps[name] = {"skipped": True}
             return
+        if CLOCK.left() <= 0:
+            steps[name] = {"skipped": True, "reason": f"out of time (--budget {args.budget})"}
+            print(f"gpu-check: {name} skipped: out of time", flush=True)
+            save()
+            return
         print(f"gpu-check: {name} ...", flush=True)
         t0 = time.perf_counter()
         steps[name] = function(*a)
+        output = steps[name].pop("output", None)
         steps[name].pop("stdout", None)     # its tail is kept; what it meant is parsed
         steps[name]["seconds"] = round(time.perf_counter() - t0, 1)
+        if args.out_dir:
+            with open(os.path.join(args.out_dir, f"{name.replace(' ', '-')}.log"), "w") as f:
+                f.write(output or steps[name].get("output_tail", ""))
         if not steps[name].get("passed", True):
             print(f"gpu-check: {name} FAILED: {'; '.join(steps[name].get('failures', []))}",
                   flush=True)
@@ -132,16 +171,20 @@ def _all_steps(args, wheels, report, save):
     if not steps["install"].get("passed", True):
         return                              # nothing below can import what it needs
     step("build", _command_step, [sys.executable, "setup.py", "build_ext", "--inplace", "-q"], 600)
-    env = steps["environment"] = _call("environment", timeout=300)
+    env = steps["environment"] = {"passed": True, "torch_cuda": True, "dry_run": True} \
+        if CLOCK.dry_run else _call("environment", timeout=300)
     if not env.get("passed"):               # no GPU for CuPy, no MPI, or mpitrain broken
         raise CheckError(env.get("missing") or "; ".join(env.get("failures", [])))
+    save()
+    for model, precision, batch in BENCH:
+        step(f"bench {model} {precision}", bench, model, precision, batch, env["torch_cuda"],
+             args.steps, args.warmup, group="bench")
+    for model, batch in PROFILE:
+        step(f"profile {model}", profile, model, batch, args.profile_steps, group="profile")
     step("tests", run_tests)
     for precision in ("fp32", "fp16"):
         step(f"compare {precision}", _call, "compare_step", precision, group="compare")
     step("nccl", _call, "nccl_check")
-    for precision, batch in BENCH:
-        step(f"bench {precision}", bench, precision, batch, env["torch_cuda"], args.steps,
-             args.warmup, group="bench")
 
 
 # ----- the steps -----
@@ -200,12 +243,13 @@ def run_tests():
     import xml.etree.ElementTree as ET
     if not os.path.isdir(os.path.join(ROOT, "tests")):
         return {"passed": False, "failures": [f"no tests/ folder in {ROOT}: run from a checkout"]}
-    tests, failures, tails, ran = {}, [], [], True
+    tests, failures, tails, ran, commands = {}, [], [], True, []
     with tempfile.TemporaryDirectory() as tmp:
         for i, where in enumerate((["tests", "--ignore=tests/mpi"], ["tests/mpi"])):
             xml = os.path.join(tmp, f"phase{i}.xml")
-            r = _command_step([sys.executable, "-m", "pytest", "-m", "gpu", *where, "-q",
-                               "-p", "no:cacheprovider", f"--junitxml={xml}"], 1800)
+            commands.append([sys.executable, "-m", "pytest", "-m", "gpu", *where, "-q",
+                             "-p", "no:cacheprovider", f"--junitxml={xml}"])
+            r = _command_step(commands[-1], 1800)
             ran = ran and r["passed"]
             failures += r.get("failures", [])
             tails.append(r.get("output_tail", ""))
@@ -215,6 +259,8 @@ def run_tests():
                     tests[f"{case.get('classname')}::{case.get('name')}"] = (
                         "failed" if tags & {"failure", "error"} else
                         "skipped" if "skipped" in tags else "passed")
+    if CLOCK.dry_run:
+        return {"passed": True, "commands": commands, "output_tail": "".join(tails)}
     counts = {k: sum(v == k for v in tests.values()) for k in ("passed", "failed", "skipped")}
     failures = [name for name, v in tests.items() if v == "failed"] or failures or \
         ([] if counts["passed"] else [f"no gpu test ran ({counts['skipped']} skipped)"])
@@ -222,15 +268,22 @@ def run_tests():
             "failures": failures, "output_tail": "\n".join(tails)[-4000:]}
 
 
-def bench(precision, batch, torch, steps, warmup):
-    """bench step --device gpu on ResNet-50 at 224x224 (with --reference torch when PyTorch
+def _bench_argv(model, precision, batch, *options):
+    return [sys.executable, "-m", "mpitrain", "bench", "step", "--device", "gpu", "--model",
+            model, "--image-size", "224", "--batch", str(batch), "--precision", precision,
+            *options]
+
+
+def bench(model, precision, batch, torch, steps, warmup):
+    """bench step --device gpu on `model` at 224x224 (with --reference torch when PyTorch
     sees the GPU); its JSON result."""
-    argv = [sys.executable, "-m", "mpitrain", "bench", "step", "--device", "gpu", "--model",
-            "resnet50", "--image-size", "224", "--batch", str(batch), "--precision", precision,
-            "--steps", str(steps), "--warmup", str(warmup), "--json"]
+    argv = _bench_argv(model, precision, batch, "--steps", str(steps), "--warmup", str(warmup),
+                       "--json")
     if torch:
         argv += ["--reference", "torch"]
     r = _command_step(argv, 1800)
+    if CLOCK.dry_run:
+        return r
     try:                                # its figures, even when the PyTorch side failed
         figures = json.loads(r["stdout"].strip().splitlines()[-1])
     except (KeyError, IndexError, ValueError):
@@ -238,12 +291,41 @@ def bench(precision, batch, torch, steps, warmup):
     return {**figures, "passed": r["passed"], "failures": r.get("failures", [])}
 
 
+def profile(model, batch, steps):
+    """bench step --device gpu --profile on `model` in fp16 at 224x224: its text."""
+    r = _command_step(_bench_argv(model, "fp16", batch, "--steps", "3", "--warmup", "2",
+                                  "--profile", str(steps)), 1800)
+    return {**r, "output": r.get("stdout", "")}
+
+
+class Clock:
+    """The check's budget: seconds left (inf without one), and whether commands run."""
+
+    def start(self, budget, dry_run=False):
+        self.end = None if budget is None else time.monotonic() + budget
+        self.dry_run = dry_run
+
+    def left(self):
+        return float("inf") if self.end is None else self.end - time.monotonic()
+
+
+CLOCK = Clock()
+CLOCK.start(None)
+
+
 def _command_step(argv, timeout):
-    """Run argv in the checkout; {"passed", "stdout", "output_tail", "failures"}."""
+    """Run argv in the checkout, for at most `timeout` seconds and what is left of the
+    budget; {"passed", "stdout", "output_tail", "failures"}. A dry run records argv."""
+    if CLOCK.dry_run:
+        return {"passed": True, "command": argv, "stdout": "",
+                "output_tail": f"dry run: {shlex.join(argv)}\n"}
+    timeout = max(1, min(timeout, CLOCK.left()))
     try:
         r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"passed": False, "failures": [f"{' '.join(argv[:6])} ... ran past {timeout} s"]}
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+        return {"passed": False, "output_tail": out[-4000:], "output": out,
+                "failures": [f"{' '.join(argv[:6])} ... ran past {timeout:.0f} s"]}
     out = {"passed": not r.returncode, "stdout": r.stdout,
            "output_tail": (r.stdout + r.stderr)[-4000:]}
     if r.returncode:
@@ -257,7 +339,7 @@ def _call(function, *args, timeout=1200):
     code = ("import json, sys; from mpitrain import check_gpu; "
             "print(json.dumps(getattr(check_gpu, sys.argv[1])(*json.loads(sys.argv[2]))))")
     r = _command_step([sys.executable, "-c", code, function, json.dumps(args)], timeout)
-    if not r["passed"]:
+    if not r["passed"] or CLOCK.dry_run:
         return r
     return json.loads(r["stdout"].strip().splitlines()[-1])
 
@@ -430,7 +512,7 @@ def summary(report):
     lines = []
     for name, s in report["steps"].items():
         if s.get("skipped"):
-            lines.append(f"SKIP  {name}")
+            lines.append(f"SKIP  {name}" + (f": {s['reason']}" if "reason" in s else ""))
             continue
         state = "PASS" if s.get("passed", True) else "FAIL"
         lines.append(f"{state}  {name}{_detail(name, s)}")
@@ -454,7 +536,7 @@ def _detail(name, s):
         return ": " + ", ".join(f"{k} {v:.1e} (<= {s['tolerance'][k]:.0e})"
                                 for k, v in s["max_relative"].items())
     if name.startswith("bench") and "mpitrain" in s:
-        text = (f": ResNet-50 224x224 {s['precision']} batch {s['batch']}: mpitrain "
+        text = (f": {s['model']} 224x224 {s['precision']} batch {s['batch']}: mpitrain "
                 f"{s['mpitrain']['images_per_s']:.0f} images/s")
         if "torch" in s:
             text += (f", PyTorch {s['torch']['images_per_s']:.0f} images/s, "

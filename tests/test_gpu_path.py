@@ -263,3 +263,40 @@ def test_step_comparison_finds_no_difference_between_two_cpu_runs(precision):
     names = [name for name, _ in build_model("resnet_small", num_classes=10).named_params()]
     assert sorted(result["gradients"]) == sorted(names)
     assert result["loss"]["cpu"] == result["loss"]["gpu"]
+
+
+def test_check_gpu_dry_run_goes_through_every_step_measurements_first(tmp_path):
+    """Without a GPU, --dry-run takes the check's whole control flow: every step in order,
+    the bench rows and profiles before the tests, each command recorded and its log
+    written to --out-dir as the step ends, the report beside them."""
+    out = tmp_path / "check"
+    r = subprocess.run([sys.executable, "-m", "mpitrain.check_gpu", "--dry-run", "--out-dir",
+                        str(out), "--steps", "7", "--profile-steps", "4"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    report = json.loads((out / "report.json").read_text())
+    names = list(report["steps"])
+    assert names == ["install", "build", "environment", "bench resnet50 fp16",
+                     "bench resnet50 fp32", "bench alexnet fp16", "profile resnet50",
+                     "profile alexnet", "tests", "compare fp32", "compare fp16", "nccl"]
+    bench = report["steps"]["bench alexnet fp16"]["command"]
+    assert bench[bench.index("--model") + 1] == "alexnet" and "--reference" in bench
+    assert bench[bench.index("--steps") + 1] == "7"
+    profile = report["steps"]["profile resnet50"]["command"]
+    assert profile[profile.index("--profile") + 1] == "4"
+    assert "dry run: " in (out / "bench-resnet50-fp32.log").read_text()
+    assert "pytest" in (out / "tests.log").read_text()
+    assert "gpu-check: all passed" in r.stdout
+
+
+def test_check_gpu_starts_no_step_past_its_budget(tmp_path):
+    out = tmp_path / "check"
+    r = subprocess.run([sys.executable, "-m", "mpitrain.check_gpu", "--dry-run", "--budget", "0",
+                        "--out-dir", str(out), "--skip", "tests"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    steps = json.loads((out / "report.json").read_text())["steps"]
+    assert steps["tests"] == {"skipped": True}
+    assert steps["bench resnet50 fp16"]["reason"] == "out of time (--budget 0)"
+    assert all(s.get("skipped") for name, s in steps.items() if name != "environment")
+    assert "SKIP  nccl: out of time (--budget 0)" in r.stdout
