@@ -11,7 +11,7 @@ Each returns a new array (add_into: a itself). On NumPy arrays one pass of a Num
 kernel on the thread pool, each thread a block of elements: NumPy's own
 elementwise operations run on one core. float16 is read and written as its uint16
 bits (kernels.cast.load/store) and computed in float32. On CuPy arrays relu_grad is
-one CUDA kernel (kernels/gpu.py), relu and add_into CuPy's own one-pass operations;
+one CUDA kernel each (kernels/gpu.py), reading and writing 16-byte packs;
 column_sums is NumPy's pairwise sum on the CPU and gpu.column_sums on a GPU.
 A residual block's output, max(a + b, 0), is its last BatchNorm's pass
 (kernels/batchnorm.py, batchnorm_affine's residual).
@@ -47,6 +47,8 @@ def _relu_block(x, y):
 
 def relu(x):
     """max(x, 0), a new array."""
+    if gpu.handles(x):
+        return gpu.relu(array_module(x).ascontiguousarray(x))
     if array_module(x) is not np:
         return array_module(x).maximum(x, 0)
     y = np.empty_like(x)
@@ -94,6 +96,8 @@ def _add_block(a, b):
 
 def add_into(a, b):
     """a += b, in place (a contiguous); returns a."""
+    if gpu.handles(a) and b.dtype == a.dtype and b.shape == a.shape:
+        return gpu.add_into(a, array_module(b).ascontiguousarray(b))
     if array_module(a) is not np:
         a += b
         return a

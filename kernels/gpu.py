@@ -331,8 +331,10 @@ __global__ void bn_backward_dx(const T* dy, const T* x, const A* mean, const A* 
 // ----- pooling (NHWC; window of output (oh, ow): rows oh*s - p + [0, k), columns
 // ow*s - p + [0, k), clipped to the image; p <= k/2, so never empty) -----
 
-// The (n, h, w, c) of flat index i of an (N, Hd, Wd, C) array.
-__device__ __forceinline__ void split_nhwc(long long i, int Hd, int Wd, int C,
+// The (n, h, w, c) of flat index i of an (N, Hd, Wd, C) array; I is int where the array
+// has fewer than 2^31 elements (32-bit division is several times cheaper than 64-bit)
+template <typename I>
+__device__ __forceinline__ void split_nhwc(I i, int Hd, int Wd, int C,
                                            int* n, int* h, int* w, int* c) {
     *c = (int)(i % C);
     i /= C;
@@ -341,41 +343,61 @@ __device__ __forceinline__ void split_nhwc(long long i, int Hd, int Wd, int C,
     *h = (int)(i % Hd);
     *n = (int)(i / Hd);
 }
+__device__ __forceinline__ void split_nhwc(long long i, long long total, int Hd, int Wd, int C,
+                                           int* n, int* h, int* w, int* c) {
+    if (total <= 0x7fffffffLL)
+        split_nhwc<int>((int)i, Hd, Wd, C, n, h, w, c);
+    else
+        split_nhwc<long long>(i, Hd, Wd, C, n, h, w, c);
+}
 
+// A thread takes V consecutive channels (one Pack; C a multiple of V) of one output pixel:
 // avg == 0: y[n][oh][ow][c] = max over the window, arg = ih*W + iw of that maximum: the
 //           first in row-major window order, or the last NaN (as the CPU kernel)
 // avg == 1: y[n][oh][ow][c] = (sum of x over the window, padding as zeros) / k^2
-template <typename T>
+template <typename T, typename A, int V>
 __global__ void pool_forward(const T* x, int avg, int N, int H, int W, int C, int Ho, int Wo,
                              int k, int s, int p, T* y, int* arg) {
-    const long long total = (long long)N * Ho * Wo * C;
+    const int CP = C / V;
+    const long long total = (long long)N * Ho * Wo * CP;
     for (long long o = first_index(); o < total; o += grid_stride()) {
-        int n, oh, ow, c;
-        split_nhwc(o, Ho, Wo, C, &n, &oh, &ow, &c);
+        int n, oh, ow, cp;
+        split_nhwc(o, total, Ho, Wo, CP, &n, &oh, &ow, &cp);
+        const int c = cp * V;
         const int ih0 = oh * s - p, iw0 = ow * s - p;
         const int i0 = ih0 < 0 ? -ih0 : 0, i1 = H - ih0 < k ? H - ih0 : k;
         const int j0 = iw0 < 0 ? -iw0 : 0, j1 = W - iw0 < k ? W - iw0 : k;
         const long long image = (long long)n * H * W;
-        int pos = (ih0 + i0) * W + iw0 + j0;
-        auto acc = avg ? 0 : load(x, (image + pos) * C + c);
+        const int first = (ih0 + i0) * W + iw0 + j0;
+        const Pack<T, V> f = load_pack<T, V>(x, (image + first) * C + c);
+        A acc[V];
+        int pos[V];
+        for (int v = 0; v < V; ++v) {
+            acc[v] = avg ? (A)0 : (A)load(f.v, v);
+            pos[v] = first;
+        }
         for (int i = i0; i < i1; ++i) {
             for (int j = j0; j < j1; ++j) {
                 const int q = (ih0 + i) * W + iw0 + j;
-                const auto v = load(x, (image + q) * C + c);
-                if (avg) {
-                    acc += v;
-                } else if (v > acc || v != v) {
-                    acc = v;
-                    pos = q;
+                const Pack<T, V> xs = load_pack<T, V>(x, (image + q) * C + c);
+                for (int v = 0; v < V; ++v) {
+                    const A a = (A)load(xs.v, v);
+                    if (avg) {
+                        acc[v] += a;
+                    } else if (a > acc[v] || a != a) {
+                        acc[v] = a;
+                        pos[v] = q;
+                    }
                 }
             }
         }
-        if (avg) {
-            store(y, o, acc / (k * k));
-        } else {
-            store(y, o, acc);
-            arg[o] = pos;
-        }
+        Pack<T, V> ys;
+        for (int v = 0; v < V; ++v)
+            store(ys.v, v, avg ? acc[v] / (k * k) : acc[v]);
+        store_pack<T, V>(y, o * V, ys);
+        if (!avg)
+            for (int v = 0; v < V; ++v)
+                arg[o * V + v] = pos[v];
     }
 }
 
@@ -386,27 +408,37 @@ __device__ __forceinline__ void covering(int ih, int k, int s, int p, int Ho, in
 }
 
 // dx[n][ih][iw][c] = sum of dy[n][oh][ow][c] over the covering windows whose arg is
-// ih*W + iw (or, avg == 1: sum of dy over the covering windows / k^2); one thread per
-// input element, so no two threads add into one value
-template <typename T>
+// ih*W + iw (or, avg == 1: sum of dy over the covering windows / k^2); a thread takes V
+// consecutive channels of one input pixel, so no two threads add into one value
+template <typename T, typename A, int V>
 __global__ void pool_backward(const T* dy, const int* arg, int avg, int N, int H, int W, int C,
                               int Ho, int Wo, int k, int s, int p, T* dx) {
-    const long long total = (long long)N * H * W * C;
+    const int CP = C / V;
+    const long long total = (long long)N * H * W * CP;
     for (long long i = first_index(); i < total; i += grid_stride()) {
-        int n, ih, iw, c;
-        split_nhwc(i, H, W, C, &n, &ih, &iw, &c);
+        int n, ih, iw, cp;
+        split_nhwc(i, total, H, W, CP, &n, &ih, &iw, &cp);
+        const int c = cp * V;
         int oh0, oh1, ow0, ow1;
         covering(ih, k, s, p, Ho, &oh0, &oh1);
         covering(iw, k, s, p, Wo, &ow0, &ow1);
-        decltype(load(dy, 0)) acc = 0;
+        const int me = ih * W + iw;
+        A acc[V];
+        for (int v = 0; v < V; ++v)
+            acc[v] = 0;
         for (int oh = oh0; oh <= oh1; ++oh) {
             for (int ow = ow0; ow <= ow1; ++ow) {
                 const long long o = (((long long)n * Ho + oh) * Wo + ow) * C + c;
-                if (avg || arg[o] == ih * W + iw)
-                    acc += load(dy, o);
+                const Pack<T, V> ds = load_pack<T, V>(dy, o);
+                for (int v = 0; v < V; ++v)
+                    if (avg || arg[o + v] == me)
+                        acc[v] += (A)load(ds.v, v);
             }
         }
-        store(dx, i, avg ? acc / (k * k) : acc);
+        Pack<T, V> xs;
+        for (int v = 0; v < V; ++v)
+            store(xs.v, v, avg ? acc[v] / (k * k) : acc[v]);
+        store_pack<T, V>(dx, i * V, xs);
     }
 }
 
@@ -421,6 +453,32 @@ __global__ void relu_grad(const T* dy, const T* y, long long n, T* dx) {
         for (int j = 0; j < V; ++j)
             store(ds.v, j, (A)load(ys.v, j) > 0 ? (A)load(gs.v, j) : (A)0);
         store_pack<T, V>(dx, b * V, ds);
+    }
+}
+
+// a[i] += b[i], the sum rounded to T once; V elements a Pack
+template <typename T, typename A, int V>
+__global__ void add_into(T* a, const T* b, long long n) {
+    for (long long q = first_index(); q * V < n; q += grid_stride()) {
+        Pack<T, V> as = load_pack<T, V>(a, q * V);
+        const Pack<T, V> bs = load_pack<T, V>(b, q * V);
+        for (int j = 0; j < V; ++j)
+            store(as.v, j, (A)load(as.v, j) + (A)load(bs.v, j));
+        store_pack<T, V>(a, q * V, as);
+    }
+}
+
+// y[i] = max(x[i], 0) (NaN stays NaN, as NumPy's maximum); V elements a Pack
+template <typename T, typename A, int V>
+__global__ void relu(const T* x, long long n, T* y) {
+    for (long long q = first_index(); q * V < n; q += grid_stride()) {
+        const Pack<T, V> xs = load_pack<T, V>(x, q * V);
+        Pack<T, V> ys;
+        for (int j = 0; j < V; ++j) {
+            const A a = (A)load(xs.v, j);
+            store(ys.v, j, a < (A)0 ? (A)0 : a);
+        }
+        store_pack<T, V>(y, q * V, ys);
     }
 }
 
@@ -466,9 +524,9 @@ _TYPES = {np.dtype(np.float16): ("unsigned short", "float", np.float32),
           np.dtype(np.float32): ("float", "float", np.float32),
           np.dtype(np.float64): ("double", "double", np.float64)}
 # templates over <T, A, V>: each compiled for V = 1 and for the V of a 16-byte Pack
-_TEMPLATES_TAV = ("bn_partial_sums", "bn_affine", "bn_backward_dx", "relu_grad")
+_TEMPLATES_TAV = ("bn_partial_sums", "bn_affine", "bn_backward_dx", "relu_grad", "relu",
+                  "add_into", "pool_forward", "pool_backward")
 _TEMPLATES_TA = ("bn_finalize", "dropout")
-_TEMPLATES_T = ("pool_forward", "pool_backward")
 _TEMPLATES_A = ("bn_fold", "bn_backward_coefficients")
 _module = None
 
@@ -478,7 +536,7 @@ def name_expressions():
     names = []
     for dtype, (T, A, _) in _TYPES.items():
         names += [f"{f}<{T}, {A}, {V}>" for f in _TEMPLATES_TAV for V in (1, 16 // dtype.itemsize)]
-        names += [f"{f}<{T}, {A}>" for f in _TEMPLATES_TA] + [f"{f}<{T}>" for f in _TEMPLATES_T]
+        names += [f"{f}<{T}, {A}>" for f in _TEMPLATES_TA]
     for A in ("float", "double"):
         names += [f"{f}<{A}>" for f in _TEMPLATES_A]
     return names
@@ -500,8 +558,7 @@ def _kernel(name, dtype=None, acc=None, pack=1):
                                  name_expressions=name_expressions())
     if dtype is not None:
         T, A, _ = _TYPES[np.dtype(dtype)]
-        args = (f"{T}, {A}, {pack}" if name in _TEMPLATES_TAV else
-                f"{T}, {A}" if name in _TEMPLATES_TA else T)
+        args = f"{T}, {A}, {pack}" if name in _TEMPLATES_TAV else f"{T}, {A}"
     else:
         args = "double" if np.dtype(acc) == np.float64 else "float"
     return _module.get_function(f"{name}<{args}>")
@@ -683,13 +740,14 @@ def pool_forward(x, y_shape, k, stride, pad, avg):
     """Max pooling (avg False): (y, argmax), both y_shape (N, Ho, Wo, C), the window maxima
     and ih*W + iw of each (int32; the first maximum in row-major window order, or the last
     NaN). Average pooling (avg True): y = window sums (padding as zeros) / k^2, summed in
-    acc_dtype. One thread per output element."""
+    acc_dtype. One thread per output pixel and Pack of channels."""
     import cupy
     x = cupy.ascontiguousarray(x)
     y = cupy.empty(y_shape, x.dtype)
     arg = None if avg else cupy.empty(y_shape, np.int32)
-    _kernel("pool_forward", x.dtype)(
-        _blocks(y.size), (THREADS,),
+    V = _pack(x.shape[3], x)
+    _kernel("pool_forward", x.dtype, pack=V)(
+        _blocks(y.size // V), (THREADS,),
         (x, np.int32(avg), *_pool_args(x.shape, y_shape, k, stride, pad), y,
          y if avg else arg))                                  # arg unwritten when avg
     return y if avg else (y, arg)
@@ -698,16 +756,37 @@ def pool_forward(x, y_shape, k, stride, pad, avg):
 def pool_backward(dy, argmax, x_shape, k, stride, pad):
     """dx (x_shape): for max pooling (argmax given) the sum of dy over the windows whose
     maximum is that pixel; for average pooling (argmax None) the sum of dy / k^2 over the
-    windows that cover it. One thread per input pixel and channel (no atomics)."""
+    windows that cover it. One thread per input pixel and Pack of channels (no atomics)."""
     import cupy
     dy = cupy.ascontiguousarray(dy)
     dx = cupy.empty(x_shape, dy.dtype)
     avg = argmax is None
     arg = dy if avg else cupy.ascontiguousarray(argmax, dtype=np.int32)   # unread when avg
-    _kernel("pool_backward", dy.dtype)(
-        _blocks(dx.size), (THREADS,),
+    V = _pack(dy.shape[3], dy, arg)
+    _kernel("pool_backward", dy.dtype, pack=V)(
+        _blocks(dx.size // V), (THREADS,),
         (dy, arg, np.int32(avg), *_pool_args(x_shape, dy.shape, k, stride, pad), dx))
     return dx
+
+
+# ----- elementwise -----
+
+def add_into(a, b):
+    """a += b in place (a and b of one shape and dtype, C-contiguous), each sum computed in
+    acc_dtype and rounded once, as the CPU's pass; returns a."""
+    V = _pack(a.size, a, b)
+    _kernel("add_into", a.dtype, pack=V)(_blocks(a.size // V), (THREADS,),
+                                         (a, b, np.int64(a.size)))
+    return a
+
+
+def relu(x):
+    """max(x, 0), a new array (NaN stays NaN)."""
+    import cupy
+    y = cupy.empty_like(x)
+    V = _pack(x.size, x, y)
+    _kernel("relu", x.dtype, pack=V)(_blocks(x.size // V), (THREADS,), (x, np.int64(x.size), y))
+    return y
 
 
 # ----- dropout -----

@@ -91,6 +91,9 @@ def add_arguments(parser):
                         help="timed steps per throughput run (default: 20)")
     parser.add_argument("--warmup", type=nonnegative_int, default=5,
                         help="untimed steps before them (default: 5)")
+    parser.add_argument("--rounds", type=positive_int, default=1, metavar="N",
+                        help="rounds per throughput run, taking turns with PyTorch at "
+                             "going first (bench step --rounds; default: 1)")
     parser.add_argument("--profile-steps", type=positive_int, default=5, metavar="N",
                         help="steps per profile (default: 5)")
     parser.add_argument("--budget", type=nonnegative_int, metavar="SECONDS",
@@ -178,7 +181,7 @@ def _all_steps(args, wheels, report, save):
     save()
     for model, precision, batch in BENCH:
         step(f"bench {model} {precision}", bench, model, precision, batch, env["torch_cuda"],
-             args.steps, args.warmup, group="bench")
+             args.steps, args.warmup, args.rounds, group="bench")
     for model, batch in PROFILE:
         step(f"profile {model}", profile, model, batch, args.profile_steps, group="profile")
     step("tests", run_tests)
@@ -274,11 +277,11 @@ def _bench_argv(model, precision, batch, *options):
             *options]
 
 
-def bench(model, precision, batch, torch, steps, warmup):
+def bench(model, precision, batch, torch, steps, warmup, rounds=1):
     """bench step --device gpu on `model` at 224x224 (with --reference torch when PyTorch
-    sees the GPU); its JSON result."""
+    sees the GPU), `rounds` rounds; its JSON result."""
     argv = _bench_argv(model, precision, batch, "--steps", str(steps), "--warmup", str(warmup),
-                       "--json")
+                       "--rounds", str(rounds), "--json")
     if torch:
         argv += ["--reference", "torch"]
     r = _command_step(argv, 1800)

@@ -40,7 +40,11 @@ def matmul(a, b, out=None, accumulate=False):
 
     NumPy has no fast fp16 GEMM, so on the CPU fp16 operands are multiplied in
     fp32 and the result rounded once; weight gradients (out in the fp32
-    arena) are accumulated in fp32 on every device. On the CPU the products of
+    arena) are accumulated in fp32 on every device. On a GPU fp16 operands are
+    multiplied on tensor cores (fp32 sums, rounded once to fp16) and widened
+    into an fp32 `out`, as cuDNN's weight gradients are (kernels/cudnn.py): an
+    fp32 product would first widen both operands and then run without tensor
+    cores. On the CPU the products of
     a fully connected layer at a small batch go to kernels.gemm's kernels.
     GEMM_LOG counts its 2 m n k floating-point operations.
     """
@@ -70,8 +74,11 @@ def _logged(product, a, b, out, flops, *options):
 def _matmul(a, b, out, accumulate):
     xp = array_module(a)
     dtype = out.dtype if out is not None else a.dtype
-    compute = np.float32 if xp is np and dtype == np.float16 else dtype
-    product = gemm.matmul if xp is np else xp.matmul
+    if xp is np:                    # NumPy has no fast fp16 GEMM
+        compute, product = (np.float32 if dtype == np.float16 else dtype), gemm.matmul
+    else:                           # fp16 operands stay fp16 on tensor cores
+        compute = a.dtype if a.dtype == b.dtype == np.float16 else dtype
+        product = xp.matmul
     a, b = cast.astype(a, compute), cast.astype(b, compute)
     if accumulate:
         if xp is np and out.dtype == compute:

@@ -39,8 +39,8 @@ def rand(shape, dtype=np.float32, seed=0, loc=0.0, scale=1.0):
 def test_kernel_source_compiles_for_every_instance(tmp_path):
     """Every name expression the RawModule compiles instantiates without error (nvcc, C++17)."""
     names = gpu.name_expressions()
-    # per dtype: 4 templates at two pack widths, 4 without one; 2 over the arithmetic type
-    assert len(names) == len(set(names)) == 3 * (4 * 2 + 4) + 2 * 2
+    # per dtype: 8 templates at two pack widths, 2 without one; 2 over the arithmetic type
+    assert len(names) == len(set(names)) == 3 * (8 * 2 + 2) + 2 * 2
     pointers = ", ".join(f"(void*)&{n}" for n in names)
     src = gpu.source() + f"\nvoid instantiate_all() {{ void* k[] = {{{pointers}}}; (void)k; }}\n"
     (tmp_path / "k.cu").write_text(src)
@@ -273,8 +273,10 @@ def test_batchnorm_gpu_branch_emulated(emulated_cupy, dtype, loc, group, relu):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("N,H,W,C,k,s,p", [(2, 7, 9, 3, 3, 2, 1), (1, 5, 6, 2, 3, 1, 1),
-                                           (1, 9, 9, 3, 5, 3, 2)])
+                                           (1, 9, 9, 3, 5, 3, 2), (2, 7, 9, 16, 3, 2, 1),
+                                           (1, 9, 9, 8, 5, 3, 2)])
 def test_pool_kernels_emulated(emulated_cupy, N, H, W, C, k, s, p, dtype):
+    """One channel a thread (C = 2, 3) and 16-byte packs of channels (C = 8, 16)."""
     compare_pooling(rand((N, H, W, C), dtype), k, s, p, lambda a: a, np.asarray,
                     gpu_forward=lambda x, avg: gpu.pool_forward(
                         x, pool._geometry(x.shape, k, s, p), k, s, p, avg),
@@ -532,3 +534,21 @@ def test_conv_and_linear_bias_gradients_on_the_device(dtype):
         got = cupy.asnumpy(elementwise.column_sums(cupy.asarray(a), out))
         exact = a.astype(np.float64).sum(axis=0)
         assert (np.abs(got - exact) <= 1e-5 * np.abs(a.astype(np.float64)).sum(axis=0)).all()
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 7, 11), (2, 3, 4, 8)])     # odd size; whole packs
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_relu_and_add_kernels_emulated_give_the_cpu_bits(emulated_cupy, dtype, shape):
+    """The CUDA kernels of the ReLU and of a += b, run on the host, give the CPU passes'
+    bits, NaN and -0 included, through elementwise's dispatch."""
+    from mpitrain.kernels import elementwise
+    x, b = rand(shape, dtype, seed=1), rand(shape, dtype, seed=2)
+    x.flat[5], x.flat[6] = np.nan, -0.0
+    y = gpu.relu(x)
+    assert y.dtype == dtype and np.isnan(y.flat[5]) and (y == 0).sum() > 1
+    np.testing.assert_array_equal(y, elementwise.relu(x))
+    assert np.signbit(y.flat[6]) == np.signbit(elementwise.relu(x).flat[6])
+    expected = elementwise.add_into(x.copy(), b)
+    a = x.copy()
+    assert gpu.add_into(a, b) is a
+    np.testing.assert_array_equal(a, expected)

@@ -271,7 +271,7 @@ def test_check_gpu_dry_run_goes_through_every_step_measurements_first(tmp_path):
     written to --out-dir as the step ends, the report beside them."""
     out = tmp_path / "check"
     r = subprocess.run([sys.executable, "-m", "mpitrain.check_gpu", "--dry-run", "--out-dir",
-                        str(out), "--steps", "7", "--profile-steps", "4"],
+                        str(out), "--steps", "7", "--rounds", "2", "--profile-steps", "4"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     report = json.loads((out / "report.json").read_text())
@@ -281,7 +281,7 @@ def test_check_gpu_dry_run_goes_through_every_step_measurements_first(tmp_path):
                      "profile alexnet", "tests", "compare fp32", "compare fp16", "nccl"]
     bench = report["steps"]["bench alexnet fp16"]["command"]
     assert bench[bench.index("--model") + 1] == "alexnet" and "--reference" in bench
-    assert bench[bench.index("--steps") + 1] == "7"
+    assert bench[bench.index("--steps") + 1] == "7" and bench[bench.index("--rounds") + 1] == "2"
     profile = report["steps"]["profile resnet50"]["command"]
     assert profile[profile.index("--profile") + 1] == "4"
     assert "dry run: " in (out / "bench-resnet50-fp32.log").read_text()
