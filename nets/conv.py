@@ -34,21 +34,22 @@ from .module import Module, Param, constant, he_normal
 GEMM_LOG = None
 
 
-def matmul(a, b, out=None, accumulate=False):
+def matmul(a, b, out=None, accumulate=False, fp16_product=False):
     """a @ b, into `out` when given, computed in out's dtype (or a's); accumulate: out +=
     a @ b, inside the GEMM (beta = 1) where out is a NumPy float32 array, else added after.
 
     NumPy has no fast fp16 GEMM, so on the CPU fp16 operands are multiplied in
     fp32 and the result rounded once; weight gradients (out in the fp32
-    arena) are accumulated in fp32 on every device. On a GPU fp16 operands are
-    multiplied on tensor cores (fp32 sums, rounded once to fp16) and widened
-    into an fp32 `out`, as cuDNN's weight gradients are (kernels/cudnn.py): an
+    arena) are accumulated in fp32 on every device. fp16_product: on a GPU, fp16
+    operands are multiplied on tensor cores (fp32 sums, rounded once to fp16)
+    and widened into the fp32 `out`, as cuDNN's weight gradients are
+    (kernels/cudnn.py; beyond 65504 a value is inf, for the overflow check): an
     fp32 product would first widen both operands and then run without tensor
     cores. On the CPU the products of
     a fully connected layer at a small batch go to kernels.gemm's kernels.
     GEMM_LOG counts its 2 m n k floating-point operations.
     """
-    return _logged(_matmul, a, b, out, None, accumulate)
+    return _logged(_matmul, a, b, out, None, accumulate, fp16_product)
 
 
 def batched_matmul(a, b, out, flops):
@@ -71,14 +72,14 @@ def _logged(product, a, b, out, flops, *options):
     return result
 
 
-def _matmul(a, b, out, accumulate):
+def _matmul(a, b, out, accumulate, fp16_product=False):
     xp = array_module(a)
     dtype = out.dtype if out is not None else a.dtype
     if xp is np:                    # NumPy has no fast fp16 GEMM
         compute, product = (np.float32 if dtype == np.float16 else dtype), gemm.matmul
-    else:                           # fp16 operands stay fp16 on tensor cores
-        compute = a.dtype if a.dtype == b.dtype == np.float16 else dtype
-        product = xp.matmul
+    else:
+        tensor_cores = fp16_product and a.dtype == b.dtype == np.float16
+        compute, product = (np.float16 if tensor_cores else dtype), xp.matmul
     a, b = cast.astype(a, compute), cast.astype(b, compute)
     if accumulate:
         if xp is np and out.dtype == compute:

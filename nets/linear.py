@@ -37,7 +37,7 @@ class Linear(Module):
         if self.bias is not None:
             column_sums(dy, self.bias.grad)
             self.bias.grad_ready()
-        matmul(dy.T, self.x, out=self.weight.grad)     # accumulated in the arena's fp32
+        matmul(dy.T, self.x, out=self.weight.grad, fp16_product=True)    # into the fp32 arena
         self.weight.grad_ready()
         self.x = None
         return matmul(dy, self.weight.data)

@@ -405,3 +405,34 @@ def test_fused_relu_in_fp16_follows_the_stored_output():
     np.testing.assert_array_equal(fused.backward(dy), plain.backward(dy * (y > 0)))
     for a, b in ((fused.weight, plain.weight), (fused.bias, plain.bias)):
         np.testing.assert_array_equal(a.grad, b.grad)       # channel 0's dbeta: 0
+
+
+def test_linear_fp16_weight_gradient_on_the_cpu_is_an_fp32_product():
+    """fp16_product asks for tensor cores on a GPU; on the CPU the fp16 operands are still
+    multiplied in fp32 into the fp32 arena, the bits of the product without it."""
+    from mpitrain.nets.conv import matmul
+    dy, x = randn(64, 10).astype(np.float16), randn(64, 30, seed=3).astype(np.float16)
+    plain, tensor = np.empty((10, 30), np.float32), np.empty((10, 30), np.float32)
+    matmul(dy.T, x, out=plain)
+    matmul(dy.T, x, out=tensor, fp16_product=True)
+    np.testing.assert_array_equal(tensor, plain)
+    np.testing.assert_array_equal(plain, dy.T.astype(np.float32) @ x.astype(np.float32))
+
+
+@pytest.mark.gpu
+def test_linear_fp16_weight_gradient_on_a_gpu_is_rounded_once_and_overflows_to_inf():
+    """On a GPU the fp16 product (fp32 sums on tensor cores, rounded once) is widened into
+    the fp32 arena: within one fp16 rounding of float64, and inf beyond 65504 for the
+    overflow check, as cuDNN's convolution weight gradients."""
+    import cupy
+    layer = Linear(40, 12).bind(dtype=np.float32, working_dtype=np.float16, xp=cupy)
+    x = randn(256, 40).astype(np.float16)
+    layer.forward(cupy.asarray(x))
+    dy = (2.0 ** 12 * randn(256, 12, seed=5)).astype(np.float16)
+    layer.backward(cupy.asarray(dy))
+    ref = dy.astype(np.float64).T @ x.astype(np.float64)
+    got = cupy.asnumpy(layer.weight.grad)
+    big = np.abs(ref) > 65504
+    assert big.any() and not big.all()
+    assert np.isinf(got[big]).all()
+    assert_close(got[~big].astype(np.float64), ref[~big], 2e-3, 1e-2, "dW")
