@@ -2,6 +2,8 @@
 
     convert_imagefolder  ImageNet layout: SRC/<class>/<image>, one folder per class
     convert_digits       the bundled scikit-learn digits, the split of digits.py
+    convert_fashion_mnist  Fashion-MNIST from Debian's dataset-fashion-mnist (IDX files):
+                         training, validation and test files
     convert_synthetic    generated JPEGs of ImageNet size, for benchmarks
 
 Every image of a folder is decoded once to validate it; files that Pillow
@@ -15,8 +17,12 @@ an mpi4py communicator) every rank validates and encodes an interleaved
 share of each round of images, rank 0 gathers them and writes; the result is
 the same file as a serial run.
 """
+import gzip
 import io
 import os
+import shutil
+import subprocess
+import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -217,6 +223,94 @@ def convert_digits(dst_dir, seed=0, val_fraction=0.2):
                 w.add(y, p)
             w.commit([mean] * 3, [std] * 3)
         files[name], counts[name] = path, int(mask.sum())
+    return Conversion(files, counts)
+
+
+# Fashion-MNIST (Xiao et al. 2017): Debian's package installs the four IDX files here
+FASHION_MNIST_PACKAGE = "dataset-fashion-mnist"
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal",
+                         "Shirt", "Sneaker", "Bag", "Ankle boot")
+FASHION_MNIST_VAL = 0.1         # of the 60,000 training images: 6,000, 600 a class
+
+
+class ConvertError(ValueError):
+    """The source cannot be converted; the message says why and what to do."""
+
+
+def read_idx(path):
+    """The array of an IDX file (gzip or plain): unsigned bytes, 1 to 4 dimensions.
+    The format: two zero bytes, a type byte (0x08: unsigned byte), the number of
+    dimensions, each dimension as a big-endian 32-bit integer, then the data."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    if len(data) < 4 or data[:2] != b"\0\0" or data[2] != 0x08 or not 1 <= data[3] <= 4:
+        raise ConvertError(f"{path} is not an IDX file of unsigned bytes (its first bytes "
+                           f"are {data[:4].hex()}, expected 000008 and 1 to 4 dimensions)")
+    ndim = data[3]
+    shape = tuple(int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim))
+    start = 4 + 4 * ndim
+    if len(data) - start != int(np.prod(shape)):
+        raise ConvertError(f"{path} holds {len(data) - start} bytes of data for a shape of "
+                           f"{shape}: the file is truncated or damaged")
+    return np.frombuffer(data, np.uint8, offset=start).reshape(shape)
+
+
+def fashion_mnist_dir(work_dir):
+    """The folder of the four IDX files: the installed package's, else the package
+    fetched with `apt-get download` and unpacked (no root needed) under work_dir."""
+    names = [f"{s}-{k}-idx{d}-ubyte.gz" for s in ("train", "t10k")
+             for k, d in (("images", 3), ("labels", 1))]
+    unpacked = os.path.join(work_dir, FASHION_MNIST_PACKAGE)
+    for folder in (FASHION_MNIST_DIR, unpacked + FASHION_MNIST_DIR):
+        if all(os.path.isfile(os.path.join(folder, n)) for n in names):
+            return folder
+    fix = (f"install it (apt-get install {FASHION_MNIST_PACKAGE}), or put {', '.join(names)} "
+           f"in {FASHION_MNIST_DIR}")
+    if shutil.which("apt-get") is None or shutil.which("dpkg") is None:
+        raise ConvertError(f"Fashion-MNIST is not installed and this machine has no "
+                           f"apt-get to fetch Debian's {FASHION_MNIST_PACKAGE}: {fix}")
+    print(f"mpitrain: fetching Debian's {FASHION_MNIST_PACKAGE} (31 MB) into {unpacked}",
+          flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        got = subprocess.run(["apt-get", "download", FASHION_MNIST_PACKAGE], cwd=tmp,
+                             capture_output=True, text=True)
+        debs = [f for f in os.listdir(tmp) if f.endswith(".deb")]
+        if got.returncode or not debs:
+            raise ConvertError(f"apt-get download {FASHION_MNIST_PACKAGE} failed "
+                               f"({(got.stderr or got.stdout).strip()[-300:]}): {fix}")
+        subprocess.run(["dpkg", "-x", os.path.join(tmp, debs[0]), unpacked], check=True)
+    return unpacked + FASHION_MNIST_DIR
+
+
+def convert_fashion_mnist(dst_dir, seed=0, source=None):
+    """fashion-mnist_{train,val,test}.h5 in dst_dir from the IDX files in `source` (default:
+    fashion_mnist_dir). The 60,000 training images are split into training (54,000) and
+    a stratified validation set (a FASHION_MNIST_VAL share, drawn with `seed`); the 10,000 test
+    images go to a test file that training and the study never read. 28x28 grayscale
+    pixels stored as uint8 (H, W, 3), the gray repeated; mean and std are the training
+    split's, repeated over the channels."""
+    source = source or fashion_mnist_dir(dst_dir)
+    read = lambda name: read_idx(os.path.join(source, name))        # noqa: E731
+    train_x, train_y = read("train-images-idx3-ubyte.gz"), read("train-labels-idx1-ubyte.gz")
+    test_x, test_y = read("t10k-images-idx3-ubyte.gz"), read("t10k-labels-idx1-ubyte.gz")
+    for x, y in ((train_x, train_y), (test_x, test_y)):
+        if x.ndim != 3 or y.ndim != 1 or len(x) != len(y) or y.max() >= 10:
+            raise ConvertError(f"{source}: images {x.shape} and labels {y.shape} (largest "
+                               f"{y.max()}) do not make one 10-class set")
+    val = stratified_val(train_y, FASHION_MNIST_VAL, np.random.default_rng(seed))
+    mean, std = float(train_x[~val].mean()), float(train_x[~val].std())
+    os.makedirs(dst_dir, exist_ok=True)
+    files, counts = {}, {}
+    for name, x, y in (("train", train_x[~val], train_y[~val]), ("val", train_x[val], train_y[val]),
+                       ("test", test_x, test_y)):
+        path = os.path.join(dst_dir, f"fashion-mnist_{name}.h5")
+        with Writer(path, FASHION_MNIST_CLASSES, storage="pixels") as w:
+            for image, label in zip(np.repeat(x[..., None], 3, axis=3), y):
+                w.add(int(label), image)
+            w.commit([mean] * 3, [std] * 3)
+        files[name], counts[name] = path, len(y)
     return Conversion(files, counts)
 
 

@@ -78,15 +78,16 @@ def build_parser():
     train.add_argument("--model", choices=models, default=D["model"])
     train.add_argument("--data", default=D["data"],
                        help="a training file made by `convert`, or 'digits': scikit-learn's "
-                            "bundled handwritten digits at 32x32, converted into --data-dir "
-                            "on first use")
+                            "bundled handwritten digits at 32x32, or 'fashion-mnist' (28x28), "
+                            "converted into --data-dir on first use")
     train.add_argument("--val-data", help="validation file (default: DATA's FILE_val.h5)")
     train.add_argument("--data-dir", default=D["data_dir"],
-                       help="where named data sets (digits) are converted to")
+                       help="where named data sets (digits, fashion-mnist) are converted to")
     train.add_argument("--image-size", type=positive_int,
                        help="training crop size (default: a pixel file's own size, else 224)")
     train.add_argument("--augment", action=argparse.BooleanOptionalAction,
-                       help="random-resized-crop and flip for training (default: on, off for digits)")
+                       help="random-resized-crop and flip for training (default: on, off for "
+                            "digits and fashion-mnist)")
     train.add_argument("--workers", type=nonnegative_int, default=D["workers"],
                        help="loader threads reading, decoding and augmenting ahead of the step")
     train.add_argument("--prefetch", type=positive_int, default=D["prefetch"],
@@ -217,7 +218,8 @@ def build_parser():
     inspect.add_argument("--num-classes", type=positive_int, default=1000)
 
     convert = commands.add_parser(
-        "convert", help="make HDF5 data files (image folders, the digits, synthetic images)",
+        "convert", help="make HDF5 data files (image folders, the digits, Fashion-MNIST, "
+                        "synthetic images)",
         description="Convert images into mpitrain's HDF5 format (docs/data-format.md). "
                     "Files are written to a temporary name and renamed when complete.")
     sources = convert.add_subparsers(dest="source", required=True, metavar="source")
@@ -238,6 +240,15 @@ def build_parser():
     digits = sources.add_parser("digits", help="the bundled digits -> DST_DIR/digits_{train,val}.h5",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     digits.add_argument("dst_dir", nargs="?", default=D["data_dir"])
+    fashion = sources.add_parser(
+        "fashion-mnist", help="Fashion-MNIST (Debian's dataset-fashion-mnist, fetched with "
+                              "apt-get download where not installed) -> "
+                              "DST_DIR/fashion-mnist_{train,val,test}.h5",
+        description="60,000 training images split into training (54,000) and a stratified "
+                    "validation file (6,000); the 10,000 test images into a test file.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    fashion.add_argument("dst_dir", nargs="?", default=D["data_dir"])
+    fashion.add_argument("--seed", type=nonnegative_int, default=0, help="the validation draw")
     synthetic = sources.add_parser(
         "synthetic", help="generated JPEGs at ImageNet sizes, for benchmarks",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -451,10 +462,11 @@ def add_study(commands, D):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     large.add_argument("--data", default=D["data"],
                        help="a training file made by `convert` (with its FILE_val.h5), or "
-                            "'digits' (converted into --data-dir on first use)")
+                            "'digits' or 'fashion-mnist' (converted into --data-dir on first "
+                            "use)")
     large.add_argument("--val-data", help="validation file (default: DATA's FILE_val.h5)")
     large.add_argument("--data-dir", default=D["data_dir"],
-                       help="where named data sets (digits) are converted to")
+                       help="where named data sets (digits, fashion-mnist) are converted to")
     large.add_argument("--augment", action=argparse.BooleanOptionalAction,
                        help="random-resized-crop and flip (default: the data's own: off for "
                             "digits, on for a file)")
@@ -593,6 +605,12 @@ def run_convert(args):
     from mpitrain.metrics import Progress
     if args.source == "digits":
         result = convert.convert_digits(args.dst_dir)
+    elif args.source == "fashion-mnist":
+        try:
+            result = convert.convert_fashion_mnist(args.dst_dir, args.seed)
+        except convert.ConvertError as e:
+            sys.stderr.write(f"python -m mpitrain convert fashion-mnist: error: {e}\n")
+            sys.exit(2)
     elif args.source == "synthetic":
         progress = Progress(f"synthetic {args.dst}")
         result = convert.convert_synthetic(args.dst, args.count, args.size, args.classes,

@@ -131,7 +131,10 @@ def check_inputs(data, val_data, data_dir, out):
         raise StudyError(problem)
     if data in PRESETS and not os.path.exists(train_file):
         print(f"study: converting {data} into {data_dir}/", flush=True)
-        getattr(convert, PRESETS[data]["convert"])(data_dir)
+        try:
+            getattr(convert, PRESETS[data]["convert"])(data_dir)
+        except convert.ConvertError as e:
+            raise StudyError(str(e)) from None
     try:
         num_train, classes, _ = describe_file(train_file)
     except FormatError as e:
