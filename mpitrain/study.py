@@ -44,6 +44,7 @@ MODEL = "resnet_small"
 # LARS, whose step is already relative to each layer's weights, follows here too)
 CONFIGS = {
     "sgd": dict(optimizer="sgd", precision="fp32", lr=0.1, scaling="linear"),
+    "nesterov": dict(optimizer="sgd", nesterov=True, precision="fp32", lr=0.1, scaling="linear"),
     "lars": dict(optimizer="lars", precision="fp32", lr=1.0, scaling="sqrt"),
     "lars-fp16": dict(optimizer="lars", precision="fp16", lr=1.0, scaling="sqrt"),
     "lamb": dict(optimizer="lamb", precision="fp32", lr=0.01, scaling="sqrt"),
@@ -53,6 +54,28 @@ COMMON = dict(model=MODEL, schedule="poly", checkpoint_every=0)
 WARMUP_FRACTION = 1 / 8
 FULL = dict(epochs=16, seeds=3)
 QUICK = dict(epochs=4, seeds=1)
+
+# What the study runs on each data set (anything not named: "digits"' plan).
+#   recipes     the CONFIGS compared
+#   smallest    the smallest global batch; largest_share: the largest batch is the first
+#               power of two at or beyond this share of the training set (None: the
+#               largest leaving MIN_STEPS steps an epoch)
+#   lr_factors  the sweep: each recipe's rule times these, at every batch, seed 0; the
+#               best (top-1 on the validation file) is the point's learning rate
+#   decide      the batches whose best learning rate is run at `seeds` seeds ("all", or
+#               "ends": the smallest and the largest, which decide the conclusion)
+# Fashion-MNIST's budget: 80 runs of 4 epochs of 54,000 images (6 batches would be 110):
+# about 17 M images, 2.5 hours at the 1,900 images/s of two one-thread runs side by side.
+PLANS = {
+    "digits": dict(recipes=("sgd", "lars", "lars-fp16", "lamb"), smallest=32, largest_share=None,
+                   batches=None, lr_factors=(1.0,), decide="all", full=FULL, quick=QUICK),
+    "fashion-mnist": dict(recipes=("sgd", "nesterov", "lars", "lars-fp16", "lamb"),
+                          smallest=128, largest_share=0.05, batches=(128, 512, 2048, 4096),
+                          lr_factors=(0.5, 1.0, 2.0), decide="ends",
+                          full=dict(epochs=4, seeds=3),
+                          quick=dict(epochs=1, seeds=1, batches=(128, 4096),
+                                     recipes=("sgd", "lars"), lr_factors=(1.0,))),
+}
 
 
 class StudyError(ValueError):
@@ -73,23 +96,48 @@ def batch_sizes(num_train, quick=False):
     return sizes
 
 
-def peak_lr(config, batch):
+def plan_for(data, quick=False):
+    """The plan (PLANS) of the data set named `data`, its --quick variant with quick."""
+    plan = dict(PLANS.get(data, PLANS["digits"]))
+    plan.update(plan["quick"] if quick else plan["full"])
+    return plan
+
+
+def plan_batches(plan, num_train, quick=False):
+    """The plan's batches that the data allows (MIN_STEPS steps an epoch at least)."""
+    if plan["batches"] is None:
+        return batch_sizes(num_train, quick)
+    return [b for b in plan["batches"] if num_train // b >= MIN_STEPS]
+
+
+def peak_lr(config, batch, factor=1.0):
     c = CONFIGS[config]
     ratio = batch / SMALLEST_BATCH
-    return c["lr"] * (ratio if c["scaling"] == "linear" else math.sqrt(ratio))
+    return factor * c["lr"] * (ratio if c["scaling"] == "linear" else math.sqrt(ratio))
 
 
-def train_options(config, batch, seed, epochs, data, run_dir):
-    """The `train` options of one run, as flag -> value."""
+def train_options(config, batch, seed, epochs, data, run_dir, factor=1.0):
+    """The `train` options of one run, as flag -> value; factor: the sweep's multiple
+    of the recipe's rule."""
     c = CONFIGS[config]
     options = dict(COMMON, data=data, batch_size=batch, seed=seed, epochs=epochs,
                    eval_every=epochs, warmup_epochs=epochs * WARMUP_FRACTION,
                    optimizer=c["optimizer"], precision=c["precision"], run_dir=run_dir)
+    if c.get("nesterov"):
+        options["nesterov"] = True
     if c["scaling"] == "linear":        # the trainer applies the rule itself
-        options.update(lr=c["lr"], lr_ref_batch=SMALLEST_BATCH)
+        options.update(lr=float(f"{c['lr'] * factor:.6g}"), lr_ref_batch=SMALLEST_BATCH)
     else:
-        options["lr"] = float(f"{peak_lr(config, batch):.6g}")     # as the flag writes it
+        options["lr"] = float(f"{peak_lr(config, batch, factor):.6g}")  # as the flag writes it
     return options
+
+
+def best_factor(sweep, results):
+    """The factor of the sweep {factor: run name} whose run reached the best top-1 (a
+    diverged run never wins; the smaller factor wins a tie); None if every run diverged."""
+    done = [(results[name]["top1"], -factor, factor) for factor, name in sweep.items()
+            if not results[name].get("diverged")]
+    return max(done)[2] if done else None
 
 
 def flags(options):
@@ -193,8 +241,9 @@ class Launcher:
                                     env=self.env)
 
 
-def run_name(config, batch, seed):
-    return f"{config}-b{batch}-s{seed}"
+def run_name(config, batch, seed, factor=None):
+    """A run's name; factor: its place in a learning-rate sweep, where the plan has one."""
+    return f"{config}-b{batch}" + (f"-lr{factor:g}x" if factor is not None else "") + f"-s{seed}"
 
 
 def read_result(run_dir, log, status):
@@ -278,10 +327,15 @@ def run_all(runs, launcher, parallel, say=print):
 
 
 # ----- the outputs -----
-def summarise(grid, results):
-    """One row per (batch, config): mean and spread of top-1 over its seeds."""
+def summarise(grid, results, factors=None, sweeps=None):
+    """One row per (batch, config): mean and spread of top-1 over its seeds. factors:
+    {(config, batch): the sweep's best factor} (default 1); sweeps: {(config, batch):
+    {factor: run name}}, each factor's seed-0 top-1 (None: diverged) kept in the row."""
     rows = []
     for (config, batch), names in grid.items():
+        factor = (factors or {}).get((config, batch)) or 1.0
+        sweep = {f: results[n].get("top1") for f, n in (sweeps or {}).get((config, batch),
+                                                                          {}).items()}
         done = [results[n] for n in names if not results[n].get("diverged")]
         accs = [r["top1"] for r in done]
         mean = sum(accs) / len(accs) if accs else float("nan")
@@ -289,7 +343,8 @@ def summarise(grid, results):
             if len(accs) > 1 else float("nan")
         c = CONFIGS[config]
         rows.append(dict(config=config, batch=batch, optimizer=c["optimizer"],
-                         precision=c["precision"], peak_lr=peak_lr(config, batch),
+                         precision=c["precision"], peak_lr=peak_lr(config, batch, factor),
+                         lr_factor=factor, sweep=sweep,
                          steps=done[0]["steps"] if done else None,
                          top1_mean=mean, top1_sd=sd, runs=len(names),
                          diverged=len(names) - len(done), top1_runs=accs,
@@ -328,16 +383,47 @@ def table_markdown(rows):
     return "\n".join(lines) + "\n"
 
 
-def recipe_markdown(epochs):
+def sweep_csv(rows):
+    """Every sweep run: batch, recipe, factor of the rule, peak lr, top-1 (seed 0)."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["batch", "config", "lr_factor", "peak_lr", "top1", "chosen"])
+    for r in rows:
+        for factor, top1 in sorted(r["sweep"].items()):
+            writer.writerow([r["batch"], r["config"], f"{factor:g}",
+                             f"{peak_lr(r['config'], r['batch'], factor):.4g}",
+                             "diverged" if top1 is None else f"{top1:.4f}",
+                             int(factor == r["lr_factor"])])
+    return out.getvalue()
+
+
+def sweep_markdown(rows):
+    """The sweep as a table: each recipe's top-1 at each factor of its rule, by batch."""
+    factors = sorted({f for r in rows for f in r["sweep"]})
+    lines = ["| batch | recipe | " + " | ".join(f"{f:g}× rule" for f in factors) + " |",
+             "|---:|---|" + "---:|" * len(factors)]
+    for r in rows:
+        cells = []
+        for f in factors:
+            top1 = r["sweep"].get(f, "")
+            cell = "" if top1 == "" else "diverged" if top1 is None else f"{top1:.1%}"
+            cells.append(f"**{cell}**" if f == r["lr_factor"] and cell else cell)
+        lines.append(f"| {r['batch']} | {r['config']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def recipe_markdown(epochs, recipes=None):
     lines = [f"Every run: {MODEL}, {epochs} epochs, linear warm-up over the first "
              f"{epochs * WARMUP_FRACTION:g} epochs, then polynomial decay (power 2) to 0; "
              f"momentum 0.9 (SGD, LARS), weight decay 5e-4 (not on biases and BatchNorm), "
              f"LARS eta 0.001, LAMB betas 0.9/0.999; fp16 runs: dynamic loss scaling from 2^16.",
              "", "| recipe | optimizer | precision | peak lr at batch B |", "|---|---|---|---|"]
-    for name, c in CONFIGS.items():
+    for name in recipes or CONFIGS:
+        c = CONFIGS[name]
         rule = f"{c['lr']:g} × B / {SMALLEST_BATCH}" if c["scaling"] == "linear" \
             else f"{c['lr']:g} × sqrt(B / {SMALLEST_BATCH})"
-        lines.append(f"| {name} | {c['optimizer']} | {c['precision']} | {rule} |")
+        optimizer = c["optimizer"] + (" (Nesterov)" if c.get("nesterov") else "")
+        lines.append(f"| {name} | {optimizer} | {c['precision']} | {rule} |")
     return "\n".join(lines) + "\n"
 
 
@@ -348,14 +434,20 @@ def write_whole(path, text):
 
 
 def write_outputs(out, rows, lines, study_command, epochs, num_train, num_classes, data,
-                  seconds):
+                  seconds, recipes=None):
     from mpitrain.plot import plot_batch_study
     header = (f"`{study_command}`: {MODEL} on {data} ({num_train} training images), "
               f"{epochs} epochs at every batch, {clock(seconds)} (min:s) in all.\n")
+    swept = any(len(r["sweep"]) > 1 for r in rows)
+    sweep = (f"\n## The learning-rate sweep\n\nTop-1 of seed 0 at each multiple of the "
+             f"recipe's rule; the best (bold) is the point's learning rate above.\n\n"
+             f"{sweep_markdown(rows)}") if swept else ""
     write_whole(os.path.join(out, "results.md"),
-                f"# Large-batch study\n\n{header}\n{table_markdown(rows)}\n## Recipe\n\n"
-                f"{recipe_markdown(epochs)}")
+                f"# Large-batch study\n\n{header}\n{table_markdown(rows)}{sweep}\n## Recipe\n\n"
+                f"{recipe_markdown(epochs, recipes)}")
     write_whole(os.path.join(out, "results.csv"), table_csv(rows))
+    if swept:
+        write_whole(os.path.join(out, "sweep.csv"), sweep_csv(rows))
     write_whole(os.path.join(out, "commands.sh"),
                 f"#!/bin/sh\n# Every run of: {study_command}\n# (in {os.getcwd()}); "
                 f"each line is one point's run, ending with its top-1.\n"
@@ -370,8 +462,8 @@ def large_batch(data="digits", data_dir="data", out="runs/study-large-batch", qu
     """The study (see the module docstring); returns the table's rows."""
     from mpitrain.checks import PRESETS
     from mpitrain.launcher import cores
-    mode = QUICK if quick else FULL
-    epochs, seeds = epochs or mode["epochs"], seeds or mode["seeds"]
+    plan = plan_for(data, quick)
+    epochs, seeds = epochs or plan["epochs"], seeds or plan["seeds"]
     ranks = ranks or cores()
     if SMALLEST_BATCH % ranks_per_run:
         raise StudyError(f"--ranks-per-run {ranks_per_run} does not divide the smallest batch "
@@ -381,38 +473,71 @@ def large_batch(data="digits", data_dir="data", out="runs/study-large-batch", qu
     train_file, num_train, num_classes = check_inputs(data, val_data, data_dir, out)
     parallel = ranks // ranks_per_run
     launcher = Launcher(ranks_per_run, max(1, cores() // ranks))
-    batches = batch_sizes(num_train, quick)
-    grid, runs = {}, []
+    batches = plan_batches(plan, num_train, quick)
+    factors = plan["lr_factors"]
+    deciding = batches if plan["decide"] == "all" else sorted({batches[0], batches[-1]})
+
+    def make(config, batch, seed, factor):
+        name = run_name(config, batch, seed, factor if len(factors) > 1 else None)
+        options = train_options(config, batch, seed, epochs, data,
+                                os.path.join(out, "runs", name), factor)
+        if data in PRESETS:
+            options["data_dir"] = data_dir
+        if val_data:
+            options["val_data"] = val_data
+        if augment is not None:
+            options["augment"] = augment
+        return name, options
+
+    # the sweep at seed 0; with a single factor the seeds need no sweep, and run with it
+    sweeps, runs = {}, []
     for batch in batches:
-        for config in CONFIGS:
-            for seed in range(seeds):
-                name = run_name(config, batch, seed)
-                options = train_options(config, batch, seed, epochs, data,
-                                        os.path.join(out, "runs", name))
-                if data in PRESETS:
-                    options["data_dir"] = data_dir
-                if val_data:
-                    options["val_data"] = val_data
-                if augment is not None:
-                    options["augment"] = augment
-                grid.setdefault((config, batch), []).append(name)
+        for config in plan["recipes"]:
+            for factor in factors:
+                name, options = make(config, batch, 0, factor)
+                sweeps.setdefault((config, batch), {})[factor] = name
                 runs.append((name, options))
-    study_command = shlex.join(["python", "-m", "mpitrain", "study", "large-batch", *argv])
+                if len(factors) == 1 and batch in deciding:
+                    runs += [make(config, batch, seed, factor) for seed in range(1, seeds)]
+    grid_size = len(batches) * len(plan["recipes"])
     say(f"study: {len(batches)} batch sizes ({', '.join(map(str, batches))}) x "
-        f"{len(CONFIGS)} recipes ({', '.join(CONFIGS)}) x {seeds} seed(s) = {len(runs)} runs "
-        f"of {epochs} epochs on {train_file} ({num_train} images); {parallel} run(s) at once "
-        f"of {ranks_per_run} rank(s), {launcher.threads['OMP_NUM_THREADS']} thread(s) a rank",
-        flush=True)
+        f"{len(plan['recipes'])} recipes ({', '.join(plan['recipes'])})"
+        + (f" x {len(factors)} learning rates ({', '.join(f'{f:g}' for f in factors)} x each "
+           f"rule), then {seeds} seeds at the best of batches "
+           f"{', '.join(map(str, deciding))}" if len(factors) > 1 else
+           f" x {seeds} seed(s)") +
+        f": {len(runs)} runs of {epochs} epochs on {train_file} ({num_train} images) "
+        f"{'first ' if len(factors) > 1 else ''}({grid_size} points); {parallel} run(s) at "
+        f"once of {ranks_per_run} rank(s), {launcher.threads['OMP_NUM_THREADS']} thread(s) "
+        f"a rank", flush=True)
     start = time.monotonic()
     results = run_all(runs, launcher, parallel, say)
+    # each point's learning rate: the sweep's best (the only one without a sweep, where its
+    # seeds ran already, diverged or not)
+    chosen = {key: best_factor(sweep, results) if len(factors) > 1 else factors[0]
+              for key, sweep in sweeps.items()}
+    grid = {key: [sweep[chosen[key] or factors[0]]] for key, sweep in sweeps.items()}
+    seeded = []
+    for (config, batch), factor in chosen.items():
+        if batch in deciding and factor is not None:
+            more = [make(config, batch, seed, factor) for seed in range(1, seeds)]
+            grid[(config, batch)] += [name for name, _ in more]
+            seeded += more if len(factors) > 1 else []
+    if seeded:
+        say(f"study: {len(seeded)} more runs: seeds 1..{seeds - 1} at each recipe's best "
+            f"learning rate at batches {', '.join(map(str, deciding))}", flush=True)
+        results.update(run_all(seeded, launcher, parallel, say))
+        runs += seeded
     seconds = time.monotonic() - start
-    rows = summarise(grid, results)
+    rows = summarise(grid, results, chosen, sweeps)
+    study_command = shlex.join(["python", "-m", "mpitrain", "study", "large-batch", *argv])
     lines = []
     for name, options in runs:
         r = results[name]
         lines.append(launcher.shell_line(options) + "  # " +
                      ("diverged" if r.get("diverged") else f"top-1 {r['top1']:.4f}"))
-    write_outputs(out, rows, lines, study_command, epochs, num_train, num_classes, data, seconds)
+    write_outputs(out, rows, lines, study_command, epochs, num_train, num_classes, data, seconds,
+                  plan["recipes"])
     say(table_markdown(rows), flush=True)
     say(f"study: {len(runs)} runs in {clock(seconds)} (min:s); wrote results.md, results.csv, "
         f"accuracy.png and commands.sh in {out}", flush=True)

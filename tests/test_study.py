@@ -62,6 +62,60 @@ def test_summary_mean_and_sample_sd_over_seeds_leave_diverged_runs_out():
     assert "| 64 | sgd | sgd | fp32 | 0.2 | 10 | 60.0% ± 14.1% | 3 (1 diverged) | — |" in table
 
 
+def test_fashion_mnist_plan_sweeps_learning_rates_up_to_five_percent_of_the_data():
+    """Batches from 128 to the first power of two past 5% of 54,000 images (2,700): 4,096;
+    three multiples of each rule; seeds at the smallest and largest batch; --quick: two
+    batches, two recipes, one epoch."""
+    plan = study.plan_for("fashion-mnist")
+    assert study.plan_batches(plan, 54000) == [128, 512, 2048, 4096]
+    assert 4096 >= plan["largest_share"] * 54000 > 2048
+    assert plan["lr_factors"] == (0.5, 1.0, 2.0) and plan["decide"] == "ends"
+    assert plan["recipes"] == ("sgd", "nesterov", "lars", "lars-fp16", "lamb")
+    assert (plan["epochs"], plan["seeds"]) == (4, 3)
+    quick = study.plan_for("fashion-mnist", quick=True)
+    assert study.plan_batches(quick, 54000, quick=True) == [128, 4096]
+    assert (quick["epochs"], quick["recipes"]) == (1, ("sgd", "lars"))
+    assert study.plan_for("data/mine.h5") == study.plan_for("digits")
+    assert study.plan_batches(study.plan_for("digits"), 1438) == [32, 64, 128, 256, 512]
+    assert study.run_name("lars", 4096, 2, 0.5) == "lars-b4096-lr0.5x-s2"
+    assert study.run_name("lars", 4096, 2) == "lars-b4096-s2"
+
+
+def test_a_sweeps_factor_scales_the_rule_and_the_best_run_chooses_it():
+    from mpitrain.optim import scaled_lr
+    for config, factor in (("sgd", 0.5), ("nesterov", 2.0), ("lamb", 2.0)):
+        options = study.train_options(config, 2048, 0, 4, "fashion-mnist", "runs/x", factor)
+        args = vars(build_parser().parse_args(["train", *study.flags(options)]))
+        assert scaled_lr(args["lr"], 2048, args["lr_ref_batch"]) == \
+            pytest.approx(study.peak_lr(config, 2048, factor), rel=1e-5)
+        assert study.peak_lr(config, 2048, factor) == \
+            pytest.approx(factor * study.peak_lr(config, 2048))
+        assert args["nesterov"] == (config == "nesterov")
+    results = {"a": dict(top1=0.80), "b": dict(top1=0.85), "c": dict(diverged=True),
+               "d": dict(top1=0.85)}
+    assert study.best_factor({0.5: "a", 1.0: "b", 2.0: "c"}, results) == 1.0
+    assert study.best_factor({0.5: "d", 1.0: "b"}, results) == 0.5     # a tie: the smaller
+    assert study.best_factor({2.0: "c"}, results) is None
+
+
+def test_summary_reports_the_chosen_rate_and_keeps_the_sweep():
+    grid = {("lars", 4096): ["l1", "l2", "l3"]}
+    sweeps = {("lars", 4096): {0.5: "l0", 1.0: "l1", 2.0: "lx"}}
+    results = {"l0": dict(top1=0.70, steps=52, skipped_steps=0),
+               "l1": dict(top1=0.80, steps=52, skipped_steps=0),
+               "l2": dict(top1=0.82, steps=52, skipped_steps=0),
+               "l3": dict(top1=0.78, steps=52, skipped_steps=0), "lx": dict(diverged=True)}
+    (row,) = study.summarise(grid, results, {("lars", 4096): 1.0}, sweeps)
+    assert row["peak_lr"] == pytest.approx(study.peak_lr("lars", 4096))
+    assert row["sweep"] == {0.5: 0.70, 1.0: 0.80, 2.0: None}
+    assert row["top1_mean"] == pytest.approx(0.80) and row["runs"] == 3
+    table = study.sweep_markdown([row])
+    assert "| 4096 | lars | 70.0% | **80.0%** | diverged |" in table
+    rows = list(csv.DictReader(study.sweep_csv([row]).splitlines()))
+    assert [(r["lr_factor"], r["top1"], r["chosen"]) for r in rows] == \
+        [("0.5", "0.7000", "0"), ("1", "0.8000", "1"), ("2", "diverged", "0")]
+
+
 def test_time_left_guesses_each_run_from_runs_of_its_batch_size():
     took = {"a": (32, 100.0), "b": (32, 80.0), "c": (64, 50.0)}
     pending = [{"batch_size": 32}, {"batch_size": 128}]      # 90 s; 128: the mean of all, 230 / 3
@@ -111,7 +165,7 @@ def test_quick_study_end_to_end(tmp_path):
     with open(out / "results.csv") as f:
         rows = list(csv.DictReader(f))
     assert {(int(r["batch"]), r["config"]) for r in rows} == \
-        {(b, c) for b in (32, 128, 512) for c in study.CONFIGS}
+        {(b, c) for b in (32, 128, 512) for c in study.PLANS["digits"]["recipes"]}
     for row in rows:
         assert 0.0 <= float(row["top1_mean"]) <= 1.0, row
         assert int(row["steps"]) == 4 * (1438 // int(row["batch"]))
