@@ -118,11 +118,20 @@ def resolve_data(cfg, comm):
 
 
 def describe_file(path):
-    """(number of images, class names, stored image size or None) of a data file."""
+    """(number of images, class names, stored image size or None) of a data file, which
+    must hold an image (ConfigError otherwise)."""
     from mpitrain.datasets.h5format import Reader
     with Reader(path) as reader:
+        check_not_empty(reader, "data file")
         return len(reader.labels), reader.class_names, \
             reader.image_shape[0] if reader.image_shape else None
+
+
+def check_not_empty(reader, what):
+    """Refuse a data file (an open h5format.Reader) without a single image."""
+    if not len(reader.labels):
+        raise ConfigError(f"{what} {reader.path} holds no images: convert a folder that has "
+                          f"images in its class folders (or a larger --val-fraction)")
 
 
 def check_threads():
@@ -159,6 +168,8 @@ def describe_data(train_file, val_file, image_size, batch, workers, prefetch, dt
     from mpitrain.datasets.h5format import FormatError, Reader, available_memory, white_level
     try:
         with Reader(train_file) as train, Reader(val_file) as val:
+            for what, reader in (("training", train), ("validation", val)):
+                check_not_empty(reader, f"{what} file")
             names, val_names = train.class_names, val.class_names
             num_train, stored = len(train.labels), train.image_shape
             normalise = dict(mean=train.mean.tolist(), std=train.std.tolist(),

@@ -673,7 +673,7 @@ def run_train(args, parser=None, argv=()):
     from mpitrain.control import EXIT_STATUS
     from mpitrain.precision import LossScaleError
     from mpitrain.checks import ConfigError
-    from mpitrain.train import TrainingError, train
+    from mpitrain.train import TrainingError, describe_nonfinite, train
     if getattr(args, "config", None):
         apply_config_file(args, parser, argv)
     options = {k: v for k, v in vars(args).items()
@@ -688,11 +688,17 @@ def run_train(args, parser=None, argv=()):
         sys.exit(1)
     if result["stopped"]:                        # a checkpoint was written
         sys.exit(EXIT_STATUS[result["stopped"]])
+    if result["nonfinite"]:                      # the same sums on every rank
+        if MPI.COMM_WORLD.rank == 0:
+            sys.stderr.write(f"mpitrain train: error: the final evaluation: "
+                             f"{describe_nonfinite(result, result['val_images'])}\n")
+        sys.exit(1)
 
 
 def run_eval(args):
     from mpi4py import MPI
     from mpitrain.evaluate import EvalError, evaluate_checkpoint
+    from mpitrain.train import describe_nonfinite
     try:
         result = evaluate_checkpoint(args.checkpoint, args.data, args.batch_size, args.workers,
                                      args.device)
@@ -706,6 +712,11 @@ def run_eval(args):
             top5 = f", top-5 {result['top5']:.2%}" if "top5" in result else ""
             print(f"{args.checkpoint} on {args.data} ({result['images']} images): "
                   f"top-1 {result['top1']:.2%}{top5}")
+        if result["nonfinite"]:
+            sys.stderr.write(f"mpitrain eval: error: "
+                             f"{describe_nonfinite(result, result['images'])}\n")
+    if result["nonfinite"]:                      # the same sums on every rank
+        sys.exit(1)
 
 
 def run_plot(args):
