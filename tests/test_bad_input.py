@@ -111,19 +111,24 @@ def test_a_file_declaring_huge_images_is_refused_before_allocating(tmp_path):
     refused(r, "60000x60000 images in batches of 16 need", "GiB of buffers, more than the")
 
 
-def test_decode_errors_are_counted_and_reported_with_skip_bad_records(synth, tmp_path):
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.launches)])
+def test_decode_errors_are_counted_and_reported_with_skip_bad_records(synth, tmp_path, ranks):
+    """Every rank's skips are counted: summed over the ranks in the progress lines,
+    metrics.jsonl and the summary, whichever rank read the bad records."""
     data = tmp_path / "s.h5"
     data.write_bytes((synth / "s.h5").read_bytes())
     (tmp_path / "s_val.h5").write_bytes((synth / "s_val.h5").read_bytes())
     with h5py.File(data, "r+") as f:
         for i in (3, 17, 40):
             f["images"][f["offsets"][i]:f["offsets"][i + 1]] = 1
-    r = quick("train", "--data", str(data), "--batch-size", "16", "--image-size", "32",
-              "--epochs", "1", "--log-every", "2", "--skip-bad-records",
-              "--run-dir", str(tmp_path / "run"))
+    args = ("train", "--data", str(data), "--batch-size", "16", "--image-size", "32",
+            "--epochs", "1", "--log-every", "2", "--skip-bad-records",
+            "--run-dir", str(tmp_path / "run"))
+    r = quick(*args) if ranks == 1 else run(ranks, *args)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "3 bad training record(s) skipped (--skip-bad-records)" in r.stdout
-    assert re.search(r"step \d+/4 .* \d bad record\(s\) skipped", r.stdout), r.stdout
+    shown = re.findall(r"step \d+/4 .* (\d) bad record\(s\) skipped", r.stdout)
+    assert sum(map(int, shown)) == 3, r.stdout
     records = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert sum(x.get("skipped_records", 0) for x in records if x["kind"] == "step") == 3
 
