@@ -97,6 +97,27 @@ def collect(model, comm, epoch, step, global_step, config, optimizer=None, scale
     return state
 
 
+# bytes beside the arrays: the parameter table, the JSON attributes, HDF5's own structures
+HEADROOM = 256 << 10
+
+
+def expected_size(model, ranks, arena_arrays):
+    """Bytes a checkpoint of `model` written by `ranks` ranks takes, before one exists:
+    `arena_arrays` packed fp32 arrays of the parameters' size (master, momentum, the
+    optimizer's own, one top-k residual per rank), each rank's BatchNorm statistics,
+    and HEADROOM."""
+    params = sum(p.size for p in model.arena.params)
+    buffers = sum(b.size for b in model.buffer_arena.buffers)
+    return 4 * (arena_arrays * params + ranks * buffers) + HEADROOM
+
+
+def state_size(state):
+    """Bytes the checkpoint of `state` (from collect) takes: its arrays and HEADROOM."""
+    arrays = [state[k] for k in ("master", "momentum", "buffers", "residual")]
+    arrays += list(state["optimizer"].values())
+    return sum(a.nbytes for a in arrays if isinstance(a, np.ndarray)) + HEADROOM
+
+
 def write(path, state, before_rename=None):
     """Write `state` (from collect) to `path` atomically; returns path.
 

@@ -10,8 +10,9 @@ problem and the fix), with nothing written and no rank left waiting.
                   this format, with the same two or more classes, images the run's
                   buffers can hold (describe_data), an image size the network takes
                   (check_image_size)
-    run directory writable (prepare_run_dir); a checkpoint to resume that continues
-                  this run (find_resume, check_resume)
+    run directory writable (prepare_run_dir), with room for a checkpoint
+                  (check_free_space); a checkpoint to resume that continues this run
+                  (find_resume, check_resume)
 
 Checks that read files are made by every rank alike, or by rank 0 with the verdict
 broadcast, so every rank raises the same error.
@@ -244,6 +245,31 @@ def prepare_run_dir(cfg, comm):
     if problem:
         raise ConfigError(problem)
     return run_dir
+
+
+def free_space(directory):
+    """Bytes an unprivileged process may still write on the file system of `directory`
+    (None where it cannot be asked)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def check_free_space(run_dir, need, comm):
+    """Refuse a run directory whose file system cannot hold one checkpoint of `need`
+    bytes (rank 0 looks; every rank raises alike)."""
+    problem = None
+    if comm.rank == 0:
+        have = free_space(run_dir)
+        if have is not None and have < need:
+            problem = (f"--run-dir {run_dir} has {have / 2**20:.1f} MiB free, but one "
+                       f"checkpoint of this run takes about {need / 2**20:.1f} MiB: free space "
+                       f"there or choose another --run-dir")
+    problem = comm.bcast(problem, root=0)
+    if problem:
+        raise ConfigError(problem)
 
 
 def find_resume(cfg, comm, say):

@@ -45,8 +45,9 @@ import time
 import numpy as np
 
 from . import backend, checkpoint
-from .checks import (ConfigError, check_batch, check_image_size, check_launch, check_threads,
-                     comm_options, describe_data, find_resume, prepare_run_dir, resolve_data)
+from .checks import (ConfigError, check_batch, check_free_space, check_image_size, check_launch,
+                     check_threads, comm_options, describe_data, find_resume, free_space,
+                     prepare_run_dir, resolve_data)
 from .control import Heartbeats, LossWatch, StopSignals, Watchdog, stop_signal
 from .metrics import MetricsLog, StepProgress, Timeline
 from .optim import learning_rate, make_optimizer, scaled_lr
@@ -229,12 +230,19 @@ def open_run(cfg, comm, say):
     directory (after every check has passed: a refused run overwrites nothing)."""
     from .config import describe, environment, save_json
     env = environment(comm, backend.device)
+    problem = None
     if comm.rank == 0:
-        save_json(os.path.join(cfg["run_dir"], "config.json"), cfg)
-        save_json(os.path.join(cfg["run_dir"], "environment.json"), env)
-        say(describe(f"configuration (saved in {cfg['run_dir']}/config.json)", cfg), flush=True)
-        say(describe("environment", env), flush=True)
-    comm.barrier()
+        try:
+            save_json(os.path.join(cfg["run_dir"], "config.json"), cfg)
+            save_json(os.path.join(cfg["run_dir"], "environment.json"), env)
+        except OSError as e:
+            problem = (f"cannot write the run's reports into --run-dir {cfg['run_dir']} "
+                       f"({e.strerror}); free space there or choose another directory")
+    problem = comm.bcast(problem, root=0)
+    if problem:
+        raise ConfigError(problem)
+    say(describe(f"configuration (saved in {cfg['run_dir']}/config.json)", cfg), flush=True)
+    say(describe("environment", env), flush=True)
 
 
 class Run:
@@ -281,6 +289,9 @@ class Run:
                                          seed=cfg["seed"], rank=rank, working_dtype=working)
         check_image_size(model, cfg["model"], size_px)
         self.run_dir = run_dir = prepare_run_dir(cfg, comm)
+        # master, momentum, LAMB's second moment, each rank's top-k residual
+        arrays = 2 + (cfg["optimizer"] == "lamb") + size * (cfg["compress"] == "topk")
+        check_free_space(run_dir, checkpoint.expected_size(model, size, arrays), comm)
         resume_from = find_resume(cfg, comm, say)
         data = dict(rank=rank, size=size, image_size=size_px, workers=cfg["workers"],
                     prefetch=cfg["prefetch"], dtype=model.dtype, seed=cfg["seed"],
@@ -542,17 +553,38 @@ class Run:
             state = checkpoint.collect(self.model, self.comm, pos["epoch"], pos["step"],
                                        global_step, self.saved_cfg, self.optimizer, self.scaler,
                                        progress, residual)
-            path = None
+            path = problem = None
             if self.comm.rank == 0:
-                path = checkpoint.write(os.path.join(
-                    self.run_dir, checkpoint.PATTERN.format(global_step=global_step)), state)
-                if self.loss_watch.calm():
-                    self.last_good = path
-                checkpoint.prune(self.run_dir, self.cfg["keep_checkpoints"],
-                                 protect={self.last_good})
+                path, problem = self.write_checkpoint(state, global_step)
             # no rank leaves before the file is complete
-            self.result["checkpoint"] = self.comm.bcast(path, root=0)
+            path, problem = self.comm.bcast((path, problem), root=0)
+        if problem:
+            raise TrainingError(problem)
+        self.result["checkpoint"] = path
         self.saved_step = global_step
+
+    def write_checkpoint(self, state, global_step):
+        """Rank 0: (path, None) once the checkpoint is written and the old ones pruned, or
+        (None, why) when the run directory's file system cannot hold it: checked before
+        writing, and a write that fails leaves no part of the file behind."""
+        path = os.path.join(self.run_dir, checkpoint.PATTERN.format(global_step=global_step))
+        need, have = checkpoint.state_size(state), free_space(self.run_dir)
+        full = (f"the file system of --run-dir {self.run_dir} cannot hold the checkpoint of "
+                f"step {global_step}")
+        last = f"the last checkpoint is {self.result['checkpoint'] or 'none'}"
+        if have is not None and have < need:
+            return None, (f"{full}: it needs {need / 2**20:.1f} MiB, {have / 2**20:.1f} MiB "
+                          f"are free. Stopped without writing it; {last}. Free space (or "
+                          f"lower --keep-checkpoints) and continue with --resume auto")
+        try:
+            checkpoint.write(path, state)
+        except OSError as e:
+            return None, (f"{full} ({e.strerror or e}); nothing of it was left behind; {last}. "
+                          f"Free space and continue with --resume auto")
+        if self.loss_watch.calm():
+            self.last_good = path
+        checkpoint.prune(self.run_dir, self.cfg["keep_checkpoints"], protect={self.last_good})
+        return path, None
 
     def stop(self, signal_name):
         """The ranks agreed to stop on `signal_name`: checkpoint, say how to continue."""
