@@ -48,7 +48,7 @@ from . import backend, checkpoint
 from .checks import (ConfigError, check_batch, check_free_space, check_image_size, check_launch,
                      check_threads, comm_options, describe_data, find_resume, free_space,
                      prepare_run_dir, resolve_data)
-from .control import Heartbeats, LossWatch, StopSignals, Watchdog, stop_signal
+from .control import Heartbeats, LauncherWatch, LossWatch, StopSignals, Watchdog, stop_signal
 from .metrics import MetricsLog, StepProgress, Timeline
 from .optim import learning_rate, make_optimizer, scaled_lr
 from .precision import LossScaler, make_scaler
@@ -261,6 +261,7 @@ class Run:
         self.metrics = self.progress = self.train_data = self.val_data = self.comm = None
         self.timeline = NO_TIMELINE
 
+        launcher = LauncherWatch()              # its processes, before any of them can go
         # ----- options that cannot work are refused before any work -----
         check_threads()
         check_launch(mpi_comm.size)
@@ -376,7 +377,7 @@ class Run:
         self.progress = StepProgress(epochs * steps, position["epoch"] * steps + position["step"],
                                      stream=sys.stdout) if rank == 0 else None
         self.log_every = cfg["log_every"] or (max(1, steps // 4) if steps >= 100 else steps)
-        self.signals = StopSignals(comm, grace=cfg["stop_grace"])
+        self.signals = StopSignals(comm, grace=cfg["stop_grace"], launcher=launcher)
         self.heartbeats = Heartbeats(os.path.join(run_dir, "heartbeat"), comm)
         self.position = "start"
         timeline.listener = lambda phase: self.heartbeats.post(f"in '{phase}' after {self.position}")
