@@ -113,9 +113,9 @@ class LauncherWatch:
     Open MPI gives each rank one more, so no signal reaches them; they would train on
     and keep writing into the run directory. Two processes are watched:
 
-      - launch.sh itself, named by MPITRAIN_LAUNCHER_PID (and MPITRAIN_LAUNCHER_HOST:
-        a rank on another host cannot see it), which launch.sh exports; its start time
-        tells it from a later process given the same pid;
+      - launch.sh itself (or `study`), named by MPITRAIN_LAUNCHER_PID (and
+        MPITRAIN_LAUNCHER_HOST: a rank on another host cannot see it), which it exports;
+        its start time tells it from a later process given the same pid;
       - under an MPI launcher, this rank's parent (mpiexec's proxy, mpirun, Slurm's
         step daemon): a rank whose parent died is handed to another process.
 
@@ -135,7 +135,7 @@ class LauncherWatch:
         if self.launcher is not None:
             pid, started = self.launcher
             if started is None or _start_time(pid) != started:
-                return f"the launching process (launch.sh, pid {pid}) is gone"
+                return f"the launching process (pid {pid}, MPITRAIN_LAUNCHER_PID) is gone"
         if self.parent is not None and os.getppid() != self.parent:
             return (f"this rank's parent process (pid {self.parent}: the MPI launcher or its "
                     f"proxy) is gone")

@@ -264,7 +264,8 @@ def test_kill_9_of_launch_sh_ends_the_job(launched):
     job.proc.wait()
     took = wait_until_gone([b["pid"] for b in board.values()], timeout=30)
     assert took < 15, job.output()
-    assert f"the launching process (launch.sh, pid {job.proc.pid}) is gone" in job.output()
+    assert (f"the launching process (pid {job.proc.pid}, MPITRAIN_LAUNCHER_PID) is gone"
+            in job.output())
     assert "final validation accuracy" not in job.output()
 
 
@@ -278,7 +279,7 @@ def test_the_launcher_watch_sees_its_process_end_even_unreaped():
     p.kill()
     while running(p.pid):                        # a zombie: its parent has not reaped it
         time.sleep(0.01)
-    assert watch.gone() == f"the launching process (launch.sh, pid {p.pid}) is gone"
+    assert watch.gone() == f"the launching process (pid {p.pid}, MPITRAIN_LAUNCHER_PID) is gone"
     p.wait()
     assert watch.gone() and elsewhere.gone() is None
 
