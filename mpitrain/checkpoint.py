@@ -268,9 +268,10 @@ def restore(path, model, comm, optimizer=None, scaler=None):
 
     Returns the checkpoint's metadata (epoch, step, global_step, world_size, config).
     A checkpoint that does not fit the model or holds non-finite weights is refused
-    (CheckpointError on every rank). Collective over the Communicator `comm`. With as many ranks as wrote it, every rank
-    gets its own BatchNorm statistics and generator state back; with a different number,
-    every rank gets the mean of the saved statistics and rank 0's generator states.
+    (CheckpointError on every rank). Collective over the Communicator `comm`. With as
+    many ranks as wrote it, every rank gets its own BatchNorm statistics and generator
+    state back; with a different number, every rank gets the mean of the saved
+    statistics and rank 0's generator states.
     """
     state, error = None, None
     if comm.rank == 0:

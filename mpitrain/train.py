@@ -217,9 +217,8 @@ def evaluate(model, comm, loader, topk=(1, 5)):
 
 
 def describe_nonfinite(result, images):
-    """The warning for an evaluation that met non-finite logits ("" when it met none)."""
-    if not result.get("nonfinite"):
-        return ""
+    """What to say of an evaluation (`result` of evaluate, on `images` images) that met
+    non-finite logits."""
     return (f"{result['nonfinite']} of {images} images gave non-finite logits (inf or NaN) "
             f"and were counted wrong: the model's outputs are not numbers")
 
