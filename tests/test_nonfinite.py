@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from test_bad_input import quick, refused
+from test_checkpoint import run
 from mpitrain import checkpoint
 from test_export import CLASSES, Solo, randomised, tiny_data  # noqa: F401 (a fixture)
 
@@ -58,8 +59,11 @@ def test_eval_refuses_a_checkpoint_with_nan_weights(nan_checkpoint, tiny_data):
     assert "top-1" not in r.stdout
 
 
-def test_eval_of_overflowing_logits_counts_them_wrong_and_fails(overflowing, tiny_data):
-    r = quick("eval", "--checkpoint", overflowing, "--data", tiny_data, "--json")
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.launches)])
+def test_eval_of_overflowing_logits_counts_them_wrong_and_fails(overflowing, tiny_data, ranks):
+    """Each rank scores 6 / ranks images: the non-finite ones are summed over the ranks."""
+    args = ("eval", "--checkpoint", overflowing, "--data", tiny_data, "--json")
+    r = quick(*args) if ranks == 1 else run(ranks, *args)
     assert r.returncode == 1, r.stdout + r.stderr
     result = no_nan(r.stdout)
     assert result["top1"] == 0.0 and result["nonfinite"] == 6 and result["images"] == 6
@@ -135,7 +139,8 @@ def test_a_data_file_with_a_nan_statistic_is_refused_when_opened(which, stat, tm
     assert not (tmp_path / "run" / "config.json").exists()
 
 
-def test_train_whose_validation_logits_overflow_fails_its_final_line(tmp_path):
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.launches)])
+def test_train_whose_validation_logits_overflow_fails_its_final_line(tmp_path, ranks):
     """A validation file whose std is so small that its normalised pixels overflow float32:
     every validation logit is NaN. The run says so and exits 1, never 100%."""
     from mpitrain.datasets.convert import convert_synthetic
@@ -143,8 +148,9 @@ def test_train_whose_validation_logits_overflow_fails_its_final_line(tmp_path):
     convert_synthetic(train, 32, (24, 24), classes=2)
     convert_synthetic(str(tmp_path / "v.h5"), 8, (24, 24), classes=2)
     with_stats(str(tmp_path / "v.h5"), val, std=[1e-40] * 3)
-    r = quick("train", "--data", train, "--val-data", val, "--batch-size", "8", "--epochs", "1",
-              "--image-size", "24", "--workers", "1", "--run-dir", str(tmp_path / "run"))
+    args = ("train", "--data", train, "--val-data", val, "--batch-size", "8", "--epochs", "1",
+            "--image-size", "24", "--workers", "1", "--run-dir", str(tmp_path / "run"))
+    r = quick(*args) if ranks == 1 else run(ranks, *args)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "final validation accuracy: 0.00% top-1 (8 images" in r.stdout
     assert "not a result" in r.stdout and "100.00%" not in r.stdout
