@@ -203,7 +203,8 @@ class MetricsLog:
     Step records: {"kind": "step", "epoch", "step", "global_step", "loss", "lr",
     "loss_scale" (if any), "images_per_s", "time": {phase: seconds per step}}.
     Evaluation records: {"kind": "eval", "epoch", "global_step", "skipped_steps" (skipped
-    on overflow under loss scaling, so far), "top1", "top5"}.
+    on overflow under loss scaling, so far), "top1", "top5", "nonfinite" (images whose
+    logits were not finite), "bad_records" (validation records skipped)}.
     """
 
     def __init__(self, path):
