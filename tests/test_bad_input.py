@@ -407,13 +407,16 @@ def test_a_run_directory_without_room_for_a_checkpoint_is_refused(small_fs, digi
     assert not (fs / "run" / "config.json").exists()
 
 
-def test_a_file_system_that_fills_up_stops_the_run_cleanly(small_fs, digits):
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.launches)])
+def test_a_file_system_that_fills_up_stops_the_run_cleanly(small_fs, digits, ranks):
     """Room for one checkpoint and a half: the second is not begun, the run stops (status 1)
-    saying so, and the first checkpoint, config.json and nothing else half-written remain."""
+    saying so on every rank, and the first checkpoint, config.json and nothing else
+    half-written remain."""
     from mpitrain import checkpoint
     fs = small_fs(1400)
-    r = quick("train", "--data-dir", str(digits), *BATCH, "--epochs", "3", "--workers", "1",
-              "--run-dir", str(fs / "run"), timeout=300)
+    args = ("train", "--data-dir", str(digits), *BATCH, "--epochs", "3", "--workers", "1",
+            "--run-dir", str(fs / "run"))
+    r = quick(*args, timeout=300) if ranks == 1 else run(ranks, *args, timeout=300)
     assert r.returncode == 1, r.stdout + r.stderr
     first = fs / "run" / "checkpoint-000000022.h5"
     assert (f"the file system of --run-dir {fs / 'run'} cannot hold the checkpoint of step 44"
