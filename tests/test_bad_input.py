@@ -435,3 +435,21 @@ def test_reports_are_written_whole_or_not_at_all(small_fs):
     with pytest.raises(OSError):
         save_json(str(fs / "config.json"), {"text": "y" * (16 << 10)})
     assert sorted(os.listdir(fs)) == ["filler"]
+
+
+def test_metrics_records_without_room_are_left_out_whole(small_fs):
+    import io
+    from mpitrain.metrics import MetricsLog, read_metrics
+    fs = small_fs(64)
+    (fs / "filler").write_bytes(b"x" * (56 << 10))
+    said = io.StringIO()
+    log = MetricsLog(str(fs / "metrics.jsonl"), stream=said)
+    for i in range(20):                                  # 1.5 KiB each: room for about 5
+        log.write({"kind": "step", "global_step": i, "text": "y" * 1500})
+    log.close()
+    text = (fs / "metrics.jsonl").read_text()
+    kept = read_metrics(str(fs / "metrics.jsonl"))
+    assert 0 < len(kept) < 20 and text.endswith("\n")
+    assert [r["global_step"] for r in kept] == list(range(len(kept)))
+    assert text.count("\n") == len(kept)                  # no torn line
+    assert said.getvalue().count("cannot write (No space left on device)") == 1
