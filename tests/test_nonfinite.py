@@ -159,3 +159,16 @@ def test_train_whose_validation_logits_overflow_fails_its_final_line(tmp_path, r
     evals = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")
              if '"eval"' in x]
     assert evals[-1]["nonfinite"] == 8 and evals[-1]["top1"] == 0.0
+
+
+def test_a_sixteen_bit_file_without_a_white_level_is_refused(tmp_path):
+    """All-black 16-bit pixels: the white level an 8-bit image is scaled to would be 0."""
+    from mpitrain.datasets.h5format import Writer
+    black = str(tmp_path / "black.h5")
+    with Writer(black, ["a", "b"], storage="pixels", pixel_dtype=np.uint16) as w:
+        for i in range(16):
+            w.add(i % 2, np.zeros((8, 8, 3), np.uint16))
+        w.commit([0.0] * 3, [1.0] * 3)
+    r = quick("train", "--data", black, "--val-data", black, "--batch-size", "8",
+              "--run-dir", str(tmp_path / "run"))
+    refused(r, f"{black}: its 16-bit images are all black")
