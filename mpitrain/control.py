@@ -227,7 +227,7 @@ class StopSignals:
                                        f"rank has not reached the next step boundary (its main "
                                        f"thread is blocked, likely in a collective waiting for "
                                        f"a rank that stalled or died)")
-                gone = self.launcher.gone()
+                gone = self.launcher.gone() if self.launcher is not None else None
                 if gone:
                     self._end(LAUNCHER_GONE, f"{gone}, and with it what would stop this job")
                 continue
