@@ -34,8 +34,10 @@ LAUNCHER_GONE = 128 + signal.SIGHUP
 LAUNCHER_POLL = 1.0
 # seconds a rank ending the job waits for the launcher to read what the rank last wrote
 FORWARD_WAIT = 2.0
-# seconds an MPI Abort may take before the process ends itself
+# seconds an MPI Abort may take before the process ends itself; less once the launcher,
+# which carries the abort out, is gone (every rank watches it and ends itself alike)
 ABORT_FALLBACK = 10
+ORPHAN_ABORT_FALLBACK = 3
 
 
 def unread(fd):
@@ -59,7 +61,7 @@ def wait_until_read(fds=(1, 2), timeout=FORWARD_WAIT):
             time.sleep(0.001)
 
 
-def end_job(world, status):
+def end_job(world, status, fallback=ABORT_FALLBACK):
     """End every rank of the job at once: MPI Abort of `world` with `status`.
 
     A launcher forwards each rank's output from a pipe, and it kills the job the moment
@@ -70,10 +72,10 @@ def end_job(world, status):
     The watchdog and the signal watcher end the job from their own threads while the
     main thread may be blocked inside a collective, and an MPI library may make the
     abort wait for that collective's lock. So an alarm goes off first: if the abort
-    has not ended the process ABORT_FALLBACK seconds later, SIGALRM's default action
+    has not ended the process `fallback` seconds later, SIGALRM's default action
     kills it (mpitrain installs no handler, which would need the GIL), and the
     launcher ends the rest of a job one of whose ranks died."""
-    signal.alarm(ABORT_FALLBACK)
+    signal.alarm(fallback)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -229,7 +231,8 @@ class StopSignals:
                                        f"a rank that stalled or died)")
                 gone = self.launcher.gone() if self.launcher is not None else None
                 if gone:
-                    self._end(LAUNCHER_GONE, f"{gone}, and with it what would stop this job")
+                    self._end(LAUNCHER_GONE, f"{gone}, and with it what would stop this job",
+                              ORPHAN_ABORT_FALLBACK)
                 continue
             data = os.read(self._read, 64)
             if not data:                             # restore() closed the pipe
@@ -247,14 +250,14 @@ class StopSignals:
     def _abort(self, name, why):
         self._end(EXIT_STATUS[name] or 128 + getattr(signal, name), why)
 
-    def _end(self, status, why):
+    def _end(self, status, why, fallback=ABORT_FALLBACK):
         try:                                         # a launcher that is gone reads nothing
             self.stream.write(f"rank {self.comm.rank} of {self.comm.size}: {why}. Ending the "
                               f"job (status {status}).\n")
             self.stream.flush()
         except OSError:
             pass
-        self.comm.abort(status)
+        self.comm.abort(status, fallback)
 
     def restore(self):
         """Put the previous handlers back and stop the watcher."""
