@@ -284,6 +284,35 @@ def test_the_launcher_watch_sees_its_process_end_even_unreaped():
     assert watch.gone() and elsewhere.gone() is None
 
 
+ORPHAN = """
+import sys, time
+from mpitrain.control import LauncherWatch
+watch = LauncherWatch({"PMI_RANK": "0"})            # started by a launcher: its parent
+open(sys.argv[1] + ".ready", "w").close()
+while not watch.gone():
+    time.sleep(0.02)
+open(sys.argv[1], "w").write(watch.gone())
+"""
+
+
+def test_the_launcher_watch_sees_its_parent_die(tmp_path):
+    """What a rank of Open MPI's mpirun (its parent) sees when mpirun is killed."""
+    out = tmp_path / "said"
+    parent = subprocess.Popen(["sh", "-c", '"$0" -c "$1" "$2" & wait', sys.executable, ORPHAN,
+                               str(out)])
+    end = time.monotonic() + 60
+    while not (tmp_path / "said.ready").exists():
+        assert time.monotonic() < end and parent.poll() is None
+        time.sleep(0.02)
+    parent.kill()
+    parent.wait()
+    while not out.exists() or not out.read_text():
+        assert time.monotonic() < end, "the child did not see its parent die"
+        time.sleep(0.02)
+    assert out.read_text() == (f"this rank's parent process (pid {parent.pid}: the MPI "
+                               f"launcher or its proxy) is gone")
+
+
 @pytest.mark.launches
 def test_kill_9_of_the_launcher_ends_the_ranks(tmp_path, digits):
     """mpiexec (or mpirun) killed: its ranks, whose parent it or its proxy was, end."""
