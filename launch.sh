@@ -320,6 +320,9 @@ run_train() {
     fi
     local words
     mapfile -t words < <(mpiexec_words "$NP")
+    # the ranks end the job when this shell is gone (kill -9 of it reaches no rank: the
+    # launcher runs in a process group of its own)
+    export MPITRAIN_LAUNCHER_PID=$$ MPITRAIN_LAUNCHER_HOST=$HOSTNAME
     # shellcheck disable=SC2046
     run_forwarding env $(thread_env "$NP") "${words[@]}" "$PY" -m mpitrain train "$@"
 }

@@ -49,20 +49,49 @@ def val_path(dst):
     return f"{stem}_val{ext or '.h5'}"
 
 
+class ConvertError(ValueError):
+    """A source that cannot be converted; the message names it and the fix."""
+
+
 def list_imagefolder(src):
-    """(class_names, [(relative path, label)]): sorted class folders, sorted files,
-    hidden entries ignored."""
+    """(class_names, [(relative path, label)], [(relative path, reason)]): sorted class
+    folders, sorted files, hidden entries ignored; an entry of a class folder that is
+    not a file (a folder, a broken symbolic link or a loop of them) is listed with the
+    reason it is skipped. ConvertError for a SRC without class folders or images."""
+    if not os.path.isdir(src):
+        raise ConvertError(f"{src} is not a folder; give the folder that holds one "
+                           f"sub-folder of images per class")
     classes = sorted(d for d in os.listdir(src)
                      if not d.startswith(".") and os.path.isdir(os.path.join(src, d)))
     if not classes:
-        raise ValueError(f"{src}: no class folders (expected SRC/<class>/<image>)")
-    items = []
+        raise ConvertError(f"{src}: no class folders (expected SRC/<class>/<image>): put "
+                           f"each class's images in a sub-folder named after it")
+    items, skipped = [], []
     for label, name in enumerate(classes):
         folder = os.path.join(src, name)
         for file in sorted(os.listdir(folder)):
-            if not file.startswith(".") and os.path.isfile(os.path.join(folder, file)):
-                items.append((os.path.join(name, file), label))
-    return classes, items
+            path, rel = os.path.join(folder, file), os.path.join(name, file)
+            if file.startswith("."):
+                continue
+            if os.path.isfile(path):
+                items.append((rel, label))
+            else:
+                skipped.append((rel, _not_a_file(path)))
+    if not items:
+        raise ConvertError(f"{src}: its {len(classes)} class folder(s) hold no image files "
+                           f"(expected SRC/<class>/<image>)")
+    return classes, items, skipped
+
+
+def _not_a_file(path):
+    """Why `path`, found in a class folder, is not an image file."""
+    if os.path.isdir(path):
+        return "a folder (images are read one level below SRC only)"
+    try:
+        os.stat(path)
+    except OSError as e:
+        return f"a symbolic link that leads nowhere ({e.strerror})"
+    return "not a regular file"
 
 
 def histogram(rgb):
@@ -117,6 +146,20 @@ def _process(src, item, resize_short):
         return label, None, None, f"{type(e).__name__}: {e}"
 
 
+def _plan(src, val_fraction, seed):
+    """(class names, items in their order on disk, validation mask, skipped entries)."""
+    classes, items, skipped = list_imagefolder(src)
+    rng = np.random.default_rng(seed)
+    items = [items[i] for i in rng.permutation(len(items))]
+    is_val = stratified_val([label for _, label in items], val_fraction, rng) \
+        if val_fraction > 0 else np.zeros(len(items), bool)
+    if val_fraction > 0 and not is_val.any():
+        raise ConvertError(f"--val-fraction {val_fraction:g} of {len(items)} images in "
+                           f"{len(classes)} class(es) rounds to no validation image in any "
+                           f"class; give a larger --val-fraction")
+    return classes, items, is_val, skipped
+
+
 def stratified_val(labels, val_fraction, rng):
     """Boolean mask: round(val_fraction * n_c) members of each class c, drawn with rng."""
     labels = np.asarray(labels)
@@ -138,21 +181,21 @@ def convert_imagefolder(src, dst, val_fraction=0.0, resize_short=None, seed=0, p
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
     plan = None
     if rank == 0:
-        classes, items = list_imagefolder(src)
-        rng = np.random.default_rng(seed)
-        items = [items[i] for i in rng.permutation(len(items))]
-        is_val = stratified_val([label for _, label in items], val_fraction, rng) \
-            if val_fraction > 0 else np.zeros(len(items), bool)
-        plan = classes, items, is_val
+        try:
+            plan = _plan(src, val_fraction, seed)
+        except ConvertError as e:
+            plan = e
     if comm is not None:
         plan = comm.bcast(plan, root=0)
-    classes, items, is_val = plan
+    if isinstance(plan, ConvertError):              # raised on every rank alike
+        raise plan
+    classes, items, is_val, unread = plan
 
     if rank == 0:
         splits = {"train": dst, "val": val_path(dst)} if val_fraction > 0 else {"train": dst}
         writers = {name: Writer(path, classes) for name, path in splits.items()}
         hist = np.zeros((3, 256), np.int64)
-        skipped = []
+        skipped = list(unread)
     try:
         block = ROUND * size
         for start in range(0, len(items), block):
@@ -173,7 +216,14 @@ def convert_imagefolder(src, dst, val_fraction=0.0, resize_short=None, seed=0, p
             if progress is not None:
                 progress(min(start + block, len(items)), len(items))
         result = None
-        if rank == 0:
+        empty = rank == 0 and next((name for name, w in writers.items() if not len(w)), None)
+        if empty:
+            for w in writers.values():
+                w.abort()
+            result = ConvertError(f"{src}: none of its {len(items)} image file(s) could be "
+                                  f"read into the {empty} split (the first skipped: "
+                                  f"{skipped[0][0]}: {skipped[0][1]}); nothing written")
+        elif rank == 0:
             mean, std = mean_std(hist)
             for name in reversed(list(writers)):    # train last: its presence means both are done
                 writers[name].commit(mean, std)
@@ -188,7 +238,10 @@ def convert_imagefolder(src, dst, val_fraction=0.0, resize_short=None, seed=0, p
             for w in writers.values():  # `python -m mpi4py` so the other ranks end too
                 w.abort()
         raise
-    return comm.bcast(result, root=0) if comm is not None else result
+    result = comm.bcast(result, root=0) if comm is not None else result
+    if isinstance(result, ConvertError):            # raised on every rank alike
+        raise result
+    return result
 
 
 def convert_digits(dst_dir, seed=0, val_fraction=0.2):
@@ -232,10 +285,6 @@ FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal",
                          "Shirt", "Sneaker", "Bag", "Ankle boot")
 FASHION_MNIST_VAL = 0.1         # of the 60,000 training images: 6,000, 600 a class
-
-
-class ConvertError(ValueError):
-    """The source cannot be converted; the message says why and what to do."""
 
 
 def read_idx(path):

@@ -242,8 +242,12 @@ def check_schema(f, path, num_classes=None):
     for key in ("mean", "std"):
         if f[key].shape != (3,):
             fail(f"{key} must have shape (3,), found {f[key].shape}")
-    if not np.all(f["std"][:] > 0):
-        fail(f"std must be positive, found {f['std'][:]}")
+    if not np.all(np.isfinite(f["mean"][:])):
+        fail(f"mean must be finite, found {f['mean'][:]}: the file's statistics are damaged; "
+             f"convert the data again")
+    if not np.all((f["std"][:] > 0) & np.isfinite(f["std"][:])):
+        fail(f"std must be positive and finite, found {f['std'][:]}: the file's statistics "
+             f"are damaged; convert the data again")
     if storage == "encoded":
         images, offsets = f["images"], f["offsets"]
         if images.dtype != np.uint8 or images.ndim != 1:
@@ -260,6 +264,9 @@ def check_schema(f, path, num_classes=None):
                 or pixels.shape[0] != n or pixels.shape[3] != 3:
             fail(f"pixels must be uint8 or uint16 of shape ({n}, H, W, 3), "
                  f"found {pixels.dtype} {pixels.shape}")
+        if 0 in pixels.shape[1:3]:
+            fail(f"its images are {pixels.shape[2]}x{pixels.shape[1]} pixels: nothing to "
+                 f"train on; convert the data again")
 
     classes = len(f["class_names"]) if num_classes is None else num_classes
     y = labels[:]
@@ -339,4 +346,9 @@ def white_level(reader):
     if reader.storage != "pixels" or reader.images.dtype == np.uint8:
         return 255.0
     n = len(reader.labels)
-    return float(max(int(reader.images[i:i + 1024].max()) for i in range(0, n, 1024)))
+    white = max((int(reader.images[i:i + 1024].max()) for i in range(0, n, 1024)), default=0)
+    if white == 0:
+        raise FormatError(f"{reader.path}: its 16-bit images are all black (no pixel above 0), "
+                          f"so they have no white level to scale images by; convert the "
+                          f"data again")
+    return float(white)

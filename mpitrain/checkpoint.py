@@ -97,6 +97,27 @@ def collect(model, comm, epoch, step, global_step, config, optimizer=None, scale
     return state
 
 
+# bytes beside the arrays: the parameter table, the JSON attributes, HDF5's own structures
+HEADROOM = 256 << 10
+
+
+def expected_size(model, ranks, arena_arrays):
+    """Bytes a checkpoint of `model` written by `ranks` ranks takes, before one exists:
+    `arena_arrays` packed fp32 arrays of the parameters' size (master, momentum, the
+    optimizer's own, one top-k residual per rank), each rank's BatchNorm statistics,
+    and HEADROOM."""
+    params = sum(p.size for p in model.arena.params)
+    buffers = sum(b.size for b in model.buffer_arena.buffers)
+    return 4 * (arena_arrays * params + ranks * buffers) + HEADROOM
+
+
+def state_size(state):
+    """Bytes the checkpoint of `state` (from collect) takes: its arrays and HEADROOM."""
+    arrays = [state[k] for k in ("master", "momentum", "buffers", "residual")]
+    arrays += list(state["optimizer"].values())
+    return sum(a.nbytes for a in arrays if isinstance(a, np.ndarray)) + HEADROOM
+
+
 def write(path, state, before_rename=None):
     """Write `state` (from collect) to `path` atomically; returns path.
 
@@ -214,20 +235,50 @@ def check_matches(state, model):
                           f"the model {len(mine)}: a different model")
 
 
+def nonfinite_tensors(state):
+    """The names of the tensors of `state` (from read) that hold an inf or a NaN: master
+    weights, and BatchNorm statistics of any rank that wrote it."""
+    found = []
+    for packed, names, shapes in ((state["master"][None], state["names"], state["shapes"]),
+                                  (state["buffers"], state["buffer_names"],
+                                   state["buffer_shapes"])):
+        start = 0
+        for name, shape in zip(names, shapes):
+            size = int(np.prod(shape))
+            if not np.isfinite(packed[:, start:start + size]).all():
+                found.append(name)
+            start += size
+    return found
+
+
+def check_finite(state):
+    """Refuse a checkpoint whose weights or BatchNorm statistics are not all finite: its
+    model's every output would be NaN, which scores as no result at all."""
+    bad = nonfinite_tensors(state)
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise CheckpointError(f"checkpoint {state.get('path', '')} holds non-finite values "
+                              f"(inf or NaN) in {len(bad)} tensor(s): {shown}; its training had "
+                              f"diverged: use an earlier checkpoint of the run")
+
+
 def restore(path, model, comm, optimizer=None, scaler=None):
     """Load `path` on rank 0 and broadcast it into every rank's model (master, working copy,
     momentum, BatchNorm buffers, dropout generators), optimizer and scaler.
 
     Returns the checkpoint's metadata (epoch, step, global_step, world_size, config).
-    Collective over the Communicator `comm`. With as many ranks as wrote it, every rank
-    gets its own BatchNorm statistics and generator state back; with a different number,
-    every rank gets the mean of the saved statistics and rank 0's generator states.
+    A checkpoint that does not fit the model or holds non-finite weights is refused
+    (CheckpointError on every rank). Collective over the Communicator `comm`. With as
+    many ranks as wrote it, every rank gets its own BatchNorm statistics and generator
+    state back; with a different number, every rank gets the mean of the saved
+    statistics and rank 0's generator states.
     """
     state, error = None, None
     if comm.rank == 0:
         try:
             state = read(path)
             check_matches(state, model)
+            check_finite(state)
         except CheckpointError as e:
             error = str(e)
     error = comm.bcast(error, root=0)

@@ -10,8 +10,9 @@ problem and the fix), with nothing written and no rank left waiting.
                   this format, with the same two or more classes, images the run's
                   buffers can hold (describe_data), an image size the network takes
                   (check_image_size)
-    run directory writable (prepare_run_dir); a checkpoint to resume that continues
-                  this run (find_resume, check_resume)
+    run directory writable (prepare_run_dir), with room for a checkpoint
+                  (check_free_space); a checkpoint to resume that continues this run
+                  (find_resume, check_resume)
 
 Checks that read files are made by every rank alike, or by rank 0 with the verdict
 broadcast, so every rank raises the same error.
@@ -128,11 +129,20 @@ def resolve_data(cfg, comm):
 
 
 def describe_file(path):
-    """(number of images, class names, stored image size or None) of a data file."""
+    """(number of images, class names, stored image size or None) of a data file, which
+    must hold an image (ConfigError otherwise)."""
     from mpitrain.datasets.h5format import Reader
     with Reader(path) as reader:
+        check_not_empty(reader, "data file")
         return len(reader.labels), reader.class_names, \
             reader.image_shape[0] if reader.image_shape else None
+
+
+def check_not_empty(reader, what):
+    """Refuse a data file (an open h5format.Reader) without a single image."""
+    if not len(reader.labels):
+        raise ConfigError(f"{what} {reader.path} holds no images: convert a folder that has "
+                          f"images in its class folders (or a larger --val-fraction)")
 
 
 def check_threads():
@@ -169,6 +179,8 @@ def describe_data(train_file, val_file, image_size, batch, workers, prefetch, dt
     from mpitrain.datasets.h5format import FormatError, Reader, available_memory, white_level
     try:
         with Reader(train_file) as train, Reader(val_file) as val:
+            for what, reader in (("training", train), ("validation", val)):
+                check_not_empty(reader, f"{what} file")
             names, val_names = train.class_names, val.class_names
             num_train, stored = len(train.labels), train.image_shape
             normalise = dict(mean=train.mean.tolist(), std=train.std.tolist(),
@@ -243,6 +255,31 @@ def prepare_run_dir(cfg, comm):
     if problem:
         raise ConfigError(problem)
     return run_dir
+
+
+def free_space(directory):
+    """Bytes an unprivileged process may still write on the file system of `directory`
+    (None where it cannot be asked)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def check_free_space(run_dir, need, comm):
+    """Refuse a run directory whose file system cannot hold one checkpoint of `need`
+    bytes (rank 0 looks; every rank raises alike)."""
+    problem = None
+    if comm.rank == 0:
+        have = free_space(run_dir)
+        if have is not None and have < need:
+            problem = (f"--run-dir {run_dir} has {have / 2**20:.1f} MiB free, but one "
+                       f"checkpoint of this run takes about {need / 2**20:.1f} MiB: free space "
+                       f"there or choose another --run-dir")
+    problem = comm.bcast(problem, root=0)
+    if problem:
+        raise ConfigError(problem)
 
 
 def find_resume(cfg, comm, say):

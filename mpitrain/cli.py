@@ -48,6 +48,21 @@ nonnegative_float = _number(float, 0.0)
 fraction = _number(float, 0.0, 1.0, high_open=True)     # [0, 1)
 
 
+def workers(text):
+    """Loader threads: 0 up to the cores this process may run on."""
+    from mpitrain.launcher import cores
+    value = nonnegative_int(text)
+    if value > cores():
+        raise argparse.ArgumentTypeError(
+            f"{value} exceeds the {cores()} core(s) this process may run on: loader threads "
+            f"beyond the cores only take turns, and take the cores from the training step; "
+            f"use at most {cores()}")
+    return value
+
+
+workers.__name__ = "int"
+
+
 def fusion_threshold(text):
     """A bucket size in bytes, or "auto" (chosen by timing the first steps)."""
     if text == "auto":
@@ -88,8 +103,9 @@ def build_parser():
     train.add_argument("--augment", action=argparse.BooleanOptionalAction,
                        help="random-resized-crop and flip for training (default: on, off for "
                             "digits and fashion-mnist)")
-    train.add_argument("--workers", type=nonnegative_int, default=D["workers"],
-                       help="loader threads reading, decoding and augmenting ahead of the step")
+    train.add_argument("--workers", type=workers, default=D["workers"],
+                       help="loader threads reading, decoding and augmenting ahead of the step "
+                            "(at most the cores this process may run on)")
     train.add_argument("--prefetch", type=positive_int, default=D["prefetch"],
                        help="batches prepared ahead of the step")
     train.add_argument("--skip-bad-records", action="store_true",
@@ -216,6 +232,7 @@ def build_parser():
     inspect.add_argument("--model", choices=models, default="resnet50")
     inspect.add_argument("--image-size", type=positive_int, default=224)
     inspect.add_argument("--num-classes", type=positive_int, default=1000)
+    inspect.set_defaults(command_parser=inspect)
 
     convert = commands.add_parser(
         "convert", help="make HDF5 data files (image folders, the digits, Fashion-MNIST, "
@@ -237,6 +254,7 @@ def build_parser():
     folder.add_argument("--resize-short", type=positive_int,
                         help="store JPEGs downscaled so that the short side is N pixels")
     folder.add_argument("--seed", type=nonnegative_int, default=0, help="order on disk, split")
+    folder.set_defaults(command_parser=folder)
     digits = sources.add_parser("digits", help="the bundled digits -> DST_DIR/digits_{train,val}.h5",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     digits.add_argument("dst_dir", nargs="?", default=D["data_dir"])
@@ -249,6 +267,7 @@ def build_parser():
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     fashion.add_argument("dst_dir", nargs="?", default=D["data_dir"])
     fashion.add_argument("--seed", type=nonnegative_int, default=0, help="the validation draw")
+    fashion.set_defaults(command_parser=fashion)
     synthetic = sources.add_parser(
         "synthetic", help="generated JPEGs at ImageNet sizes, for benchmarks",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -388,7 +407,8 @@ def build_parser():
     evaluate.add_argument("--data", required=True, help="an HDF5 file made by `convert`")
     evaluate.add_argument("--batch-size", type=positive_int,
                           help="GLOBAL batch (default: the checkpoint's training batch)")
-    evaluate.add_argument("--workers", type=nonnegative_int, default=D["workers"])
+    evaluate.add_argument("--workers", type=workers, default=D["workers"],
+                          help="loader threads (at most the cores this process may run on)")
     evaluate.add_argument("--device", choices=["cpu", "gpu", "auto"], default=D["device"])
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
     evaluate.set_defaults(command_parser=evaluate)
@@ -617,8 +637,7 @@ def run_convert(args):
         try:
             result = convert.convert_fashion_mnist(args.dst_dir, args.seed)
         except convert.ConvertError as e:
-            sys.stderr.write(f"python -m mpitrain convert fashion-mnist: error: {e}\n")
-            sys.exit(2)
+            args.command_parser.error(str(e))
     elif args.source == "synthetic":
         progress = Progress(f"synthetic {args.dst}")
         result = convert.convert_synthetic(args.dst, args.count, args.size, args.classes,
@@ -628,9 +647,12 @@ def run_convert(args):
         from mpi4py import MPI
         world = MPI.COMM_WORLD
         progress = Progress(f"imagefolder {args.src}") if world.rank == 0 else None
-        result = convert.convert_imagefolder(args.src, args.dst, args.val_fraction,
-                                             args.resize_short, args.seed, progress,
-                                             world if world.size > 1 else None)
+        try:
+            result = convert.convert_imagefolder(args.src, args.dst, args.val_fraction,
+                                                 args.resize_short, args.seed, progress,
+                                                 world if world.size > 1 else None)
+        except convert.ConvertError as e:       # raised on every rank alike
+            args.command_parser.error(str(e))
         if world.rank != 0:
             return
         progress.close()
@@ -701,7 +723,7 @@ def run_train(args, parser=None, argv=()):
     from mpitrain.control import EXIT_STATUS
     from mpitrain.precision import LossScaleError
     from mpitrain.checks import ConfigError
-    from mpitrain.train import TrainingError, train
+    from mpitrain.train import TrainingError, describe_nonfinite, train
     if getattr(args, "config", None):
         apply_config_file(args, parser, argv)
     options = {k: v for k, v in vars(args).items()
@@ -716,11 +738,17 @@ def run_train(args, parser=None, argv=()):
         sys.exit(1)
     if result["stopped"]:                        # a checkpoint was written
         sys.exit(EXIT_STATUS[result["stopped"]])
+    if result["nonfinite"]:                      # the same sums on every rank
+        if MPI.COMM_WORLD.rank == 0:
+            sys.stderr.write(f"mpitrain train: error: the final evaluation: "
+                             f"{describe_nonfinite(result, result['val_images'])}\n")
+        sys.exit(1)
 
 
 def run_eval(args):
     from mpi4py import MPI
     from mpitrain.evaluate import EvalError, evaluate_checkpoint
+    from mpitrain.train import describe_nonfinite
     try:
         result = evaluate_checkpoint(args.checkpoint, args.data, args.batch_size, args.workers,
                                      args.device)
@@ -734,6 +762,11 @@ def run_eval(args):
             top5 = f", top-5 {result['top5']:.2%}" if "top5" in result else ""
             print(f"{args.checkpoint} on {args.data} ({result['images']} images): "
                   f"top-1 {result['top1']:.2%}{top5}")
+        if result["nonfinite"]:
+            sys.stderr.write(f"mpitrain eval: error: "
+                             f"{describe_nonfinite(result, result['images'])}\n")
+    if result["nonfinite"]:                      # the same sums on every rank
+        sys.exit(1)
 
 
 def run_plot(args):
@@ -763,10 +796,17 @@ def run(argv=None):
             and not MPI.Is_finalized() else None
         where = f"rank {world.rank} of {world.size}" if world is not None else "mpitrain"
         interrupted = isinstance(e, KeyboardInterrupt)
-        sys.stderr.write(f"{where}: interrupted, ending the job\n" if interrupted else
-                         f"{where}: uncaught exception, ending the job\n{traceback.format_exc()}")
+        # a record that cannot be read is bad input met by one rank: its message says it all
+        data_error = getattr(sys.modules.get("mpitrain.datasets.loader"), "DataError", ())
+        if interrupted:
+            sys.stderr.write(f"{where}: interrupted, ending the job\n")
+        elif isinstance(e, data_error):
+            sys.stderr.write(f"{where}: error: {e}\n")
+        else:
+            sys.stderr.write(f"{where}: uncaught exception, ending the job\n"
+                             f"{traceback.format_exc()}")
         sys.stderr.flush()
-        status = 130 if interrupted else 1
+        status = 130 if interrupted else 2 if isinstance(e, data_error) else 1
         if world is not None and world.size > 1:
             from mpitrain.control import end_job
             end_job(world, status)
@@ -784,8 +824,12 @@ def main(argv=None):
     elif args.command == "plot":
         run_plot(args)
     elif args.command == "inspect":
+        from mpitrain.checks import ConfigError
         from mpitrain.inspect import report
-        print(report(args.model, image_size=args.image_size, num_classes=args.num_classes))
+        try:
+            print(report(args.model, image_size=args.image_size, num_classes=args.num_classes))
+        except ConfigError as e:
+            args.command_parser.error(str(e))
     elif args.command == "convert":
         run_convert(args)
     elif args.command == "export":

@@ -114,9 +114,21 @@ def _cuda_version(code):
 
 
 def save_json(path, data):
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
+    """Write `data` to `path` as indented JSON, atomically: into a temporary file beside
+    it, renamed over `path` once complete (a full disk leaves the old file or none, never
+    a truncated one). OSError when it cannot be written."""
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def describe(title, data, width=100):

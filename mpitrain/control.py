@@ -1,8 +1,9 @@
 """Run control: stopping on signals, the heartbeat files and the stall watchdog.
 
     StopSignals   SIGTERM, SIGINT and SIGUSR1 ask the run to stop: between steps the
-                  ranks agree on it, write a checkpoint and exit; a second SIGINT, or
-                  a rank that cannot reach the next step, ends the job at once
+                  ranks agree on it, write a checkpoint and exit; a second SIGINT, a
+                  rank that cannot reach the next step, or a launcher that is gone
+                  (LauncherWatch) ends the job at once
     Heartbeats    RUN_DIR/heartbeat/rank<N>: where each rank is (pid, host, position)
     Watchdog      ends the job when no step completes for a while, naming the ranks
                   that did not arrive or stopped living
@@ -27,10 +28,16 @@ import numpy as np
 # 128 + the signal's number otherwise, as a shell reports a process ended by it
 EXIT_STATUS = {"SIGUSR1": 0, "SIGTERM": 128 + signal.SIGTERM, "SIGINT": 128 + signal.SIGINT}
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")     # in the order of precedence
+# status of a job whose launcher is gone: as a process whose terminal hung up
+LAUNCHER_GONE = 128 + signal.SIGHUP
+# seconds between two looks at the launcher
+LAUNCHER_POLL = 1.0
 # seconds a rank ending the job waits for the launcher to read what the rank last wrote
 FORWARD_WAIT = 2.0
-# seconds an MPI Abort may take before the process ends itself
+# seconds an MPI Abort may take before the process ends itself; less once the launcher,
+# which carries the abort out, is gone (every rank watches it and ends itself alike)
 ABORT_FALLBACK = 10
+ORPHAN_ABORT_FALLBACK = 3
 
 
 def unread(fd):
@@ -54,7 +61,7 @@ def wait_until_read(fds=(1, 2), timeout=FORWARD_WAIT):
             time.sleep(0.001)
 
 
-def end_job(world, status):
+def end_job(world, status, fallback=ABORT_FALLBACK):
     """End every rank of the job at once: MPI Abort of `world` with `status`.
 
     A launcher forwards each rank's output from a pipe, and it kills the job the moment
@@ -65,10 +72,10 @@ def end_job(world, status):
     The watchdog and the signal watcher end the job from their own threads while the
     main thread may be blocked inside a collective, and an MPI library may make the
     abort wait for that collective's lock. So an alarm goes off first: if the abort
-    has not ended the process ABORT_FALLBACK seconds later, SIGALRM's default action
+    has not ended the process `fallback` seconds later, SIGALRM's default action
     kills it (mpitrain installs no handler, which would need the GIL), and the
     launcher ends the rest of a job one of whose ranks died."""
-    signal.alarm(ABORT_FALLBACK)
+    signal.alarm(fallback)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -76,6 +83,65 @@ def end_job(world, status):
             pass
     wait_until_read()
     world.Abort(status)
+
+
+def _start_time(pid):
+    """The start time of process `pid` (clock ticks since boot, /proc/PID/stat's 22nd field),
+    which tells it from a later process given the same pid; None when there is no such
+    process or it has ended (a zombie). Without /proc: 0 for any live pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()     # the name may hold spaces
+        return None if fields[0] in "ZX" else int(fields[19])
+    except FileNotFoundError:
+        if os.path.isdir("/proc"):
+            return None
+    except (OSError, IndexError, ValueError):
+        return None
+    try:
+        os.kill(pid, 0)
+        return 0
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        return 0
+
+
+class LauncherWatch:
+    """Whether the processes that started this rank are still there.
+
+    kill -9 of launch.sh, or of the launcher, leaves the ranks running: launch.sh
+    runs mpiexec in a process group of its own (Ctrl-C reaches launch.sh alone) and
+    Open MPI gives each rank one more, so no signal reaches them; they would train on
+    and keep writing into the run directory. Two processes are watched:
+
+      - launch.sh itself (or `study`), named by MPITRAIN_LAUNCHER_PID (and
+        MPITRAIN_LAUNCHER_HOST: a rank on another host cannot see it), which it exports;
+        its start time tells it from a later process given the same pid;
+      - under an MPI launcher, this rank's parent (mpiexec's proxy, mpirun, Slurm's
+        step daemon): a rank whose parent died is handed to another process.
+
+    `gone()` says which is gone (None while both are there)."""
+
+    def __init__(self, environ=None):
+        from .launcher import LAUNCHERS
+        environ = os.environ if environ is None else environ
+        self.parent = os.getppid() if any(environ.get(rank, "").isdigit()
+                                          for rank, _ in LAUNCHERS) else None
+        pid, host = environ.get("MPITRAIN_LAUNCHER_PID", ""), environ.get("MPITRAIN_LAUNCHER_HOST")
+        self.launcher = None
+        if pid.isdigit() and host in (None, socket.gethostname()):
+            self.launcher = (int(pid), _start_time(int(pid)))
+
+    def gone(self):
+        if self.launcher is not None:
+            pid, started = self.launcher
+            if started is None or _start_time(pid) != started:
+                return f"the launching process (pid {pid}, MPITRAIN_LAUNCHER_PID) is gone"
+        if self.parent is not None and os.getppid() != self.parent:
+            return (f"this rank's parent process (pid {self.parent}: the MPI launcher or its "
+                    f"proxy) is gone")
+        return None
 
 
 class StopSignals:
@@ -95,14 +161,17 @@ class StopSignals:
         was not called): it cannot reach the next step boundary.
     The grace is `grace` seconds when given, else four times the longest interval
     seen between two step boundaries (`mark()`), and at least MIN_GRACE.
+    The watcher also looks at `launcher` (a LauncherWatch) every LAUNCHER_POLL seconds
+    and ends the job (status LAUNCHER_GONE) once the launcher is gone: nothing else
+    would stop the ranks then, nor read what they print.
 
     Installed only in the main thread; `restore()` puts the previous handlers back.
     """
 
     MIN_GRACE = 30.0
 
-    def __init__(self, comm, grace=None, stream=None):
-        self.comm, self.fixed_grace = comm, grace
+    def __init__(self, comm, grace=None, stream=None, launcher=None):
+        self.comm, self.fixed_grace, self.launcher = comm, grace, launcher
         self.stream = stream or sys.stderr
         self.received = set()               # names of the signals the main thread has seen
         self.previous = {}
@@ -149,14 +218,22 @@ class StopSignals:
         first = deadline = None
         counts = dict.fromkeys(STOP_SIGNALS, 0)
         while True:
-            wait = None if deadline is None or self._acted.is_set() \
-                else max(0.0, deadline - time.monotonic())
+            waiting = deadline is not None and not self._acted.is_set()
+            wait = max(0.0, deadline - time.monotonic()) if waiting else None
+            if self.launcher is not None:
+                wait = LAUNCHER_POLL if wait is None else min(wait, LAUNCHER_POLL)
             readable, _, _ = select.select([self._read], [], [], wait)
-            if not readable:                         # the grace ran out
-                self._abort(first, f"{first} arrived {self.grace():.0f} s ago, but this rank "
-                                   f"has not reached the next step boundary (its main thread "
-                                   f"is blocked, likely in a collective waiting for a rank "
-                                   f"that stalled or died)")
+            if not readable:
+                if waiting and time.monotonic() >= deadline:     # the grace ran out
+                    self._abort(first, f"{first} arrived {self.grace():.0f} s ago, but this "
+                                       f"rank has not reached the next step boundary (its main "
+                                       f"thread is blocked, likely in a collective waiting for "
+                                       f"a rank that stalled or died)")
+                gone = self.launcher.gone() if self.launcher is not None else None
+                if gone:
+                    self._end(LAUNCHER_GONE, f"{gone}, and with it what would stop this job",
+                              ORPHAN_ABORT_FALLBACK)
+                continue
             data = os.read(self._read, 64)
             if not data:                             # restore() closed the pipe
                 return
@@ -171,11 +248,16 @@ class StopSignals:
                     first, deadline = name, time.monotonic() + self.grace()
 
     def _abort(self, name, why):
-        status = EXIT_STATUS[name] or 128 + getattr(signal, name)
-        self.stream.write(f"rank {self.comm.rank} of {self.comm.size}: {why}. Ending the job "
-                          f"(status {status}).\n")
-        self.stream.flush()
-        self.comm.abort(status)
+        self._end(EXIT_STATUS[name] or 128 + getattr(signal, name), why)
+
+    def _end(self, status, why, fallback=ABORT_FALLBACK):
+        try:                                         # a launcher that is gone reads nothing
+            self.stream.write(f"rank {self.comm.rank} of {self.comm.size}: {why}. Ending the "
+                              f"job (status {status}).\n")
+            self.stream.flush()
+        except OSError:
+            pass
+        self.comm.abort(status, fallback)
 
     def restore(self):
         """Put the previous handlers back and stop the watcher."""

@@ -38,7 +38,7 @@ def _evaluate(comm, path, data, batch_size, workers, device):
         try:
             cfg = checkpoint.read_config(path)
             info = (cfg, describe_file(data))
-        except (checkpoint.CheckpointError, FormatError) as e:
+        except (checkpoint.CheckpointError, FormatError, ConfigError) as e:
             info = str(e)
         except OSError as e:
             info = f"cannot read data file {data}: {e}"

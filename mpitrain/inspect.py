@@ -12,8 +12,11 @@ from mpitrain.nets import build_model
 
 def layer_table(model_name, image_size=224, num_classes=1000):
     """Rows (name, type, output shape, parameters, multiply-adds) for every leaf layer
-    in forward order, and the model (for totals)."""
+    in forward order, and the model (for totals). ConfigError for an image size the
+    network cannot take."""
+    from mpitrain.checks import check_image_size
     model = build_model(model_name, num_classes=num_classes)
+    check_image_size(model, model_name, image_size)
     rows = []
     for name, m in model.named_modules():
         if not m.children():

@@ -51,15 +51,18 @@ def output_is_terminal(stream):
 
 
 # What mpirun/mpiexec (MPICH's hydra, Open MPI's orterun and PMIx) put in the environment
-# of the processes they start. A job started from such a process with these in its
-# environment takes itself for part of the outer job (Open MPI refuses to start it).
+# of the processes they start (and launch.sh's MPITRAIN_LAUNCHER_PID and _HOST, the
+# process whose death ends the job: control.LauncherWatch). A job started from such a
+# process with these in its environment takes itself for part of the outer job (Open MPI
+# refuses to start it).
 LAUNCH_VARIABLES = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID",
                     "OMPI_COMM_WORLD_", "OMPI_UNIVERSE_SIZE", "OMPI_FIRST_RANKS",
                     "OMPI_APP_CTX_", "OMPI_NUM_APP_CTX", "OMPI_FILE_LOCATION", "OMPI_COMMAND",
                     "OMPI_ARGV", "OMPI_MCA_ess", "OMPI_MCA_orte_", "OMPI_MCA_pmix",
                     "OMPI_MCA_initial_wdir", "OMPI_MCA_mpi_oversubscribe",
                     "OMPI_MCA_mpi_yield_when_idle", "OMPI_MCA_hwloc_base_binding_policy",
-                    "OMPI_MCA_shmem_RUNTIME_QUERY_hint", "ORTE_SCHIZO_DETECTION")
+                    "OMPI_MCA_shmem_RUNTIME_QUERY_hint", "ORTE_SCHIZO_DETECTION",
+                    "MPITRAIN_LAUNCHER_")
 
 
 def outside_environment(env=None):

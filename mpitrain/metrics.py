@@ -3,6 +3,7 @@
 Progress on a terminal is a tqdm bar redrawn in place; elsewhere (a Slurm log,
 CI) it is plain lines, so logs stay readable.
 """
+import errno
 import json
 import os
 import sys
@@ -203,19 +204,35 @@ class MetricsLog:
     Step records: {"kind": "step", "epoch", "step", "global_step", "loss", "lr",
     "loss_scale" (if any), "images_per_s", "time": {phase: seconds per step}}.
     Evaluation records: {"kind": "eval", "epoch", "global_step", "skipped_steps" (skipped
-    on overflow under loss scaling, so far), "top1", "top5"}.
+    on overflow under loss scaling, so far), "top1", "top5", "nonfinite" (images whose
+    logits were not finite), "bad_records" (validation records skipped)}.
+
+    A record that the file system has no room for is left out whole (the file is cut
+    back to its last complete line) and said once on `stream`: the run goes on, and the
+    check before its next checkpoint stops it if the room does not come back.
     """
 
-    def __init__(self, path):
-        self.path = path
-        self.file = open(path, "a")
+    def __init__(self, path, stream=None):
+        self.path, self.stream = path, stream or sys.stderr
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.lost = 0                       # records left out for want of room
 
     def write(self, record):
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        line = (json.dumps(record) + "\n").encode()
+        end = os.lseek(self.fd, 0, os.SEEK_END)
+        try:
+            if os.write(self.fd, line) != len(line):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as e:
+            os.ftruncate(self.fd, end)
+            self.lost += 1
+            if self.lost == 1:
+                self.stream.write(f"warning: {self.path}: cannot write ({e.strerror}); records "
+                                  f"are left out until there is room\n")
+                self.stream.flush()
 
     def close(self):
-        self.file.close()
+        os.close(self.fd)
 
 
 def read_metrics(path):

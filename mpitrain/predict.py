@@ -57,6 +57,7 @@ def load_model(path):
         cfg = state["config"]
         model = build_model(cfg["model"], num_classes=cfg["num_classes"], seed=0)
         checkpoint.check_matches(state, model)
+        checkpoint.check_finite(state)
     except checkpoint.CheckpointError as e:
         raise PredictError(str(e)) from None
     except (KeyError, ValueError) as e:     # a config without the model, or an unknown one
@@ -163,6 +164,20 @@ def training_file(cfg):
     return cfg.get("data")
 
 
+def check_normalisation(cfg):
+    """Refuse a checkpoint config whose mean, std or white level cannot normalise an
+    image: not finite, or a std or white level that is not positive."""
+    values = {"mean": cfg["mean"], "std": cfg["std"], "pixel_max": [cfg.get("pixel_max", 255)]}
+    for name, v in values.items():
+        v = np.asarray(v, np.float64)
+        if v.shape != (1 if name == "pixel_max" else 3,) or not np.isfinite(v).all() \
+                or (name != "mean" and not (v > 0).all()):
+            raise PredictError(f"the checkpoint's normalisation {name} is {v.tolist()}: not "
+                               f"{'finite numbers' if name == 'mean' else 'positive'} for each "
+                               f"channel; pass --data FILE (its training data file) to read "
+                               f"the normalisation from there")
+
+
 def preprocessing(cfg, data=None):
     """The Preprocessing of a checkpoint's config; `data` (a data file of the same
     training split) stands in for a training file that is not where the config says."""
@@ -171,6 +186,7 @@ def preprocessing(cfg, data=None):
     names = cfg.get("class_names")
     if data is None and "mean" in cfg and "std" in cfg:       # the config carries them
         white = float(cfg.get("pixel_max", 255))
+        check_normalisation(cfg)
         return Preprocessing(size, crop, list(cfg["mean"]), list(cfg["std"]), white,
                              8 if white <= 255 else 16,
                              names or [str(i) for i in range(classes)], "checkpoint")
@@ -198,6 +214,9 @@ def preprocessing(cfg, data=None):
 
 
 # ----- the command -----
+NONFINITE = "the model's logits for this image are not finite (inf or NaN): no prediction"
+
+
 def softmax(logits):
     """Row-wise probabilities, in float64: exp(l - max l) / sum exp(l - max l)."""
     z = np.asarray(logits, np.float64)
@@ -209,7 +228,8 @@ def predict(path, images, data=None, top=5, batch_size=32):
     """The `top` most probable classes of each image file under checkpoint `path`:
     {"checkpoint", "model", "normalisation" (the file mean and std came from),
     "predictions": [{"image", "top": [{"class", "index", "probability"}]}]}, most
-    probable first (ties: the lower index, as argmax)."""
+    probable first (ties: the lower index, as argmax). An image whose logits are not
+    finite has "top": None and "error" saying so."""
     model, cfg, _ = load_model(path)
     prep = preprocessing(cfg, data)
     k = min(top, cfg["num_classes"])
@@ -221,6 +241,9 @@ def predict(path, images, data=None, top=5, batch_size=32):
             prep.load(image, x[i])
         probs = softmax(model.forward(x, train=False))
         for image, p in zip(paths, probs):
+            if not np.isfinite(p).all():        # no class is more probable than another
+                predictions.append({"image": image, "top": None, "error": NONFINITE})
+                continue
             best = np.argsort(-p, kind="stable")[:k]
             predictions.append({"image": image, "top": [
                 {"class": prep.class_names[c], "index": int(c), "probability": float(p[c])}
@@ -234,6 +257,9 @@ def format_text(result):
     lines = []
     for item in result["predictions"]:
         lines.append(item["image"])
+        if item["top"] is None:
+            lines.append(f"  {item['error']}")
+            continue
         lines += [f"  {t['probability']:8.2%}  {t['class']}" for t in item["top"]]
     return "\n".join(lines)
 
@@ -245,6 +271,6 @@ def run(args):
     except PredictError as e:
         args.command_parser.error(str(e))
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(result, allow_nan=False))     # JSON has no NaN
     else:
         print(format_text(result))

@@ -30,6 +30,7 @@ import io
 import math
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -224,6 +225,10 @@ class Launcher:
         self.prefix = [mpiexec, *launch_options(ranks_per_run, family), "-np",
                        str(ranks_per_run), sys.executable, "-m", "mpitrain", "train"]
         self.env = job_environment(family, threads)
+        # the runs' ranks end their jobs when the study is gone (control.LauncherWatch): a
+        # study killed with SIGKILL cannot end them itself
+        self.env.update(MPITRAIN_LAUNCHER_PID=str(os.getpid()),
+                        MPITRAIN_LAUNCHER_HOST=socket.gethostname())
         self.threads = {k: self.env[k] for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                                                  "NUMBA_NUM_THREADS")}
 

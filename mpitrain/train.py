@@ -45,9 +45,10 @@ import time
 import numpy as np
 
 from . import backend, checkpoint
-from .checks import (ConfigError, check_batch, check_image_size, check_launch, check_threads,
-                     comm_options, describe_data, find_resume, prepare_run_dir, resolve_data)
-from .control import Heartbeats, LossWatch, StopSignals, Watchdog, stop_signal
+from .checks import (ConfigError, check_batch, check_free_space, check_image_size, check_launch,
+                     check_threads, comm_options, describe_data, find_resume, free_space,
+                     prepare_run_dir, resolve_data)
+from .control import Heartbeats, LauncherWatch, LossWatch, StopSignals, Watchdog, stop_signal
 from .metrics import MetricsLog, StepProgress, Timeline
 from .optim import learning_rate, make_optimizer, scaled_lr
 from .precision import LossScaler, make_scaler
@@ -193,20 +194,33 @@ def train_step(model, optimizer, reducer, x, y, lr, label_smoothing=0.0, scaler=
 
 def evaluate(model, comm, loader, topk=(1, 5)):
     """Top-k accuracy of the whole validation set: each rank scores its shard of every
-    (padded) step and the correct counts are summed. Returns {"top1": fraction, ...}."""
-    from mpitrain.nets.losses import accuracy_counts
+    (padded) step and the counts are summed over the ranks. Returns {"top1": fraction,
+    ..., "nonfinite": images whose logits held an inf or a NaN (counted wrong),
+    "bad_records": records skipped by --skip-bad-records}."""
+    from mpitrain.nets.losses import accuracy_counts, nonfinite_rows
     xp = backend.xp
-    correct = xp.zeros(len(topk), np.int64)     # at each k, on the device until the end
-    scored = 0
+    counts = xp.zeros(len(topk) + 1, np.int64)  # correct at each k, non-finite rows: on the
+    scored, skipped = 0, loader.skipped         # device until the end
     for x, y in loader:
         n = loader.last_valid                   # the rest of the batch pads the last step
         if n:
             logits = model.forward(xp.asarray(x[:n]), train=False)
-            correct += accuracy_counts(logits, xp.asarray(y[:n]), topk=topk)
+            counts[:-1] += accuracy_counts(logits, xp.asarray(y[:n]), topk=topk)
+            counts[-1] += nonfinite_rows(logits)
             scored += n
-    counts = np.append(backend.to_numpy(correct), scored).astype(np.float64)
+    counts = np.append(backend.to_numpy(counts), (loader.skipped - skipped, scored))
+    counts = counts.astype(np.float64)
     comm.allreduce(counts, "flat")
-    return {f"top{k}": float(counts[i] / counts[-1]) for i, k in enumerate(topk)}
+    result = {f"top{k}": float(counts[i] / counts[-1]) for i, k in enumerate(topk)}
+    result.update(nonfinite=int(counts[-3]), bad_records=int(counts[-2]))
+    return result
+
+
+def describe_nonfinite(result, images):
+    """What to say of an evaluation (`result` of evaluate, on `images` images) that met
+    non-finite logits."""
+    return (f"{result['nonfinite']} of {images} images gave non-finite logits (inf or NaN) "
+            f"and were counted wrong: the model's outputs are not numbers")
 
 
 # ----- the run around the steps -----
@@ -215,12 +229,19 @@ def open_run(cfg, comm, say):
     directory (after every check has passed: a refused run overwrites nothing)."""
     from .config import describe, environment, save_json
     env = environment(comm, backend.device)
+    problem = None
     if comm.rank == 0:
-        save_json(os.path.join(cfg["run_dir"], "config.json"), cfg)
-        save_json(os.path.join(cfg["run_dir"], "environment.json"), env)
-        say(describe(f"configuration (saved in {cfg['run_dir']}/config.json)", cfg), flush=True)
-        say(describe("environment", env), flush=True)
-    comm.barrier()
+        try:
+            save_json(os.path.join(cfg["run_dir"], "config.json"), cfg)
+            save_json(os.path.join(cfg["run_dir"], "environment.json"), env)
+        except OSError as e:
+            problem = (f"cannot write the run's reports into --run-dir {cfg['run_dir']} "
+                       f"({e.strerror}); free space there or choose another directory")
+    problem = comm.bcast(problem, root=0)
+    if problem:
+        raise ConfigError(problem)
+    say(describe(f"configuration (saved in {cfg['run_dir']}/config.json)", cfg), flush=True)
+    say(describe("environment", env), flush=True)
 
 
 class Run:
@@ -239,6 +260,7 @@ class Run:
         self.metrics = self.progress = self.train_data = self.val_data = self.comm = None
         self.timeline = NO_TIMELINE
 
+        launcher = LauncherWatch()              # its processes, before any of them can go
         # ----- options that cannot work are refused before any work -----
         check_threads()
         check_launch(mpi_comm.size)
@@ -267,6 +289,9 @@ class Run:
                                          seed=cfg["seed"], rank=rank, working_dtype=working)
         check_image_size(model, cfg["model"], size_px)
         self.run_dir = run_dir = prepare_run_dir(cfg, comm)
+        # master, momentum, LAMB's second moment, each rank's top-k residual
+        arrays = 2 + (cfg["optimizer"] == "lamb") + size * (cfg["compress"] == "topk")
+        check_free_space(run_dir, checkpoint.expected_size(model, size, arrays), comm)
         resume_from = find_resume(cfg, comm, say)
         data = dict(rank=rank, size=size, image_size=size_px, workers=cfg["workers"],
                     prefetch=cfg["prefetch"], dtype=model.dtype, seed=cfg["seed"],
@@ -303,7 +328,8 @@ class Run:
         self.loss_sum = np.zeros(2)             # the ranks' summed losses, and steps, since
         self.loss_watch = LossWatch()           # the last log line
         self.saved_step = None                  # global step of the newest checkpoint written
-        self.skipped_logged = 0                 # bad records counted in earlier log lines
+        self.skipped = 0                        # bad training records skipped by all ranks
+        self.skipped_logged = 0                 # of them, counted in earlier log lines
         self.last_good = None                   # the newest written before a divergence began
         self.tuner = (FusionTuner(model.arena, comm) if cfg["fusion_threshold"] == "auto"
                       else None)
@@ -350,7 +376,7 @@ class Run:
         self.progress = StepProgress(epochs * steps, position["epoch"] * steps + position["step"],
                                      stream=sys.stdout) if rank == 0 else None
         self.log_every = cfg["log_every"] or (max(1, steps // 4) if steps >= 100 else steps)
-        self.signals = StopSignals(comm, grace=cfg["stop_grace"])
+        self.signals = StopSignals(comm, grace=cfg["stop_grace"], launcher=launcher)
         self.heartbeats = Heartbeats(os.path.join(run_dir, "heartbeat"), comm)
         self.position = "start"
         timeline.listener = lambda phase: self.heartbeats.post(f"in '{phase}' after {self.position}")
@@ -414,10 +440,13 @@ class Run:
             if cfg["check_replicas"] and global_step % cfg["check_replicas"] == 0:
                 self.check_replicas(global_step)
             # the one agreement of a step: stop signals, non-finite losses, the loss itself,
-            # summed over the ranks (the same bits everywhere, so every rank decides alike)
+            # summed over the ranks (the same bits everywhere, so every rank decides alike),
+            # and the bad records the ranks have skipped so far, for the reports
             finite = math.isfinite(loss)
-            agreed = np.array([*self.signals.pending(), not finite, loss if finite else 0.0])
+            agreed = np.array([*self.signals.pending(), not finite, loss if finite else 0.0,
+                               data.skipped])
             comm.allreduce(agreed, "flat")
+            self.skipped = int(agreed[5])
             self.signals.mark()
             if self.stop_on_nan and agreed[3]:
                 raise TrainingError(self.diverged(loss, epoch, s, "is not finite",
@@ -463,8 +492,8 @@ class Run:
         steps = self.loss_sum[1] / self.comm.size
         phases = {k: v / steps for k, v in self.timeline.take_totals().items()}
         wait = (self.train_data.wait_time - self.wait_start) / (now - self.epoch_start)
-        skipped = self.train_data.skipped - self.skipped_logged     # since the last log line
-        self.skipped_logged = self.train_data.skipped
+        skipped = self.skipped - self.skipped_logged     # by every rank since the last log line
+        self.skipped_logged = self.skipped
         self.line = (f"epoch {epoch + 1}/{self.epochs}  step {s + 1}/{self.steps}  loss {loss:.4f}"
                      f"  lr {lr:.4f}  {images_per_s:,.0f} images/s  data wait {wait:.0%}"
                      + (f"  {skipped} bad record(s) skipped" if skipped else ""))
@@ -486,7 +515,9 @@ class Run:
             with self.timeline.span("evaluate", "evaluate"):
                 accuracy = self.evaluate()
             self.beat(f"evaluation after epoch {epoch + 1}")
-            line += "".join(f"  val {k} {v:.2%}" for k, v in accuracy.items())
+            line += "".join(f"  val top{k} {accuracy[f'top{k}']:.2%}" for k in self.topk)
+            if accuracy["nonfinite"]:
+                line += f"  {accuracy['nonfinite']} non-finite"
             if self.metrics:
                 self.metrics.write(dict(kind="eval", epoch=epoch + 1,
                                         global_step=(epoch + 1) * self.steps,
@@ -522,17 +553,38 @@ class Run:
             state = checkpoint.collect(self.model, self.comm, pos["epoch"], pos["step"],
                                        global_step, self.saved_cfg, self.optimizer, self.scaler,
                                        progress, residual)
-            path = None
+            path = problem = None
             if self.comm.rank == 0:
-                path = checkpoint.write(os.path.join(
-                    self.run_dir, checkpoint.PATTERN.format(global_step=global_step)), state)
-                if self.loss_watch.calm():
-                    self.last_good = path
-                checkpoint.prune(self.run_dir, self.cfg["keep_checkpoints"],
-                                 protect={self.last_good})
+                path, problem = self.write_checkpoint(state, global_step)
             # no rank leaves before the file is complete
-            self.result["checkpoint"] = self.comm.bcast(path, root=0)
+            path, problem = self.comm.bcast((path, problem), root=0)
+        if problem:
+            raise TrainingError(problem)
+        self.result["checkpoint"] = path
         self.saved_step = global_step
+
+    def write_checkpoint(self, state, global_step):
+        """Rank 0: (path, None) once the checkpoint is written and the old ones pruned, or
+        (None, why) when the run directory's file system cannot hold it: checked before
+        writing, and a write that fails leaves no part of the file behind."""
+        path = os.path.join(self.run_dir, checkpoint.PATTERN.format(global_step=global_step))
+        need, have = checkpoint.state_size(state), free_space(self.run_dir)
+        full = (f"the file system of --run-dir {self.run_dir} cannot hold the checkpoint of "
+                f"step {global_step}")
+        last = f"the last checkpoint is {self.result['checkpoint'] or 'none'}"
+        if have is not None and have < need:
+            return None, (f"{full}: it needs {need / 2**20:.1f} MiB, {have / 2**20:.1f} MiB "
+                          f"are free. Stopped without writing it; {last}. Free space (or "
+                          f"lower --keep-checkpoints) and continue with --resume auto")
+        try:
+            checkpoint.write(path, state)
+        except OSError as e:
+            return None, (f"{full} ({e.strerror or e}); nothing of it was left behind; {last}. "
+                          f"Free space and continue with --resume auto")
+        if self.loss_watch.calm():
+            self.last_good = path
+        checkpoint.prune(self.run_dir, self.cfg["keep_checkpoints"], protect={self.last_good})
+        return path, None
 
     def stop(self, signal_name):
         """The ranks agreed to stop on `signal_name`: checkpoint, say how to continue."""
@@ -601,7 +653,9 @@ def train(comm=None, log=print, **options):
     Returns a dict with the final validation accuracy ("top1", "top5"), the mean
     training loss since the last progress line ("loss"), the number of steps and the
     seconds taken, the run directory, the last checkpoint, the number of bad records
-    skipped, and the stop signal's name ("stopped") when a signal ended the run early.
+    skipped by all ranks, the validation images whose logits were not finite in the last
+    evaluation ("nonfinite", counted wrong; the command fails when there are any), and
+    the stop signal's name ("stopped") when a signal ended the run early.
     """
     from mpi4py import MPI
     cfg = {**DEFAULTS, **options}
@@ -628,15 +682,17 @@ def train(comm=None, log=print, **options):
     result, scaler = run.result, run.scaler
     result.update(steps=run.steps * run.epochs, seconds=time.perf_counter() - run.start,
                   loss_scale=scaler.scale, skipped_steps=scaler.skipped,
-                  skipped_records=run.train_data.skipped)
+                  skipped_records=run.skipped, val_images=len(run.val_data.labels))
     top5 = f", {result['top5']:.2%} top-5" if "top5" in result else ""
     run.say(f"final validation accuracy: {result['top1']:.2%} top-1{top5} "
-            f"({len(run.val_data.labels)} images, {run.epochs} epochs, "
-            f"{result['seconds']:.1f} s)", flush=True)
+            f"({result['val_images']} images, {run.epochs} epochs, {result['seconds']:.1f} s)"
+            + (" -- not a result: see below" if result["nonfinite"] else ""), flush=True)
     if scaler.check:
         run.say(f"loss scale {scaler.scale:g} at the end; {scaler.skipped} step(s) skipped on "
                 f"overflow", flush=True)
-    if run.train_data.skipped:
-        run.say(f"{run.train_data.skipped} bad training record(s) skipped "
-                f"(--skip-bad-records)", flush=True)
+    if run.skipped:
+        run.say(f"{run.skipped} bad training record(s) skipped (--skip-bad-records)", flush=True)
+    if result["bad_records"]:
+        run.say(f"{result['bad_records']} bad validation record(s) skipped in the last "
+                f"evaluation (--skip-bad-records)", flush=True)
     return result

@@ -50,12 +50,22 @@ def accuracy_counts(logits, labels, topk=(1, 5)):
     """How many rows have their label among the k largest logits, for each k in topk
     (k capped at the number of classes), as an int64 array of the logits' module (on a
     GPU it stays there until read). A label counts as within the top k when fewer than
-    k logits are strictly larger than its own (ties favour the label)."""
+    k logits are strictly larger than its own (ties favour the label). A row with a
+    non-finite logit counts as wrong at every k: no logit compares larger than a NaN,
+    which would otherwise put a NaN row's label first (nonfinite_rows counts them)."""
     xp = array_module(logits)
     N, K, labels = _check(xp, logits, labels)
     own = logits[xp.arange(N), labels]
     rank = (logits > own[:, None]).sum(axis=1)
-    return xp.stack([(rank < min(k, K)).sum() for k in topk]).astype(np.int64)
+    finite = xp.isfinite(logits).all(axis=1)
+    return xp.stack([((rank < min(k, K)) & finite).sum() for k in topk]).astype(np.int64)
+
+
+def nonfinite_rows(logits):
+    """How many rows of (N, K) logits hold an inf or a NaN, as an int64 0-d array of the
+    logits' module."""
+    xp = array_module(logits)
+    return (~xp.isfinite(logits).all(axis=1)).sum().astype(np.int64)
 
 
 def _check(xp, logits, labels):

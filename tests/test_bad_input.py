@@ -111,19 +111,24 @@ def test_a_file_declaring_huge_images_is_refused_before_allocating(tmp_path):
     refused(r, "60000x60000 images in batches of 16 need", "GiB of buffers, more than the")
 
 
-def test_decode_errors_are_counted_and_reported_with_skip_bad_records(synth, tmp_path):
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.launches)])
+def test_decode_errors_are_counted_and_reported_with_skip_bad_records(synth, tmp_path, ranks):
+    """Every rank's skips are counted: summed over the ranks in the progress lines,
+    metrics.jsonl and the summary, whichever rank read the bad records."""
     data = tmp_path / "s.h5"
     data.write_bytes((synth / "s.h5").read_bytes())
     (tmp_path / "s_val.h5").write_bytes((synth / "s_val.h5").read_bytes())
     with h5py.File(data, "r+") as f:
         for i in (3, 17, 40):
             f["images"][f["offsets"][i]:f["offsets"][i + 1]] = 1
-    r = quick("train", "--data", str(data), "--batch-size", "16", "--image-size", "32",
-              "--epochs", "1", "--log-every", "2", "--skip-bad-records",
-              "--run-dir", str(tmp_path / "run"))
+    args = ("train", "--data", str(data), "--batch-size", "16", "--image-size", "32",
+            "--epochs", "1", "--log-every", "2", "--skip-bad-records",
+            "--run-dir", str(tmp_path / "run"))
+    r = quick(*args) if ranks == 1 else run(ranks, *args)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "3 bad training record(s) skipped (--skip-bad-records)" in r.stdout
-    assert re.search(r"step \d+/4 .* \d bad record\(s\) skipped", r.stdout), r.stdout
+    shown = re.findall(r"step \d+/4 .* (\d) bad record\(s\) skipped", r.stdout)
+    assert sum(map(int, shown)) == 3, r.stdout
     records = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert sum(x.get("skipped_records", 0) for x in records if x["kind"] == "step") == 3
 
@@ -247,3 +252,204 @@ def test_bad_compression_options_are_refused():
     refused(quick("train", "--compress", "topk", "--comm-dtype", "fp16"),
             "--compress topk", "cannot take --comm-dtype fp16")
     refused(quick("train", "--compress-warmup", "-1"), "--compress-warmup", "must be >= 0")
+
+
+# ----- empty and exhausted inputs -----
+def empty_copy(src, dst):
+    """`src`'s classes and statistics with no records."""
+    with h5py.File(src, "r") as f, h5py.File(dst, "w") as g:
+        g.attrs.update(f.attrs)
+        for key in ("class_names", "mean", "std"):
+            f.copy(key, g)
+        g["labels"] = np.zeros(0, np.int64)
+        g["offsets"] = np.zeros(1, np.int64)
+        g["images"] = np.zeros(0, np.uint8)
+        g["filenames"] = np.zeros(0, h5py.string_dtype())
+
+
+@pytest.mark.parametrize("which", ["training", "validation"])
+def test_an_empty_data_file_is_refused_before_any_work(synth, tmp_path, which):
+    empty = tmp_path / "empty.h5"
+    empty_copy(synth / "s.h5", empty)
+    files = (empty, synth / "s_val.h5") if which == "training" else (synth / "s.h5", empty)
+    r = quick("train", "--data", str(files[0]), "--val-data", str(files[1]), "--batch-size", "16",
+              "--run-dir", str(tmp_path / "run"))
+    refused(r, f"{which} file {empty} holds no images")
+    assert not (tmp_path / "run").exists()
+
+
+def test_images_of_zero_pixels_are_refused(synth, tmp_path):
+    flat = tmp_path / "flat.h5"
+    with h5py.File(flat, "w") as f:
+        f.attrs.update(format="mpitrain-images", version=1, storage="pixels")
+        f["pixels"] = np.zeros((32, 0, 0, 3), np.uint8)
+        f["labels"] = np.arange(32) % 4
+        f["class_names"] = np.array([f"class{c}" for c in range(4)],
+                                    dtype=object).astype(h5py.string_dtype())
+        f["mean"], f["std"] = np.full(3, 128.0), np.full(3, 64.0)
+    r = quick("train", "--data", str(flat), "--val-data", str(synth / "s_val.h5"),
+              "--batch-size", "16", "--run-dir", str(tmp_path / "run"))
+    refused(r, f"{flat}: its images are 0x0 pixels")
+
+
+def test_eval_of_an_empty_file_is_refused(one_epoch, digits, tmp_path):
+    empty = tmp_path / "empty.h5"
+    with h5py.File(digits / "digits_val.h5", "r") as f, h5py.File(empty, "w") as g:
+        g.attrs.update(f.attrs)
+        for key in ("class_names", "mean", "std"):
+            f.copy(key, g)
+        g["labels"] = np.zeros(0, np.int64)
+        g["pixels"] = np.zeros((0, 32, 32, 3), np.uint16)
+    r = quick("eval", "--checkpoint", str(one_epoch / "checkpoint-000000022.h5"),
+              "--data", str(empty))
+    refused(r, f"data file {empty} holds no images")
+
+
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.launches)])
+def test_an_empty_record_ends_the_run_in_one_line_with_status_2(synth, tmp_path, ranks):
+    data = tmp_path / "s.h5"
+    data.write_bytes((synth / "s.h5").read_bytes())
+    with h5py.File(data, "r+") as f:
+        f["offsets"][4] = f["offsets"][3]          # record 3: no bytes
+    args = ("train", "--data", str(data), "--val-data", str(synth / "s_val.h5"),
+            "--batch-size", "16", "--image-size", "32", "--epochs", "1",
+            "--run-dir", str(tmp_path / "run"))
+    r = quick(*args) if ranks == 1 else run(ranks, *args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    errors = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "record 3 cannot be decoded" in errors[0], r.stderr
+    assert "--skip-bad-records" in errors[0] and "Traceback" not in r.stderr, r.stderr
+
+
+def test_too_many_workers_are_refused_with_the_reason():
+    from mpitrain.launcher import cores
+    refused(quick("train", "--workers", "1000"),
+            f"argument --workers: 1000 exceeds the {cores()} core(s) this process may run on")
+    refused(quick("eval", "--checkpoint", "c.h5", "--data", "d.h5", "--workers", "1000"),
+            "argument --workers: 1000 exceeds")
+
+
+def test_inspect_refuses_an_image_size_the_network_cannot_take():
+    refused(quick("inspect", "--model", "alexnet", "--image-size", "32"),
+            "--image-size 32 is too small for alexnet", "the smallest size it takes is 63")
+
+
+# ----- converting folders -----
+def png(path, value=100):
+    from PIL import Image
+    Image.fromarray(np.full((12, 12, 3), value, np.uint8)).save(path)
+
+
+@pytest.mark.parametrize("case", ["no class folders", "no images"])
+def test_converting_a_folder_without_images_is_refused(tmp_path, case):
+    src = tmp_path / "src"
+    src.mkdir()
+    if case == "no images":
+        (src / "cat").mkdir()
+        (src / "dog").mkdir()
+        expect = f"{src}: its 2 class folder(s) hold no image files"
+    else:
+        png(src / "loose.png")
+        expect = f"{src}: no class folders (expected SRC/<class>/<image>)"
+    r = quick("convert", "imagefolder", str(src), str(tmp_path / "out.h5"))
+    refused(r, expect)
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_symbolic_link_loops_are_listed_as_skipped(tmp_path):
+    src = tmp_path / "src"
+    for c in ("cat", "dog"):
+        (src / c).mkdir(parents=True)
+        for i in range(3):
+            png(src / c / f"{i}.png", 40 * i)
+    os.symlink("loop", src / "cat" / "loop")              # a link to itself
+    os.symlink("nowhere.png", src / "dog" / "gone.png")   # a broken link
+    r = quick("convert", "imagefolder", str(src), str(tmp_path / "out.h5"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "train: 6 images" in r.stdout and "2 files skipped" in r.stdout
+    report = (tmp_path / "out.h5.skipped.txt").read_text()
+    assert "cat/loop\ta symbolic link that leads nowhere (Too many levels of symbolic links)" \
+        in report, report
+    assert "dog/gone.png\ta symbolic link that leads nowhere (No such file or directory)" \
+        in report, report
+
+
+# ----- a full file system -----
+@pytest.fixture
+def small_fs(tmp_path):
+    """mount(kib): a tmpfs of that size (skipped, saying why, where none can be mounted)."""
+    mounted = []
+
+    def mount(kib):
+        point = tmp_path / f"fs{len(mounted)}"
+        point.mkdir()
+        try:
+            r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs",
+                                str(point)], capture_output=True, text=True)
+            why = r.stderr.strip() if r.returncode else None
+        except FileNotFoundError as e:
+            why = str(e)
+        if why:
+            pytest.skip(f"NOT TESTED: a full file system needs a small tmpfs, and none can be "
+                        f"mounted here ({why}); run the tests as root with mount rights")
+        mounted.append(point)
+        return point
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", str(point)], check=True)
+
+
+def test_a_run_directory_without_room_for_a_checkpoint_is_refused(small_fs, digits):
+    fs = small_fs(512)
+    r = quick("train", "--data-dir", str(digits), *BATCH, "--run-dir", str(fs / "run"))
+    refused(r, f"--run-dir {fs / 'run'} has 0.5 MiB free, but one checkpoint of this run "
+               f"takes about", "free space there or choose another --run-dir")
+    assert not (fs / "run" / "config.json").exists()
+
+
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.launches)])
+def test_a_file_system_that_fills_up_stops_the_run_cleanly(small_fs, digits, ranks):
+    """Room for one checkpoint and a half: the second is not begun, the run stops (status 1)
+    saying so on every rank, and the first checkpoint, config.json and nothing else
+    half-written remain."""
+    from mpitrain import checkpoint
+    fs = small_fs(1400)
+    args = ("train", "--data-dir", str(digits), *BATCH, "--epochs", "3", "--workers", "1",
+            "--run-dir", str(fs / "run"))
+    r = quick(*args, timeout=300) if ranks == 1 else run(ranks, *args, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    first = fs / "run" / "checkpoint-000000022.h5"
+    assert (f"the file system of --run-dir {fs / 'run'} cannot hold the checkpoint of step 44"
+            in r.stderr), r.stderr
+    assert f"the last checkpoint is {first}" in r.stderr and "Traceback" not in r.stderr
+    assert sorted(os.listdir(fs / "run")) == ["checkpoint-000000022.h5", "config.json",
+                                              "environment.json", "heartbeat", "metrics.jsonl"]
+    assert checkpoint.read(str(first))["global_step"] == 22
+    assert json.loads((fs / "run" / "config.json").read_text())["batch_size"] == 64
+
+
+def test_reports_are_written_whole_or_not_at_all(small_fs):
+    from mpitrain.config import save_json
+    fs = small_fs(64)
+    (fs / "filler").write_bytes(b"x" * (60 << 10))
+    with pytest.raises(OSError):
+        save_json(str(fs / "config.json"), {"text": "y" * (16 << 10)})
+    assert sorted(os.listdir(fs)) == ["filler"]
+
+
+def test_metrics_records_without_room_are_left_out_whole(small_fs):
+    import io
+    from mpitrain.metrics import MetricsLog, read_metrics
+    fs = small_fs(64)
+    (fs / "filler").write_bytes(b"x" * (56 << 10))
+    said = io.StringIO()
+    log = MetricsLog(str(fs / "metrics.jsonl"), stream=said)
+    for i in range(20):                                  # 1.5 KiB each: room for about 5
+        log.write({"kind": "step", "global_step": i, "text": "y" * 1500})
+    log.close()
+    text = (fs / "metrics.jsonl").read_text()
+    kept = read_metrics(str(fs / "metrics.jsonl"))
+    assert 0 < len(kept) < 20 and text.endswith("\n")
+    assert [r["global_step"] for r in kept] == list(range(len(kept)))
+    assert text.count("\n") == len(kept)                  # no torn line
+    assert said.getvalue().count("cannot write (No space left on device)") == 1

@@ -7,7 +7,7 @@ from gradcheck import assert_close, check_layer, numerical_grad
 from mpitrain.nets.activation import Dropout, ReLU
 from mpitrain.nets.batchnorm import BatchNorm2d
 from mpitrain.nets.linear import Flatten, Linear
-from mpitrain.nets.losses import accuracy_counts, softmax_cross_entropy
+from mpitrain.nets.losses import accuracy_counts, nonfinite_rows, softmax_cross_entropy
 
 
 def randn(*shape, seed=11):
@@ -368,6 +368,18 @@ def test_accuracy_counts():
                        [0.9, 0.5, 0.2, 0.1]])    # label 3: last
     labels = np.array([3, 1, 3])
     assert accuracy_counts(logits, labels, topk=(1, 2, 5)).tolist() == [1, 2, 3]   # k = 5: 4
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_row_with_a_non_finite_logit_is_never_correct(bad):
+    """No logit is larger than a NaN: without the check a NaN row would score at every k."""
+    logits = np.array([[0.1, 0.5, 0.2, 0.9],     # label 3: top-1
+                       [np.nan] * 4,              # all NaN
+                       [0.9, bad, 0.2, 0.1]])     # one bad logit, label 0
+    labels = np.array([3, 2, 0])
+    assert accuracy_counts(logits, labels, topk=(1, 4)).tolist() == [1, 1]
+    assert int(nonfinite_rows(logits)) == 2
+    assert int(nonfinite_rows(logits[:1])) == 0
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])

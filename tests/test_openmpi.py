@@ -236,6 +236,99 @@ def test_a_second_ctrl_c_to_launch_sh_ends_the_job_with_130(launched):
     assert took < 20, out
 
 
+def running(pid):
+    """Whether process `pid` exists and has not ended (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+def wait_until_gone(pids, timeout):
+    """Seconds until none of `pids` runs any more."""
+    start = time.monotonic()
+    while any(map(running, pids)):
+        assert time.monotonic() - start < timeout, f"ranks {pids} still run after {timeout} s"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+@pytest.mark.launches
+def test_kill_9_of_launch_sh_ends_the_job(launched):
+    """SIGKILL reaches launch.sh alone (its launcher has a process group of its own): the
+    ranks see it gone and end the job within seconds, instead of training on as orphans."""
+    job = launched()
+    board = job.running()
+    job.proc.send_signal(signal.SIGKILL)
+    job.proc.wait()
+    took = wait_until_gone([b["pid"] for b in board.values()], timeout=30)
+    assert took < 15, job.output()
+    assert (f"the launching process (pid {job.proc.pid}, MPITRAIN_LAUNCHER_PID) is gone"
+            in job.output())
+    assert "final validation accuracy" not in job.output()
+
+
+def test_the_launcher_watch_sees_its_process_end_even_unreaped():
+    from mpitrain.control import LauncherWatch
+    p = subprocess.Popen(["sleep", "60"])
+    watch = LauncherWatch({"MPITRAIN_LAUNCHER_PID": str(p.pid)})
+    elsewhere = LauncherWatch({"MPITRAIN_LAUNCHER_PID": str(p.pid),
+                               "MPITRAIN_LAUNCHER_HOST": "another-host"})
+    assert watch.gone() is None and elsewhere.gone() is None
+    p.kill()
+    while running(p.pid):                        # a zombie: its parent has not reaped it
+        time.sleep(0.01)
+    assert watch.gone() == f"the launching process (pid {p.pid}, MPITRAIN_LAUNCHER_PID) is gone"
+    p.wait()
+    assert watch.gone() and elsewhere.gone() is None
+
+
+ORPHAN = """
+import sys, time
+from mpitrain.control import LauncherWatch
+watch = LauncherWatch({"PMI_RANK": "0"})            # started by a launcher: its parent
+open(sys.argv[1] + ".ready", "w").close()
+while not watch.gone():
+    time.sleep(0.02)
+open(sys.argv[1], "w").write(watch.gone())
+"""
+
+
+def test_the_launcher_watch_sees_its_parent_die(tmp_path):
+    """What a rank of Open MPI's mpirun (its parent) sees when mpirun is killed."""
+    out = tmp_path / "said"
+    parent = subprocess.Popen(["sh", "-c", '"$0" -c "$1" "$2" & wait', sys.executable, ORPHAN,
+                               str(out)])
+    end = time.monotonic() + 60
+    while not (tmp_path / "said.ready").exists():
+        assert time.monotonic() < end and parent.poll() is None
+        time.sleep(0.02)
+    parent.kill()
+    parent.wait()
+    while not out.exists() or not out.read_text():
+        assert time.monotonic() < end, "the child did not see its parent die"
+        time.sleep(0.02)
+    assert out.read_text() == (f"this rank's parent process (pid {parent.pid}: the MPI "
+                               f"launcher or its proxy) is gone")
+
+
+@pytest.mark.launches
+def test_kill_9_of_the_launcher_ends_the_ranks(tmp_path, digits):
+    """mpiexec (or mpirun) killed: its ranks, whose parent it or its proxy was, end."""
+    from test_checkpoint import command
+    job = BackgroundJob(command(2, "train", "--batch-size", "64", "--epochs", "20",
+                                "--data-dir", str(digits), "--run-dir", str(tmp_path / "run")),
+                        tmp_path / "run", tmp_path / "log", 2)
+    try:
+        board = job.running()
+        job.proc.send_signal(signal.SIGKILL)
+        job.proc.wait()
+        assert wait_until_gone([b["pid"] for b in board.values()], timeout=30) < 15
+    finally:
+        job.cleanup()
+
+
 # ----- what the program reads from the launcher -----
 def test_no_progress_bar_on_open_mpis_pseudo_terminal(monkeypatch):
     class Terminal:

@@ -155,6 +155,27 @@ def test_unwritable_out_is_refused_with_nothing_written(tmp_path):
 
 
 @pytest.mark.launches
+def test_the_runs_of_a_killed_study_end(tmp_path):
+    """kill -9 of a study: its runs' ranks see it gone and end their jobs."""
+    from launcher import BackgroundJob
+    from test_openmpi import wait_until_gone
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "mpitrain", "study", "large-batch", "--quick", "--ranks", "1",
+           "--epochs", "50", "--out", str(out), "--data-dir", str(tmp_path / "data")]
+    job = BackgroundJob(cmd, out / "runs" / "sgd-b32-s0", tmp_path / "log", ranks=1,
+                        env=launcher.environment())
+    try:
+        board = job.running()
+        job.proc.kill()
+        job.proc.wait()
+        assert wait_until_gone([board[0]["pid"]], timeout=30) < 15
+        assert "MPITRAIN_LAUNCHER_PID) is gone" in (out / "runs" / "sgd-b32-s0" /
+                                                    "log.txt").read_text()
+    finally:
+        job.cleanup()
+
+
+@pytest.mark.launches
 @pytest.mark.one_mpi
 def test_quick_study_end_to_end(tmp_path):
     out = tmp_path / "out"

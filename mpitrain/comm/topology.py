@@ -38,7 +38,7 @@ from mpi4py import MPI
 from mpitrain import backend
 from mpitrain.arena import ALIGN_BYTES
 from mpitrain.backend import array_module
-from mpitrain.control import end_job
+from mpitrain.control import ABORT_FALLBACK, end_job
 from mpitrain.kernels import cast
 
 from . import algorithms
@@ -260,10 +260,10 @@ class Communicator:
     def barrier(self):
         self.world.Barrier()
 
-    def abort(self, status):
+    def abort(self, status, fallback=ABORT_FALLBACK):
         """End every rank of the job at once (MPI Abort) with `status`, from any
-        thread: control.end_job."""
-        end_job(self.world, status)
+        thread: control.end_job (`fallback`: its seconds before the process ends itself)."""
+        end_job(self.world, status, fallback)
 
     @contextlib.contextmanager
     def staged(self, buf, write_back=True):
