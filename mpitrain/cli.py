@@ -169,6 +169,11 @@ def build_parser():
                        help="treat ranks r with equal r // K as one node (exercises the "
                             "multi-node algorithms on one host); default: the ranks sharing "
                             "memory form a node")
+    train.add_argument("--ranks-per-gpu", type=positive_int, metavar="K",
+                       help="let K consecutive ranks of a node share each GPU, their "
+                            "collectives through MPI (staged through host memory) instead of "
+                            "NCCL, which refuses two ranks on one GPU; K must divide the "
+                            "node's ranks (default: a GPU per rank)")
     train.add_argument("--allreduce", choices=["flat", "hierarchical", "2d", "shm", "hybrid"],
                        default=D["allreduce"],
                        help="gradient all-reduce algorithm (hybrid: chosen per bucket from "
