@@ -308,6 +308,12 @@ def build_parser():
                       help="one process: time mpitrain (and --reference) N times, taking turns "
                            "at going first, and report each round and the median ratio (a "
                            "host's speed drifts between runs a minute apart)")
+    step.add_argument("--data", metavar="FILE",
+                      help="one process: also time the steps fed by the loader from FILE (a "
+                           "file made by `convert`, training crops at --image-size), against "
+                           "the steps on a random batch (mpitrain/bench/step_data.py)")
+    step.add_argument("--workers", type=nonnegative_int, default=D["workers"],
+                      help="with --data: loader threads")
     step.add_argument("--native-openblas", action="store_true",
                       help="re-run this command with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE "
                            "removed from the environment (OpenBLAS picks its own core type)")
@@ -782,7 +788,11 @@ def main(argv=None):
         from mpitrain.bench.step import main_step
         if args.compress == "topk" and args.comm_dtype == "fp16":
             args.command_parser.error("--compress topk sends fp32 values: drop --comm-dtype fp16")
-        main_step(args, argv)
+        if args.data:
+            from mpitrain.bench.step_data import main
+            main(args)
+        else:
+            main_step(args, argv)
     elif args.bench == "data":
         from mpitrain.bench.data import run
         run(args.data, args.workers, args.batch, args.image_size, args.reference, args.json,
