@@ -22,7 +22,7 @@ Either way a JPEG is decoded at 1/2, 1/4 or 1/8 scale (libjpeg's DCT scaling,
 Pillow's draft mode) when the box still covers at least size x size pixels at
 that scale, so the decoder never produces pixels the resize would throw away.
 (libjpeg-turbo also scales by 3/8, 5/8, 6/8 and 7/8, through IDCTs without SIMD:
-5/8 to 7/8 decoded slower than the full size, so they are not used.)
+3/8 decoded in the time of 1/2, 5/8 to 7/8 slower than the full size; not used.)
 With libjpeg-turbo, a sequential JPEG is decoded only down to the rows the box
 needs (one MCU row below them, so the chroma upsampling sees the same rows): the
 height in its frame header is lowered, and the decoder stops there; the rows it
