@@ -223,7 +223,9 @@ def _sequential_frame(data):
         if data[at] != 0xFF or marker == 0xDA:       # not a marker, or the scan: no SOF0/1
             return None
         if marker in (0xC0, 0xC1):
-            components = data[at + 9]
+            components = data[at + 9] if at + 10 <= len(data) else 0
+            if components == 0 or at + 10 + 3 * components > len(data):
+                return None
             vertical = max(data[at + 11 + 3 * c] & 0x0F for c in range(components))
             return at + 5, 8 * vertical
         if 0xC2 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
