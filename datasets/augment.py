@@ -23,10 +23,10 @@ Pillow's draft mode) when the box still covers at least size x size pixels at
 that scale, so the decoder never produces pixels the resize would throw away.
 (libjpeg-turbo also scales by 3/8, 5/8, 6/8 and 7/8, through IDCTs without SIMD:
 3/8 decoded in the time of 1/2, 5/8 to 7/8 slower than the full size; not used.)
-With libjpeg-turbo, a sequential JPEG is decoded only down to the rows the box
-needs (one MCU row below them, so the chroma upsampling sees the same rows): the
-height in its frame header is lowered, and the decoder stops there; the rows it
-gives are those of the full decode, bit for bit. simplejpeg decodes into a buffer
+With libjpeg-turbo, a sequential JPEG is decoded only down to the MCU row that
+holds the last row the resize reads (the exact decode one MCU row further, for its
+chroma upsampling): the height in its frame header is lowered, and the decoder
+stops there; the rows it gives are those of the full decode, bit for bit. simplejpeg decodes into a buffer
 of each worker thread, which the resize then reads.
 Training decodes with libjpeg-turbo's fast integer IDCT and plain chroma
 upsampling: within a few grey levels of the exact decode, and faster (the
@@ -198,7 +198,9 @@ def _decode_turbo(data, reduce, fast, rows, buffer):
         else None
     if frame is not None:
         at, mcu_rows = frame
-        cut = min(height, (-(-rows // mcu_rows) + 1) * mcu_rows)
+        # down to the MCU row holding the last row asked for; the exact decode's fancy
+        # upsampling reads the chroma row below it too: one MCU row more
+        cut = min(height, (-(-rows // mcu_rows) + (0 if fast else 1)) * mcu_rows)
         if cut < height:
             lowered = bytearray(data)
             lowered[at:at + 2] = cut.to_bytes(2, "big")
