@@ -26,8 +26,8 @@ that scale, so the decoder never produces pixels the resize would throw away.
 With libjpeg-turbo, a sequential JPEG is decoded only down to the MCU row that
 holds the last row the resize reads (the exact decode one MCU row further, for its
 chroma upsampling): the height in its frame header is lowered, and the decoder
-stops there; the rows it gives are those of the full decode, bit for bit. simplejpeg decodes into a buffer
-of each worker thread, which the resize then reads.
+stops there; the rows it gives are those of the full decode, bit for bit.
+simplejpeg decodes into a buffer of each worker thread, which the resize reads.
 Training decodes with libjpeg-turbo's fast integer IDCT and plain chroma
 upsampling: within a few grey levels of the exact decode, and faster (the
 measurements: docs/benchmarks.md, "Data pipeline").
