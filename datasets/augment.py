@@ -21,12 +21,21 @@ Pillow otherwise (and for PNG and the JPEGs simplejpeg cannot turn into RGB).
 Either way a JPEG is decoded at 1/2, 1/4 or 1/8 scale (libjpeg's DCT scaling,
 Pillow's draft mode) when the box still covers at least size x size pixels at
 that scale, so the decoder never produces pixels the resize would throw away.
+(libjpeg-turbo also scales by 3/8, 5/8, 6/8 and 7/8, through IDCTs without SIMD:
+3/8 decoded in the time of 1/2, 5/8 to 7/8 slower than the full size; not used.)
+With libjpeg-turbo, a sequential JPEG is decoded only down to the MCU row that
+holds the last row the resize reads (the exact decode one MCU row further, for its
+chroma upsampling): the height in its frame header is lowered, and the decoder
+stops there; the rows it gives are those of the full decode, bit for bit.
+simplejpeg decodes into a buffer of each worker thread, which the resize reads.
 Training decodes with libjpeg-turbo's fast integer IDCT and plain chroma
 upsampling: within a few grey levels of the exact decode, and faster (the
 measurements: docs/benchmarks.md, "Data pipeline").
 """
 import io
 import math
+import re
+import threading
 
 import numba
 import numpy as np
@@ -100,6 +109,16 @@ class Augment:
         self.flip = flip
         self.mean = np.asarray(mean, np.float64)
         self.inv_std = 1 / np.asarray(std, np.float64)
+        self._scratch = threading.local()      # each worker thread's decode and work buffers
+
+    def _buffer(self, name, shape, dtype):
+        """This thread's array `name` of at least prod(shape) elements, as `shape`."""
+        n = math.prod(shape)
+        buffer = getattr(self._scratch, name, None)
+        if buffer is None or buffer.size < n or buffer.dtype != dtype:
+            buffer = np.empty(n, dtype)
+            setattr(self._scratch, name, buffer)
+        return buffer[:n].reshape(shape)
 
     def box(self, width, height, rng):
         if self.train:
@@ -116,11 +135,17 @@ class Augment:
         x0, y0, w, h = self.box(width, height, rng)
         pixels = record
         if encoded:
-            pixels = decode(record, draft_factor(w, h, self.size), fast=self.train,
-                            turbo=self.turbo)
+            reduce = draft_factor(w, h, self.size)
+            # the last source row the resize reads: the box's bottom plus the filter's
+            # support (the larger of the scale and one decoded pixel) and rounding
+            rows = y0 + h + reduce * (max(h / (reduce * self.size), 1.0) + 2)
+            shape = (-(-height // reduce), -(-width // reduce), 3)
+            pixels = decode(record, reduce, fast=self.train, turbo=self.turbo,
+                            rows=math.ceil(rows), buffer=self._buffer("pixels", shape, np.uint8))
             sx, sy = pixels.shape[1] / width, pixels.shape[0] / height
             x0, y0, w, h = x0 * sx, y0 * sy, w * sx, h * sy
-        work = out if out.dtype in (np.float32, np.float64) else np.empty(out.shape, np.float32)
+        work = out if out.dtype in (np.float32, np.float64) else \
+            self._buffer("work", out.shape, np.float32)
         resize_normalise(pixels, (x0, y0, x0 + w, y0 + h), flip, self.mean.astype(work.dtype),
                          self.inv_std.astype(work.dtype), work)
         if work is not out:
@@ -138,22 +163,77 @@ def image_size(data, turbo=True):
     return Image.open(io.BytesIO(data)).size
 
 
-def decode(data, reduce=1, fast=False, turbo=True):
+def decode(data, reduce=1, fast=False, turbo=True, rows=None, buffer=None):
     """(H, W, 3) uint8 RGB pixels of an encoded image; a JPEG at 1/reduce of its
-    size (reduce in 1, 2, 4, 8). fast: libjpeg-turbo's fast IDCT and upsampling
-    (simplejpeg only; Pillow always decodes exactly)."""
+    size (reduce in 1, 2, 4, 8; H and W rounded up). fast: libjpeg-turbo's fast
+    IDCT and upsampling (simplejpeg only; Pillow always decodes exactly).
+
+    With simplejpeg: rows, when given, is how many top rows (at full size) the
+    caller reads: a sequential JPEG is decoded down to a little below them and
+    the rows under that are left as `buffer` had them. buffer: a (H, W, 3) uint8
+    array of that shape to decode into (the result is then a view of it)."""
     if turbo and simplejpeg is not None and _is_jpeg(data):
         try:
-            height, width = simplejpeg.decode_jpeg_header(data)[:2]
-            return simplejpeg.decode_jpeg(data, fastdct=fast, fastupsample=fast,
-                                          min_width=-(-width // reduce),
-                                          min_height=-(-height // reduce))
+            return _decode_turbo(data, reduce, fast, rows, buffer)
         except ValueError:
             pass                    # e.g. CMYK: Pillow converts it, or names what is wrong
     im = Image.open(io.BytesIO(data))
     if reduce > 1 and im.format == "JPEG":
         im.draft("RGB", (im.width // reduce, im.height // reduce))
     return np.asarray(im.convert("RGB"))
+
+
+# libjpeg's warning at the end of a JPEG decoded only down to a lowered height: the
+# rest of the scan is skipped up to the end-of-image marker (any other warning is an error)
+_SKIPPED_TO_EOI = re.compile(r"extraneous bytes before marker 0xd9")
+
+
+def _decode_turbo(data, reduce, fast, rows, buffer):
+    height, width, colorspace = simplejpeg.decode_jpeg_header(data)[:3]
+    shape = (-(-height // reduce), -(-width // reduce), 3)
+    if buffer is None or buffer.shape != shape:
+        buffer = np.empty(shape, np.uint8)
+    options = dict(fastdct=fast, fastupsample=fast, min_width=shape[1])
+    frame = _sequential_frame(data) if rows is not None and colorspace in ("YCbCr", "Gray") \
+        else None
+    if frame is not None:
+        at, mcu_rows = frame
+        # down to the MCU row holding the last row asked for; the exact decode's fancy
+        # upsampling reads the chroma row below it too: one MCU row more
+        cut = min(height, (-(-rows // mcu_rows) + (0 if fast else 1)) * mcu_rows)
+        if cut < height:
+            lowered = bytearray(data)
+            lowered[at:at + 2] = cut.to_bytes(2, "big")
+            top = buffer[:-(-cut // reduce)]
+            try:
+                simplejpeg.decode_jpeg(lowered, min_height=top.shape[0], buffer=top, **options)
+                return buffer
+            except ValueError as e:
+                if _SKIPPED_TO_EOI.search(str(e)):
+                    return buffer
+            # another warning (a second scan, damaged data): the whole image, strictly
+    return simplejpeg.decode_jpeg(data, min_height=shape[0], buffer=buffer, **options)
+
+
+def _sequential_frame(data):
+    """(offset of the height field, MCU height in rows) of a baseline or extended
+    sequential Huffman JPEG's frame header (SOF0, SOF1), or None for any other frame."""
+    data = memoryview(data).cast("B")               # Python ints, from bytes or an array
+    at = 2
+    while at + 4 <= len(data):
+        marker, length = data[at + 1], data[at + 2] << 8 | data[at + 3]
+        if data[at] != 0xFF or marker == 0xDA:       # not a marker, or the scan: no SOF0/1
+            return None
+        if marker in (0xC0, 0xC1):
+            components = data[at + 9] if at + 10 <= len(data) else 0
+            if components == 0 or at + 10 + 3 * components > len(data):
+                return None
+            vertical = max(data[at + 11 + 3 * c] & 0x0F for c in range(components))
+            return at + 5, 8 * vertical
+        if 0xC2 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            return None                              # progressive, lossless, arithmetic
+        at += 2 + length
+    return None
 
 
 def _is_jpeg(data):

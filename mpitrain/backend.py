@@ -22,6 +22,7 @@ import numpy
 
 xp = numpy          # where new arrays are allocated; numpy until use_device() says otherwise
 device = "cpu"      # "cpu" or "cuda:<id>"
+gpu_collectives = "nccl"   # how device arrays are summed: NCCL where installed, or "mpi"
 
 GPU_EXTRAS = "pip install 'mpitrain[gpu-cu12]' or 'mpitrain[gpu-cu13]' (README: On a GPU)"
 
@@ -60,37 +61,69 @@ def gpu_available():
     return _cupy() is not None
 
 
-def pick_device(kind, gpus, local_rank=0, local_size=1, env=None):
+def pick_device(kind, gpus, local_rank=0, local_size=1, env=None, ranks_per_gpu=None):
     """The GPU index this process takes, or None for the CPU (no side effects).
 
     kind: "cpu", "gpu" or "auto" ("auto": the GPU when one is visible; the environment
     variable MPITRAIN_DEVICE, in `env`, overrides it). gpus: the number of GPUs CuPy
     sees (0 without CuPy). On the GPU, the node-local rank picks the device: local_rank
     modulo the visible devices; more ranks on a node than GPUs would put two ranks on
-    one GPU, which is refused.
+    one GPU, which is refused (NCCL refuses two ranks on one device) unless
+    ranks_per_gpu K is given: then K consecutive node-local ranks share each GPU
+    (local_rank // K; K must divide local_size), and their collectives go through MPI
+    (collectives_for).
     """
     env = os.environ if env is None else env
     if kind == "auto":
         kind = env.get("MPITRAIN_DEVICE", "auto")
     if kind not in ("cpu", "gpu", "auto"):
         raise DeviceError(f"unknown device {kind!r}; choose cpu, gpu or auto")
+    if ranks_per_gpu is not None and ranks_per_gpu < 1:
+        raise DeviceError(f"--ranks-per-gpu must be a positive integer, got {ranks_per_gpu}")
+    if ranks_per_gpu is not None and (kind == "cpu" or (kind == "auto" and gpus < 1)):
+        why = "--device cpu or MPITRAIN_DEVICE=cpu" if kind == "cpu" else "no GPU can be used"
+        raise DeviceError(f"--ranks-per-gpu {ranks_per_gpu} shares GPUs among ranks, but this "
+                          f"run is on the CPU ({why}); drop --ranks-per-gpu")
     if kind == "cpu" or (kind == "auto" and gpus < 1):
         return None
     if gpus < 1:
         raise DeviceError("--device gpu was asked for, but no GPU can be used: "
                           f"{gpu_problem() or 'CuPy sees no GPU'}; or use --device cpu")
-    if local_size > gpus:
-        raise DeviceError(f"{local_size} ranks on this node but only {gpus} visible GPU(s): "
-                          f"two ranks would share a GPU; start at most {gpus} ranks per node")
-    return local_rank % gpus
+    if ranks_per_gpu is None:
+        if local_size > gpus:
+            raise DeviceError(f"{local_size} ranks on this node but only {gpus} visible GPU(s): "
+                              f"two ranks would share a GPU; start at most {gpus} ranks per "
+                              f"node, or let K ranks share each GPU with --ranks-per-gpu K "
+                              f"(their collectives then go through MPI, not NCCL)")
+        return local_rank % gpus
+    if local_size % ranks_per_gpu:
+        raise DeviceError(f"--ranks-per-gpu {ranks_per_gpu} does not divide the {local_size} "
+                          f"ranks on this node: every GPU takes the same number of ranks; "
+                          f"start a multiple of {ranks_per_gpu} ranks per node, or choose a "
+                          f"--ranks-per-gpu that divides {local_size}")
+    if local_size // ranks_per_gpu > gpus:
+        raise DeviceError(f"{local_size} ranks on this node at --ranks-per-gpu {ranks_per_gpu} "
+                          f"need {local_size // ranks_per_gpu} GPUs, but only {gpus} are "
+                          f"visible; raise --ranks-per-gpu, or start at most "
+                          f"{gpus * ranks_per_gpu} ranks per node")
+    return local_rank // ranks_per_gpu
 
 
-def use_device(kind="auto", local_rank=0, local_size=1):
-    """Select the device for this process (pick_device) and return its array module."""
-    global xp, device
+def collectives_for(ranks_per_gpu=None):
+    """How device (CuPy) arrays are summed when ranks_per_gpu ranks share each GPU: "nccl"
+    for a GPU per rank (where NCCL is installed), else "mpi": NCCL refuses two ranks on
+    one device, so their arrays are staged through host memory for MPI."""
+    return "nccl" if (ranks_per_gpu or 1) == 1 else "mpi"
+
+
+def use_device(kind="auto", local_rank=0, local_size=1, ranks_per_gpu=None):
+    """Select the device for this process (pick_device) and how its device arrays are
+    summed (collectives_for); return its array module."""
+    global xp, device, gpu_collectives
     cupy = _cupy() if kind != "cpu" else None
     gpus = cupy.cuda.runtime.getDeviceCount() if cupy is not None else 0
-    index = pick_device(kind, gpus, local_rank, local_size)
+    index = pick_device(kind, gpus, local_rank, local_size, ranks_per_gpu=ranks_per_gpu)
+    gpu_collectives = collectives_for(ranks_per_gpu)
     if index is None:
         xp, device = numpy, "cpu"
         return xp

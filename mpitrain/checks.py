@@ -65,7 +65,7 @@ def comm_options(cfg, world_size):
             isinstance(cfg["fusion_threshold"], numbers.Integral) and cfg["fusion_threshold"] >= 1):
         raise ConfigError(f"--fusion-threshold must be a positive number of bytes or auto, "
                           f"got {cfg['fusion_threshold']!r}")
-    for key in ("bn_group", "ranks_per_node"):
+    for key in ("bn_group", "ranks_per_node", "ranks_per_gpu"):
         if cfg[key] is not None and cfg[key] < 1:
             raise ConfigError(f"--{key.replace('_', '-')} must be positive, got {cfg[key]}")
     if cfg["bn_group"] > world_size:

@@ -186,6 +186,11 @@ def build_parser():
                        help="treat ranks r with equal r // K as one node (exercises the "
                             "multi-node algorithms on one host); default: the ranks sharing "
                             "memory form a node")
+    train.add_argument("--ranks-per-gpu", type=positive_int, metavar="K",
+                       help="let K consecutive ranks of a node share each GPU, their "
+                            "collectives through MPI (staged through host memory) instead of "
+                            "NCCL, which refuses two ranks on one GPU; K must divide the "
+                            "node's ranks (default: a GPU per rank)")
     train.add_argument("--allreduce", choices=["flat", "hierarchical", "2d", "shm", "hybrid"],
                        default=D["allreduce"],
                        help="gradient all-reduce algorithm (hybrid: chosen per bucket from "
@@ -335,6 +340,12 @@ def build_parser():
                       help="one process: time mpitrain (and --reference) N times, taking turns "
                            "at going first, and report each round and the median ratio (a "
                            "host's speed drifts between runs a minute apart)")
+    step.add_argument("--data", metavar="FILE",
+                      help="one process: also time the steps fed by the loader from FILE (a "
+                           "file made by `convert`, training crops at --image-size), against "
+                           "the steps on a random batch (mpitrain/bench/step_data.py)")
+    step.add_argument("--workers", type=nonnegative_int, default=D["workers"],
+                      help="with --data: loader threads")
     step.add_argument("--native-openblas", action="store_true",
                       help="re-run this command with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE "
                            "removed from the environment (OpenBLAS picks its own core type)")
@@ -849,7 +860,11 @@ def main(argv=None):
         from mpitrain.bench.step import main_step
         if args.compress == "topk" and args.comm_dtype == "fp16":
             args.command_parser.error("--compress topk sends fp32 values: drop --comm-dtype fp16")
-        main_step(args, argv)
+        if args.data:
+            from mpitrain.bench.step_data import main
+            main(args)
+        else:
+            main_step(args, argv)
     elif args.bench == "data":
         from mpitrain.bench.data import run
         run(args.data, args.workers, args.batch, args.image_size, args.reference, args.json,

@@ -68,11 +68,13 @@ DEFAULTS = dict(model="resnet_small", data="digits", val_data=None, data_dir="da
 DEFAULTS.update(run_dir=None, checkpoint_every=1, keep_checkpoints=3, resume=None, trace=None,
                 collective_timeout=None, stop_grace=None, log_every=None)
 
-# Communication: topology, all-reduce algorithm, fusion buckets and their overlap
-# with backward ("auto": on for a GPU arena, off for a host one, see comm/buckets.py), the
-# gradient dtype on the wire, replica checks, distributed BatchNorm.
-DEFAULTS.update(ranks_per_node=None, allreduce="hybrid", fusion_threshold=4 << 20, overlap="auto",
-                comm_dtype="fp32", check_replicas=0, bn_group=1, shard_update=False)
+# Communication: topology, ranks sharing a GPU (collectives through MPI), all-reduce
+# algorithm, fusion buckets and their overlap with backward ("auto": on for a GPU arena,
+# off for a host one, see comm/buckets.py), the gradient dtype on the wire, replica
+# checks, distributed BatchNorm.
+DEFAULTS.update(ranks_per_node=None, ranks_per_gpu=None, allreduce="hybrid",
+                fusion_threshold=4 << 20, overlap="auto", comm_dtype="fp32", check_replicas=0,
+                bn_group=1, shard_update=False)
 
 # Top-k sparsified gradients with error feedback (mpitrain.comm.topk): "topk" sends the
 # `density` fraction of each bucket, after `compress_warmup` epochs of dense sums.
@@ -82,6 +84,14 @@ NO_TIMELINE = Timeline.off()      # train_step's default: no timing
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                     "NUMBA_NUM_THREADS")
+
+
+def sharing(cfg):
+    """How ranks share a GPU, for the start line ("" for a device per rank)."""
+    k = cfg["ranks_per_gpu"]
+    if backend.device == "cpu" or (k or 1) == 1:
+        return ""
+    return f" ({k} ranks per GPU, collectives through MPI)"
 
 
 def limit_threads(comm):
@@ -274,7 +284,8 @@ class Run:
         rank, size = comm.rank, comm.size
         self.say = say = log if rank == 0 else (lambda *a, **k: None)
         try:
-            backend.use_device(cfg["device"], comm.host_rank, comm.host_size)
+            backend.use_device(cfg["device"], comm.host_rank, comm.host_size,
+                               cfg["ranks_per_gpu"])
         except backend.DeviceError as e:
             raise ConfigError(str(e)) from None
         limit_threads(comm)
@@ -314,7 +325,8 @@ class Run:
         self.steps = steps = self.train_data.steps_per_epoch
         say(f"mpitrain: {cfg['model']} ({model.num_params():,} parameters) on {train_file} "
             f"({len(self.train_data.labels)} train / {len(self.val_data.labels)} val images, "
-            f"{size_px}x{size_px}), {size} rank(s) on {backend.device}, global batch {batch} "
+            f"{size_px}x{size_px}), {size} rank(s) on {backend.device}{sharing(cfg)}, "
+            f"global batch {batch} "
             f"({batch // size} per rank), {steps} steps/epoch, {epochs} epochs", flush=True)
         say(f"optimizer {cfg['optimizer']}, peak lr {self.base_lr:g} ({cfg['schedule']} after "
             f"{cfg['warmup_epochs']:g} warm-up epochs), precision {cfg['precision']}, loss scale "

@@ -254,6 +254,16 @@ def test_bad_compression_options_are_refused():
     refused(quick("train", "--compress-warmup", "-1"), "--compress-warmup", "must be >= 0")
 
 
+def test_ranks_per_gpu_is_refused_without_a_gpu_to_share(digits, tmp_path):
+    run_dir = tmp_path / "run"
+    r = quick("train", "--data-dir", str(digits), *BATCH, "--device", "cpu", "--ranks-per-gpu", "2",
+              "--run-dir", str(run_dir))
+    refused(r, "--ranks-per-gpu 2 shares GPUs among ranks, but this run is on the CPU "
+               "(--device cpu or MPITRAIN_DEVICE=cpu); drop --ranks-per-gpu")
+    assert not run_dir.exists()
+    refused(quick("train", "--ranks-per-gpu", "0"), "argument --ranks-per-gpu")
+
+
 # ----- empty and exhausted inputs -----
 def empty_copy(src, dst):
     """`src`'s classes and statistics with no records."""

@@ -368,3 +368,29 @@ def test_a_rank_ending_the_job_waits_until_the_launcher_has_read_its_output(tmp_
         f.write("unread until closed")
         f.flush()
         assert unread(f.fileno()) == 0
+
+
+def test_bench_step_data_times_steps_fed_by_the_loader(tmp_path):
+    """bench step --data: the same network's steps on a random batch, then on the loader's
+    batches from a converted file (its classes), every timed step a full batch."""
+    jpegs = tmp_path / "synthetic.h5"
+    assert run("convert", "synthetic", str(jpegs), "--count", "8", "--size", "96x64",
+               "--classes", "3").returncode == 0
+    r = run("bench", "step", "--data", str(jpegs), "--model", "resnet_small", "--image-size",
+            "32", "--batch", "4", "--steps", "3", "--warmup", "1", "--workers", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["records"] == 8 and result["classes"] == 3
+    fed, random = result["fed"], result["random"]
+    assert fed["images"] == 3 * 4
+    assert fed["step_ms"] > 0 and random["step_ms"] > 0 and 0 <= fed["wait_share"] < 1
+    assert result["ratio"] == pytest.approx(fed["images_per_s"] / random["images_per_s"])
+
+
+def test_bench_step_data_refuses_what_it_cannot_time(tmp_path):
+    for argv, message in (
+            (["--data", str(tmp_path / "none.h5")], "none.h5 does not exist; make it with"),
+            (["--data", str(tmp_path / "none.h5"), "--reference", "torch"],
+             "--reference cannot be used with --data"),):
+        r = run("bench", "step", *argv)
+        assert r.returncode == 2 and message in r.stderr, r.stderr

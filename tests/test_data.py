@@ -452,6 +452,64 @@ def test_libjpeg_turbo_decoding_agrees_with_pillow():
         decode(data[:len(data) // 2], turbo=True)              # truncated: an error, not garbage
 
 
+def textured_image(width, height, seed=0):
+    """A smooth image with noise on it: every 8x8 block has detail for the IDCT."""
+    noise = np.random.default_rng(seed).integers(-40, 41, (height, width, 3))
+    return np.clip(smooth_image(width, height, seed) + noise, 0, 255).astype(np.uint8)
+
+
+@pytest.mark.skipif(simplejpeg is None, reason="simplejpeg is not installed")
+@pytest.mark.parametrize("subsampling", [0, 2])          # 4:4:4 (8-row MCUs), 4:2:0 (16)
+def test_decoding_stops_below_the_rows_asked_for(subsampling):
+    data = encode(textured_image(203, 150), "JPEG", quality=90, subsampling=subsampling)
+    for reduce in (1, 2):
+        shape = (-(-150 // reduce), -(-203 // reduce), 3)
+        for fast in (True, False):
+            whole = decode(data, reduce, fast=fast)
+            for rows in (1, 40, 97):
+                out = np.full(shape, 7, np.uint8)
+                got = decode(data, reduce, fast=fast, rows=rows, buffer=out)
+                assert np.shares_memory(got, out) and got.shape == shape
+                need = -(-rows // reduce)
+                assert np.array_equal(got[:need], whole[:need])      # the same bits
+                untouched = (got == 7).all(axis=(1, 2))
+                assert untouched[-(-(rows + 48) // reduce):].all()    # never decoded
+            assert np.array_equal(decode(data, reduce, fast=fast, rows=150), whole)
+
+
+@pytest.mark.skipif(simplejpeg is None, reason="simplejpeg is not installed")
+def test_decoding_to_rows_falls_back_to_the_whole_image():
+    rgb = textured_image(120, 90)
+    progressive = encode(rgb, "JPEG", quality=90, progressive=True)
+    out = np.full((90, 120, 3), 7, np.uint8)
+    assert np.array_equal(decode(progressive, rows=10, buffer=out), decode(progressive))
+    truncated = encode(rgb, "JPEG", quality=90)
+    truncated = truncated[:len(truncated) * 3 // 4]          # the rows asked for are all there
+    with pytest.raises(Exception):
+        decode(truncated, rows=10)                           # still an error, not garbage
+
+
+@pytest.mark.parametrize("size", [224, 48])                  # 48: 1/2 to 1/8 scaled decodes
+def test_augment_equals_the_whole_decode_bit_for_bit(size):
+    data = encode(textured_image(500, 375), "JPEG", quality=90)
+    mean, std = np.array([120.0, 110, 100]), np.array([60.0, 55, 50])
+    out, ref = np.empty((size, size, 3), np.float32), np.empty((size, size, 3), np.float32)
+    for train in (True, False):
+        aug = Augment(size, mean, std, train=train)
+        for seed in range(12 if train else 1):
+            rng = np.random.default_rng(seed)
+            aug(data, out, np.random.default_rng(seed))
+            flip = rng.random() < 0.5 if train else False
+            x0, y0, w, h = aug.box(500, 375, rng)
+            reduce = draft_factor(w, h, size)
+            pixels = decode(data, reduce, fast=train)
+            s = pixels.shape[1] / 500, pixels.shape[0] / 375
+            resize_normalise(pixels, (x0 * s[0], y0 * s[1], (x0 + w) * s[0], (y0 + h) * s[1]),
+                             flip, aug.mean.astype(np.float32), aug.inv_std.astype(np.float32),
+                             ref)
+            assert np.array_equal(out, ref)
+
+
 # -- bad files and bad records -----------------------------------------------------------------
 def test_reader_refuses_other_formats_and_versions(tmp_path):
     path = jpeg_file(str(tmp_path / "ok.h5"))

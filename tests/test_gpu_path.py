@@ -48,6 +48,33 @@ def test_pick_device_refuses_what_cannot_work(kind, env, gpus, local_size, messa
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("gpus,local_rank,local_size,k,expected", [
+    (1, 0, 2, 2, 0), (1, 1, 2, 2, 0),                     # two ranks on one GPU
+    (2, 1, 4, 2, 0), (2, 2, 4, 2, 1), (2, 3, 4, 2, 1),    # consecutive ranks share a GPU
+    (4, 3, 4, 1, 3),                                      # K = 1: a GPU per rank
+    (8, 5, 6, 3, 1),                                      # fewer GPUs taken than visible
+])
+def test_ranks_per_gpu_shares_each_gpu_among_consecutive_ranks(gpus, local_rank, local_size, k,
+                                                               expected):
+    assert pick_device("gpu", gpus, local_rank, local_size, {}, ranks_per_gpu=k) == expected
+    assert backend.collectives_for(k) == ("nccl" if k == 1 else "mpi")
+    assert backend.collectives_for(None) == "nccl"
+
+
+@pytest.mark.parametrize("kind,gpus,local_size,k,message", [
+    ("gpu", 1, 3, 2, "--ranks-per-gpu 2 does not divide the 3 ranks on this node"),
+    ("gpu", 2, 6, 2, "6 ranks on this node at --ranks-per-gpu 2 need 3 GPUs, but only 2"),
+    ("gpu", 1, 2, 0, "--ranks-per-gpu must be a positive integer, got 0"),
+    ("cpu", 1, 2, 2, "--ranks-per-gpu 2 shares GPUs among ranks, but this run is on the CPU"),
+    ("auto", 0, 2, 2, "on the CPU (no GPU can be used); drop --ranks-per-gpu"),
+    ("gpu", 1, 2, None, "or let K ranks share each GPU with --ranks-per-gpu K"),
+])
+def test_ranks_per_gpu_refuses_what_cannot_work(kind, gpus, local_size, k, message):
+    with pytest.raises(DeviceError) as e:
+        pick_device(kind, gpus, 0, local_size, {}, ranks_per_gpu=k)
+    assert message in str(e.value)
+
+
 @cpu_only
 def test_use_device_gpu_names_what_is_missing():
     with pytest.raises(DeviceError, match="CuPy") as e:

@@ -202,10 +202,12 @@ class Communicator:
             (wait or MPI.Request.Wait)(request)
 
     def nccl(self):
-        """The NCCL engine for CuPy buffers, created on first use (collectively); None without NCCL."""
+        """The NCCL engine for CuPy buffers, created on first use (collectively); None without
+        NCCL, and where ranks share a GPU (backend.gpu_collectives "mpi")."""
         if self._nccl is None:
             from . import nccl
-            self._nccl = nccl.NcclEngine(self) if nccl.available() else False
+            self._nccl = nccl.NcclEngine(self) if (backend.gpu_collectives == "nccl"
+                                                   and nccl.available()) else False
         return self._nccl or None
 
     # ----- the other collectives of a run -----
