@@ -30,7 +30,7 @@ part of the mini-batch loss, so it enters g), one of three phases per step:
     working_i = cast(w_i)
 
     c = alpha ||w - v|| - beta n / ||w - v||^3       (Eq. 8 with beta = beta_per_weight * n)
-    c = 0 when ||w - v|| = 0                          (the direction (w - v) / ||w - v|| is undefined)
+    c = 0 when ||w - v|| = 0                          ((w - v) / ||w - v|| is undefined there)
 
 ||w - v|| is the norm over the whole weight vector, all n parameter elements, as Eq. 8
 writes it (not per layer); the paper's Table 1 sets alpha = 1e-7, beta = 1e-5 x the number
@@ -49,7 +49,6 @@ array: no host synchronisation on a GPU. Each formula is one `register_jitable` 
 compiled for the CPU loops and the CUDA kernels, as in kernels/update.py and lamb.py.
 Only parameter elements are read and written: padding keeps whatever it holds.
 """
-import math
 
 import numpy as np
 from numba import cuda, njit, prange
