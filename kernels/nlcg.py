@@ -15,11 +15,13 @@ rate in place of the line search. At step t = 1, 2, ... (r = -g the residual):
     d_t    = s_t + beta_t d_{t-1}
     w_t    = w_{t-1} + lr d_t
 
-The inner products run over the whole weight vector (one beta per step, not per layer).
-The preconditioner is Adam's (Kingma and Ba): P_t = 1 / (sqrt(h_t / (1 - beta2^t)) + eps),
-h_t = beta2 h_{t-1} + (1 - beta2) g_t^2. The paper's published code (Apple's ncg package)
-defaults to Fletcher-Reeves, keeps beta in [0, 1] and adds no line search beyond the
-learning rate's schedule; those are the defaults here (beta_rule "fr").
+The inner products run over the whole weight vector (one beta per step, not per layer),
+as in the authors' published code (Apple's ncg package), whose defaults this follows for
+the beta: Fletcher-Reeves (beta_rule "fr"), kept in [0, 1]. The preconditioner is a
+per-weight diagonal as in Adam (Kingma and Ba), P_t = 1 / (sqrt(h_t / (1 - beta2^t)) + eps),
+h_t = beta2 h_{t-1} + (1 - beta2) g_t^2; the published code's other choices, a diagonal
+BFGS preconditioner and a loss-driven adjustment of the step size, are not implemented:
+the learning rate's schedule sets the step.
 
 Per element i of segment s (wd_s = weight_decay where decay_s, else 0; the L2 penalty is
 part of the loss, so it enters g), with p = P g = -s stored from step to step:

@@ -135,9 +135,11 @@ class Neumann:
     Steps 1 to sgd_steps are vanilla SGD (the algorithm's burn-in); Neumann step
     t = 1, 2, ... after them uses mu(t) = min(momentum, 1 - 1 / (1 + t)) and resets the
     Neumann iterate at t = 1 and then after K, 2K, 4K, ... more steps (K = reset_steps,
-    doubling after every reset, as the paper's Table 1). The iterate m lives in
-    arena.momentum, the moving average v in a buffer of the arena's size, starting at the
-    weights the optimizer is made with; `t` counts the steps taken, burn-in included."""
+    doubling after every reset, as the paper's Table 1). alpha, beta, gamma: the cubic and
+    repulsive regularisers and the moving average (Table 1's; beta per weight, the paper's
+    is beta times the number of weights). The iterate m lives in arena.momentum, the
+    moving average v in a buffer of the arena's size, starting at the weights the optimizer
+    is made with; `t` counts the steps taken, burn-in included."""
 
     def __init__(self, arena, momentum=0.9, weight_decay=0.0, alpha=1e-7, beta=1e-5, gamma=0.99,
                  sgd_steps=0, reset_steps=1000, impl=None, sum_partials=None):
