@@ -77,12 +77,14 @@ def neumann_start(seg, seed=0):
     return master, np.zeros_like(master), master.copy()
 
 
-def run_neumann(impl, w, work, grads, m, v, seg, **pad):
-    """The kernel through PHASES; returns the coefficients c it reported."""
+def run_neumann(impl, w, work, grads, m, v, seg, padded=False):
+    """The kernel through PHASES (the packed gradients spread over the padded arena when
+    padded); returns the coefficients c it reported."""
     out = []
     for (phase, mu), g in zip(PHASES, grads):
-        c = neumann.neumann_update(w, work, spread(g, seg, w.size, PAD_GRAD) if pad else g, m, v,
-                                   seg, phase=phase, mu=mu, impl=impl, **NEUMANN_HP)
+        g = spread(g, seg, w.size, PAD_GRAD) if padded else g
+        c = neumann.neumann_update(w, work, g, m, v, seg, phase=phase, mu=mu, impl=impl,
+                                   **NEUMANN_HP)
         out.append(float(c[0]))
     return out
 
@@ -126,7 +128,7 @@ def neumann_padded(impl, sizes, gaps, decay, lars, tail=3):
     w_ref, m_ref, v_ref, c_ref = neumann_by_hand(w0, m0, v0, grads, packed, **NEUMANN_HP)
     w, m, v = (spread(a, seg, total, PAD) for a in (w0, m0, v0))
     half = padded_working(np.float16, w, total)
-    c = run_neumann(impl, w, half, grads, m, v, seg, pad=True)
+    c = run_neumann(impl, w, half, grads, m, v, seg, padded=True)
     pad = padding(seg, total)
     assert np.all(w[pad] == PAD) and np.all(m[pad] == PAD) and np.all(v[pad] == PAD)
     assert np.all(half[pad] == PAD_WORKING)
@@ -171,6 +173,8 @@ def nlcg_by_hand(w, grads, seg, rule, lr, beta2, eps, weight_decay, inv_scale):
 
 
 def run_nlcg(impl, w, work, grads, d, h, p, seg, rule, total=None):
+    """The kernel for len(grads) steps (the packed gradients spread over a padded arena of
+    `total` elements when given); returns the betas it reported."""
     rho = np.zeros(1)
     betas = []
     for t, g in enumerate(grads, start=1):
