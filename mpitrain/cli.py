@@ -77,6 +77,7 @@ fusion_threshold.__name__ = "bytes"
 
 def build_parser():
     from mpitrain.nets import MODELS
+    from mpitrain.optim import OPTIMIZERS
     from mpitrain.train import DEFAULTS as D
     models = sorted(MODELS)
 
@@ -129,8 +130,11 @@ def build_parser():
     train.add_argument("--eval-every", type=positive_int, default=D["eval_every"],
                        help="evaluate every N epochs (and after the last)")
     # optimizer, schedule and precision
-    train.add_argument("--optimizer", choices=["sgd", "lars", "lamb"], default=D["optimizer"],
-                       help="SGD with momentum; LARS (per-layer trust ratio on SGD); LAMB")
+    train.add_argument("--optimizer", choices=list(OPTIMIZERS), default=D["optimizer"],
+                       help="SGD with momentum; LARS (per-layer trust ratio on SGD); LAMB; "
+                            "neumann (Krishnan et al.: --momentum caps mu, the warm-up epochs "
+                            "are its SGD burn-in); nlcg (preconditioned nonlinear conjugate "
+                            "gradients, Adya et al.)")
     train.add_argument("--lr-ref-batch", type=positive_int, default=D["lr_ref_batch"],
                        help="linear scaling rule: peak lr = LR * batch-size / N "
                             "(default: no scaling)")
@@ -376,7 +380,7 @@ def build_parser():
     update.add_argument("--shard-update", action="store_true",
                         help="under mpirun: optimizer time and optimizer-state memory per rank "
                              "with weight-update sharding (train --shard-update) and without")
-    update.add_argument("--optimizer", choices=["sgd", "lars", "lamb"], default="lars",
+    update.add_argument("--optimizer", choices=list(OPTIMIZERS), default="lars",
                         help="the optimizer of --shard-update")
     comm = benches.add_parser(
         "comm", help="gradient all-reduce: algorithms, fused vs per-tensor, fp16 vs fp32",

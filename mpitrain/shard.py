@@ -10,16 +10,18 @@ One step, N ranks (train.train_step calls the same methods as without sharding):
     overflow        under loss scaling each rank checks its summed shard, and one
                     all-reduce (MAX) of the flags gives every rank the same verdict
                     (ShardedReducer.nonfinite_flag)
-    norms           LARS and LAMB need per-parameter norms, and a shard may cut through
-                    a parameter: each rank sums squares per parameter over its shard
+    norms           LARS and LAMB need per-parameter norms (Neumann ||w - v||, NLCG two
+                    inner products), and a shard may cut through a parameter: each
+                    rank sums squares (or products) per parameter over its shard
                     (the kernels' segment sums on the shard's clipped table), one small
                     all-reduce of that (2, parameters) float64 array gives every rank the
                     whole parameters' sums (`sum_partials`, called inside the kernels),
                     and the norms are their square roots:
                         ||x||_s^2 = sum over ranks r of sum_{i in s and in shard r} x_i^2
-    update          the SGD / LARS / LAMB kernels of the unsharded path, on the shard's
-                    slices of master and grad and its own momentum (and LAMB's second
-                    moment)
+    update          the SGD / LARS / LAMB / Neumann / NLCG kernels of the unsharded path,
+                    on the shard's slices of master and grad and its own momentum (and
+                    the optimizer's other arrays: LAMB's second moment, Neumann's moving
+                    average, NLCG's second moment and preconditioned gradient)
     all-gather      ShardedOptimizer.step(): every shard's updated fp32 masters to every
                     rank (Communicator.all_gather), then the working copy (fp16 under
                     mixed precision) refreshed from them
@@ -27,7 +29,7 @@ One step, N ranks (train.train_step calls the same methods as without sharding):
 A reduce-scatter and an all-gather move the bytes of one all-reduce (a ring
 all-reduce is exactly these two phases), so the communication costs about what
 it did; the update reads and writes 1/N of the arena, and the optimizer state
-per rank is 1/N of the arena's momentum (and LAMB's second moment).
+per rank is 1/N of the arena's momentum (and of the optimizer's other arrays).
 
 Shards. With U = arena.size / ALIGN (the arena's size is a multiple of ALIGN),
 rank r's shard is the element range
@@ -98,7 +100,7 @@ class Shard:
 
 
 class ShardedOptimizer:
-    """The optimizer `name` (sgd, lars, lamb; keyword arguments `hyper` as for
+    """The optimizer `name` (a key of optim.OPTIMIZERS; keyword arguments `hyper` as for
     optim.make_optimizer) applied to this rank's shard of `arena`, then the masters
     all-gathered. Releases arena.momentum: the shard's optimizer holds the state.
 
@@ -113,7 +115,8 @@ class ShardedOptimizer:
         arena.release_momentum()
 
     def sum_partials(self, sums):
-        """Add the (2, segments) per-parameter sums of squares over the ranks, in place."""
+        """Add the (2, segments) per-parameter partial sums (squares, or NLCG's inner
+        products) over the ranks, in place."""
         self.comm.allreduce(sums.reshape(-1), "flat")
 
     def step(self, lr, inv_scale=1.0):

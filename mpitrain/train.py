@@ -126,11 +126,21 @@ def set_threads(threads):
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 
 
-def optimizer_options(cfg):
-    """The keyword arguments of mpitrain.optim.make_optimizer for the run's --optimizer."""
+# The Neumann optimizer's reset period K starts at 10 epochs (Krishnan et al., Table 1)
+NEUMANN_RESET_EPOCHS = 10
+
+
+def optimizer_options(cfg, steps_per_epoch):
+    """The keyword arguments of mpitrain.optim.make_optimizer for the run's --optimizer.
+    Neumann: --momentum caps mu(t), the --warmup-epochs are its vanilla-SGD burn-in, and
+    the reset period starts at NEUMANN_RESET_EPOCHS epochs."""
     name = cfg["optimizer"]
-    if name == "lamb":
+    if name in ("lamb", "nlcg"):
         return dict(weight_decay=cfg["weight_decay"])
+    if name == "neumann":
+        return dict(momentum=cfg["momentum"], weight_decay=cfg["weight_decay"],
+                    sgd_steps=round(cfg["warmup_epochs"] * steps_per_epoch),
+                    reset_steps=NEUMANN_RESET_EPOCHS * steps_per_epoch)
     hyper = dict(momentum=cfg["momentum"], weight_decay=cfg["weight_decay"],
                  nesterov=cfg["nesterov"])
     if name == "lars":
@@ -314,12 +324,11 @@ class Run:
         broadcast_model(model, comm)
         say(comm.describe(), flush=True)
         bn_group = syncbn.attach(model, comm, cfg["bn_group"])
+        hyper = optimizer_options(cfg, self.train_data.steps_per_epoch)
         if cfg["shard_update"]:
-            self.optimizer = ShardedOptimizer(cfg["optimizer"], model.arena, comm,
-                                              **optimizer_options(cfg))
+            self.optimizer = ShardedOptimizer(cfg["optimizer"], model.arena, comm, **hyper)
         else:
-            self.optimizer = make_optimizer(cfg["optimizer"], model.arena,
-                                            **optimizer_options(cfg))
+            self.optimizer = make_optimizer(cfg["optimizer"], model.arena, **hyper)
         self.scaler = scaler = make_scaler(cfg["loss_scale"], cfg["precision"])
         self.base_lr = scaled_lr(cfg["lr"], batch, cfg["lr_ref_batch"])
         self.steps = steps = self.train_data.steps_per_epoch

@@ -15,7 +15,8 @@ from mpitrain.nets.linear import Linear
 from mpitrain.nets.losses import softmax_cross_entropy
 from mpitrain.nets.module import Sequential
 from mpitrain.nets.pool import GlobalAvgPool2d
-from mpitrain.optim import LAMB, LARS, SGD, learning_rate, make_optimizer, scaled_lr
+from mpitrain.optim import (LAMB, LARS, NLCG, SGD, Neumann, learning_rate, make_optimizer,
+                            scaled_lr)
 
 
 # ----- SGD on a hand-made arena -----
@@ -102,19 +103,23 @@ def test_sgd_refreshes_the_fp16_working_copy():
     np.testing.assert_array_equal(arena.working, arena.master.astype(np.float16))
 
 
-@pytest.mark.parametrize("name", ["sgd", "lars", "lamb"])
+PADDING_HYPER = {"sgd": dict(momentum=0.9), "lars": dict(momentum=0.9), "lamb": {},
+                 "neumann": dict(momentum=0.9, sgd_steps=1, reset_steps=2), "nlcg": {}}
+
+
+@pytest.mark.parametrize("name", ["sgd", "lars", "lamb", "neumann", "nlcg"])
 @pytest.mark.parametrize("working_dtype", [np.float16, None], ids=["fp16", "fp32"])
 def test_optimizers_leave_the_arena_padding_alone(name, working_dtype):
     # the arena aligns every parameter, so the bias starts after a gap of padding; sentinels
     # there (finite in grad, so that nothing counts as an overflow) must survive the steps
     arena = tiny_arena(np.float32, working_dtype=working_dtype)
-    opt = make_optimizer(name, arena, weight_decay=1e-2,
-                         **({} if name == "lamb" else {"momentum": 0.9}))
+    opt = make_optimizer(name, arena, weight_decay=1e-2, **PADDING_HYPER[name])
     pad = np.ones(arena.size, bool)
     for offset, size in zip(arena.segments["offset"], arena.segments["size"]):
         pad[offset:offset + size] = False
     assert pad.sum() > 0
-    state = [arena.master, arena.momentum] + ([opt.exp_avg_sq] if name == "lamb" else [])
+    state = [arena.master, arena.momentum] + [v for v in opt.state_dict().values()
+                                              if np.ndim(v)]
     for buf in state:
         buf[pad] = 7.0
     arena.grad[pad] = 1e4
@@ -137,8 +142,49 @@ def test_bad_hyperparameters_are_refused():
         LARS(tiny_arena(np.float32), eta=0.0)
     with pytest.raises(ValueError, match="beta2"):
         LAMB(tiny_arena(np.float32), beta2=1.0)
+    with pytest.raises(ValueError, match="Neumann momentum mu must lie in"):
+        Neumann(tiny_arena(np.float32), momentum=1.0)
+    with pytest.raises(ValueError, match="moving average gamma"):
+        Neumann(tiny_arena(np.float32), gamma=1.0)
+    with pytest.raises(ValueError, match="reset_steps must be >= 1"):
+        Neumann(tiny_arena(np.float32), reset_steps=0)
+    with pytest.raises(ValueError, match="NLCG beta2"):
+        NLCG(tiny_arena(np.float32), beta2=1.0)
+    with pytest.raises(ValueError, match="unknown NLCG beta rule 'dy'"):
+        NLCG(tiny_arena(np.float32), beta_rule="dy")
     with pytest.raises(ValueError, match="unknown optimizer 'adam'"):
         make_optimizer("adam", tiny_arena(np.float32))
+
+
+def test_neumann_phases_burn_in_then_resets_at_doubling_periods():
+    # Algorithm 2 after 3 SGD steps: reset at Neumann step 1, then after K, 2K, 4K more
+    # steps (K = 2: steps 1, 3, 7, 15); mu(t) = 1 - 1 / (1 + t) up to the momentum
+    opt = Neumann(tiny_arena(np.float32), momentum=0.8, sgd_steps=3, reset_steps=2)
+    phases = [opt.phase(t) for t in range(1, 20)]
+    assert [p for p, _ in phases[:3]] == ["sgd"] * 3
+    resets = [t - 3 for t, (p, _) in enumerate(phases, start=1) if p == "reset"]
+    assert resets == [1, 3, 7, 15]
+    assert all(p == "neumann" for t, (p, _) in enumerate(phases[3:], start=1) if t not in resets)
+    assert [mu for _, mu in phases[3:7]] == pytest.approx([0.5, 2 / 3, 0.75, 0.8])
+    assert max(mu for _, mu in phases) == 0.8
+
+
+def test_neumann_keeps_the_weights_on_a_reset_and_moves_them_after():
+    arena = tiny_arena(np.float64)
+    start = packed(arena, arena.master).copy()
+    opt = Neumann(arena, reset_steps=10)
+    set_grad(arena, GRADS[0])
+    opt.step(0.1)                                    # step 1: the reset, m = -lr g
+    np.testing.assert_array_equal(packed(arena, arena.master), start)
+    np.testing.assert_allclose(packed(arena, arena.momentum), -0.1 * np.array(GRADS[0]),
+                               rtol=1e-15)
+    np.testing.assert_array_equal(packed(arena, opt.average), start)     # v_0 = w_0
+    set_grad(arena, GRADS[1])
+    opt.step(0.1)                                    # step 2: mu = 2/3, no regulariser (w = v)
+    m = 2 / 3 * -0.1 * np.array(GRADS[0]) - 0.1 * np.array(GRADS[1])
+    np.testing.assert_allclose(packed(arena, arena.momentum), m, rtol=1e-14)
+    np.testing.assert_allclose(packed(arena, arena.master),
+                               start + 2 / 3 * m - 0.1 * np.array(GRADS[1]), rtol=1e-14)
 
 
 # ----- LARS and LAMB on a tiny model, against float64 formulas -----
@@ -245,17 +291,23 @@ def test_sgd_equals_lars_with_the_trust_ratio_off():
     assert np.abs(runs["sgd", True] - runs["lars", True]).max() > 1e-3   # trust on: it matters
 
 
-def test_lamb_state_round_trip():
-    # a LAMB restored from state_dict (plus the arena) continues exactly as the original
+ROUND_TRIP = {"lamb": dict(weight_decay=0.01),
+              "neumann": dict(weight_decay=0.01, sgd_steps=1, reset_steps=2),
+              "nlcg": dict(weight_decay=0.01, beta_rule="pr")}
+
+
+@pytest.mark.parametrize("name", list(ROUND_TRIP))
+def test_state_round_trip(name):
+    # an optimizer restored from state_dict (plus the arena) continues exactly as the original
     x, y = batches(1)[0]
     a, b = tiny_model(), tiny_model()
-    opt_a = LAMB(a.arena, weight_decay=0.01)
-    for _ in range(2):
+    opt_a = make_optimizer(name, a.arena, **ROUND_TRIP[name])
+    for _ in range(4):                  # Neumann: burn-in, reset, step, reset; then a step
         gradients(a, x, y)
         opt_a.step(0.1)
     b.arena.master[...] = a.arena.master
     b.arena.momentum[...] = a.arena.momentum
-    opt_b = LAMB(b.arena, weight_decay=0.01)
+    opt_b = make_optimizer(name, b.arena, **ROUND_TRIP[name])
     opt_b.load_state_dict({k: np.copy(v) for k, v in opt_a.state_dict().items()})
     for model, opt in ((a, opt_a), (b, opt_b)):
         gradients(model, x, y)
@@ -320,6 +372,18 @@ def test_train_flags_reach_the_trainer_options():
                 "precision", "loss_scale"):
         assert key in DEFAULTS
     assert build_parser().parse_args(["train", "--loss-scale", "dynamic"]).loss_scale == "dynamic"
+
+
+def test_neumann_and_nlcg_are_train_choices_with_their_options():
+    from mpitrain.cli import build_parser
+    from mpitrain.train import DEFAULTS, NEUMANN_RESET_EPOCHS, optimizer_options
+    for name in ("neumann", "nlcg"):
+        assert build_parser().parse_args(["train", "--optimizer", name]).optimizer == name
+    cfg = dict(DEFAULTS, optimizer="neumann", momentum=0.8, warmup_epochs=2.5)
+    assert optimizer_options(cfg, 44) == dict(momentum=0.8, weight_decay=DEFAULTS["weight_decay"],
+                                              sgd_steps=110, reset_steps=NEUMANN_RESET_EPOCHS * 44)
+    assert optimizer_options(dict(cfg, optimizer="nlcg"), 44) == dict(
+        weight_decay=DEFAULTS["weight_decay"])
 
 
 def test_overlap_flag_defaults_to_auto():

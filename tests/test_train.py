@@ -140,3 +140,19 @@ def test_set_threads_sets_openmp_numba_and_blas():
                 assert all(k == (blas if api == "blas" else n) for api, k in pools), pools
         finally:
             numba.set_num_threads(before)
+
+
+@pytest.mark.launches
+@pytest.mark.one_mpi
+@pytest.mark.parametrize("optimizer,options", [
+    ("neumann", ("--lr", "0.1")),
+    ("nlcg", ("--lr", "0.01", "--precision", "fp16", "--shard-update")),
+])
+def test_neumann_and_nlcg_train_the_digits(tmp_path, optimizer, options):
+    """Three epochs of the digits job with each of the other large-batch optimizers (NLCG
+    under fp16 and weight-update sharding): about 96% (Neumann) and 98% (NLCG)."""
+    r = run_train(2, "--optimizer", optimizer, *options, "--epochs", "3", "--data-dir",
+                  str(tmp_path), "--run-dir", str(tmp_path / "run"), "--checkpoint-every", "0",
+                  timeout=600)
+    assert f"optimizer {optimizer}, peak lr" in r.stdout, r.stdout + r.stderr
+    assert final_top1(r) >= 90.0, r.stdout

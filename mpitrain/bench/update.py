@@ -214,7 +214,9 @@ def _table(r):
 # ----- --shard-update: the optimizer per rank, sharded and not (under mpirun) -----
 SHARD_HYPER = {"sgd": dict(momentum=0.9, weight_decay=5e-5),
                "lars": dict(momentum=0.9, weight_decay=5e-5, eta=0.001),
-               "lamb": dict(weight_decay=5e-5)}
+               "lamb": dict(weight_decay=5e-5),
+               "neumann": dict(momentum=0.9, weight_decay=5e-5),
+               "nlcg": dict(weight_decay=5e-5)}
 
 
 def run_sharded(model="resnet50", optimizer="lars", repeats=7, json_out=False):
