@@ -210,29 +210,51 @@ def _takes(model, size):
 
 
 def prepare_run_dir(cfg, comm):
-    """Choose the run directory (rank 0 decides, all ranks agree) and make sure it can
-    be written, before any work. Returns it."""
-    from .config import default_run_dir
+    """Choose the run directory (rank 0 decides, all ranks agree), make sure it can be
+    written and take its lock (config.RunLock) before anything is written into it, and
+    refuse a directory that another live job holds, or that holds an earlier run when
+    this one does not --resume. Returns (run directory, the lock on rank 0, else None)."""
+    from .config import RunDirInUse, RunLock, default_run_dir
     resume = cfg["resume"]
     if cfg["run_dir"] is None and resume not in (None, "auto"):
         cfg["run_dir"] = os.path.dirname(os.path.abspath(resume))
     if cfg["run_dir"] is None and resume == "auto":
         raise ConfigError("--resume auto needs --run-dir: the directory of the run to continue")
     run_dir = cfg["run_dir"] = cfg["run_dir"] or default_run_dir(comm)
-    problem = None
+    problem = lock = None
     if comm.rank == 0:
         try:
             os.makedirs(run_dir, exist_ok=True)
             if not os.access(run_dir, os.W_OK | os.X_OK):
                 problem = f"--run-dir {run_dir} is not writable; choose another directory"
+            else:
+                lock = RunLock(run_dir)
+                problem = None if resume else earlier_run(run_dir)
         except FileExistsError:
             problem = f"--run-dir {run_dir} is a file, not a directory; choose another name"
+        except RunDirInUse as e:
+            problem = str(e)
         except OSError as e:
             problem = f"--run-dir {run_dir} cannot be created ({e.strerror}); choose another"
     problem = comm.bcast(problem, root=0)
     if problem:
+        if lock:
+            lock.release()
         raise ConfigError(problem)
-    return run_dir
+    return run_dir, lock
+
+
+def earlier_run(run_dir):
+    """The refusal of a fresh run into `run_dir` when an earlier run's files are there
+    (its metrics and checkpoints would mix with this run's), else None."""
+    found = [name for name in ("config.json", "metrics.jsonl") if
+             os.path.exists(os.path.join(run_dir, name))] + \
+        [os.path.basename(p) for p in checkpoint.checkpoints(run_dir)[-1:]]
+    if not found:
+        return None
+    return (f"--run-dir {run_dir} holds an earlier run ({', '.join(found)}): continue it with "
+            f"--resume auto, or start afresh in another --run-dir (without --run-dir each "
+            f"run gets a new runs/<timestamp>)")
 
 
 def find_resume(cfg, comm, say):

@@ -30,6 +30,7 @@ import io
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -242,10 +243,9 @@ def run_all(runs, launcher, parallel, say=print):
         while pending or running:
             while pending and len(running) < parallel:
                 name, options = pending.pop(0)
-                os.makedirs(options["run_dir"], exist_ok=True)
-                stale = os.path.join(options["run_dir"], "metrics.jsonl")
-                if os.path.exists(stale):       # a previous study's run of the same name
-                    os.remove(stale)
+                if os.path.isdir(options["run_dir"]):     # a previous study's run of the
+                    shutil.rmtree(options["run_dir"])     # same name
+                os.makedirs(options["run_dir"])
                 log = os.path.join(options["run_dir"], "log.txt")
                 running[name] = (launcher.start(options, log), options, log, time.monotonic())
             time.sleep(0.2)

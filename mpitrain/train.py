@@ -213,9 +213,10 @@ def evaluate(model, comm, loader, topk=(1, 5)):
 def open_run(cfg, comm, say):
     """Save and print the resolved configuration and the environment in the run
     directory (after every check has passed: a refused run overwrites nothing)."""
-    from .config import describe, environment, save_json
+    from .config import describe, environment, link_latest, save_json
     env = environment(comm, backend.device)
     if comm.rank == 0:
+        link_latest(cfg["run_dir"])
         save_json(os.path.join(cfg["run_dir"], "config.json"), cfg)
         save_json(os.path.join(cfg["run_dir"], "environment.json"), env)
         say(describe(f"configuration (saved in {cfg['run_dir']}/config.json)", cfg), flush=True)
@@ -229,6 +230,14 @@ class Run:
     releases everything. `result` collects what train() returns."""
 
     def __init__(self, cfg, mpi_comm, log):
+        self.lock = None
+        try:
+            self.set_up(cfg, mpi_comm, log)
+        except BaseException:
+            self.close(collective=False)        # the run directory's lock above all
+            raise
+
+    def set_up(self, cfg, mpi_comm, log):
         from mpitrain.comm import Communicator, syncbn
         from mpitrain.comm.autotune import FusionTuner
         from mpitrain.comm.buckets import Reducer, share_gradients
@@ -266,7 +275,8 @@ class Run:
         self.model = model = build_model(cfg["model"], num_classes=len(class_names),
                                          seed=cfg["seed"], rank=rank, working_dtype=working)
         check_image_size(model, cfg["model"], size_px)
-        self.run_dir = run_dir = prepare_run_dir(cfg, comm)
+        run_dir, self.lock = prepare_run_dir(cfg, comm)
+        self.run_dir = run_dir
         resume_from = find_resume(cfg, comm, say)
         data = dict(rank=rank, size=size, image_size=size_px, workers=cfg["workers"],
                     prefetch=cfg["prefetch"], dtype=model.dtype, seed=cfg["seed"],
@@ -592,6 +602,8 @@ class Run:
             self.progress.close()
         if self.comm and collective:
             self.comm.free()
+        if self.lock:
+            self.lock.release()
 
 
 def train(comm=None, log=print, **options):

@@ -1,0 +1,106 @@
+"""Run directories that cannot be mixed: a lock held by the job writing into one (a
+second job into it is refused, naming the holder), an earlier run's directory refused
+to a fresh run without --resume, runs/latest pointing at the newest run."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from launcher import BackgroundJob, environment, mpitrain_command
+from mpitrain.config import RunDirInUse, RunLock
+
+JOB = ("train", "--batch-size", "64", "--seed", "5")
+
+HOLD = """
+import sys, time
+from mpitrain.config import RunLock
+RunLock(sys.argv[1])
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def quick(*args, cwd=None):
+    """One process, no mpiexec (MPI starts as a singleton)."""
+    return subprocess.run([sys.executable, "-m", "mpitrain", *args], capture_output=True,
+                          text=True, timeout=300, env=environment(1), cwd=cwd)
+
+
+def holding(run_dir):
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE,
+                         text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def test_a_lock_refuses_while_its_holder_lives_and_not_after_it_is_killed(tmp_path):
+    holder = holding(tmp_path)
+    try:
+        with pytest.raises(RunDirInUse, match=rf"in use by a running job \(host .*, pid "
+                                              rf"{holder.pid}, started .*\)"):
+            RunLock(str(tmp_path))
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert os.path.exists(tmp_path / RunLock.NAME)      # left by the killed holder
+    lock = RunLock(str(tmp_path))                       # ... and holding nothing
+    assert f"pid {os.getpid()}," in (tmp_path / RunLock.NAME).read_text()
+    lock.release()
+    assert not os.path.exists(tmp_path / RunLock.NAME)
+
+
+@pytest.mark.launches
+def test_a_second_job_into_a_live_run_directory_is_refused(digits, tmp_path):
+    run_dir = tmp_path / "run"
+    first = BackgroundJob(mpitrain_command(2, *JOB, "--epochs", "30", "--data-dir", str(digits),
+                                           "--run-dir", str(run_dir)),
+                          run_dir, tmp_path / "first.log")
+    try:
+        first.running()
+        config = (run_dir / "config.json").read_text()
+        r = subprocess.run(mpitrain_command(2, *JOB, "--epochs", "3", "--data-dir", str(digits),
+                                            "--run-dir", str(run_dir), "--resume", "auto"),
+                           capture_output=True, text=True, timeout=180, env=environment(2))
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert (f"--run-dir {run_dir} is in use by a running job (host "
+                f"{first.board()[0]['host']}, pid {first.pid(0)}, started ") in r.stderr, r.stderr
+        assert "epoch 1/" not in r.stdout, r.stdout
+        assert (run_dir / "config.json").read_text() == config
+        assert first.proc.poll() is None, first.output()
+    finally:
+        first.cleanup()
+
+
+@pytest.fixture(scope="module")
+def used(digits, tmp_path_factory):
+    """The directory of a finished one-epoch run under runs/ of a working directory, and
+    that directory."""
+    cwd = tmp_path_factory.mktemp("cwd")
+    r = quick(*JOB, "--epochs", "1", "--data-dir", str(digits), cwd=cwd)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (run_dir,) = [p for p in (cwd / "runs").iterdir() if p.name != "latest"]
+    return run_dir, cwd
+
+
+def test_runs_latest_points_at_the_newest_run(used):
+    run_dir, cwd = used
+    assert os.path.islink(cwd / "runs" / "latest")
+    assert os.readlink(cwd / "runs" / "latest") == run_dir.name
+
+
+def test_a_fresh_run_into_a_used_directory_is_refused(used, digits):
+    run_dir, _ = used
+    before = {p: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    r = quick(*JOB, "--epochs", "1", "--data-dir", str(digits), "--run-dir", str(run_dir))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert (f"--run-dir {run_dir} holds an earlier run (config.json, metrics.jsonl, "
+            f"checkpoint-000000022.h5): continue it with --resume auto, or start afresh in "
+            f"another --run-dir") in r.stderr, r.stderr
+    assert {p: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+    r = quick(*JOB, "--epochs", "1", "--data-dir", str(digits), "--run-dir", str(run_dir),
+              "--resume", "auto")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((run_dir / "config.json").read_text())["resume"] == "auto"
