@@ -1,7 +1,8 @@
 """`python -m mpitrain <command>`: train, eval, plot, convert, inspect, bench, study.
 
-Bad values are refused by argparse (exit status 2, with its usage message)
-before any work starts. NumPy and MPI are imported only by the command that
+Bad values are refused by argparse before any work starts: exit status 2 and one
+line, the reason, last (the usage is --help's; an unknown option gets the nearest
+known names, and no option is taken from an abbreviation). NumPy and MPI are imported only by the command that
 needs them, so `--help` is quick and `bench step --native-openblas` can re-run
 itself with a changed environment.
 """
@@ -12,14 +13,41 @@ import traceback
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, saying a bad command line once: under mpirun every rank parses it, and
-    only the launcher's rank 0 prints the message (all exit with status 2)."""
+    """argparse, saying a bad command line once and last: under mpirun every rank parses
+    it, and only the launcher's rank 0 prints the message (all exit with status 2). The
+    message is one line, `PROG: error: REASON`, the last thing printed, without the usage
+    (that is --help's); an option is never taken from an abbreviation of its name, and an
+    unknown one is answered with the nearest known names."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)    # --epoch is not --epochs
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         from mpitrain.launcher import launched_rank
-        if launched_rank() != 0:
-            self.exit(2)
-        super().error(message)
+        if launched_rank() == 0:
+            self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2)
+
+    def parse_known_args(self, args=None, namespace=None):
+        """Unknown options are refused by the command that was given them, which knows
+        the names to suggest."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and self._subparsers is None:
+            self.error(self.unrecognized(extras))
+        return namespace, extras
+
+    def unrecognized(self, extras):
+        import difflib
+        known = [s for s in self._option_string_actions if s.startswith("--")]
+        for arg in extras:
+            name = arg.split("=", 1)[0]
+            near = difflib.get_close_matches(name, known, n=2, cutoff=0.6) \
+                if name.startswith("-") else []
+            if near:
+                return (f"unrecognized option {name}: did you mean "
+                        f"{' or '.join(near)}? (--help lists the options)")
+        return f"unrecognized arguments: {' '.join(extras)} (--help lists the options)"
 
 
 # ----- argument types: each returns the value or raises ArgumentTypeError -----
