@@ -118,11 +118,11 @@ def resolve_data(cfg, comm):
 
 
 def describe_file(path):
-    """(number of images, class names, stored image size or None) of a data file."""
-    from mpitrain.datasets.h5format import Reader
+    """(number of images, class names, the image size a run takes from it without
+    --image-size: h5format.default_image_size) of a data file."""
+    from mpitrain.datasets.h5format import Reader, default_image_size
     with Reader(path) as reader:
-        return len(reader.labels), reader.class_names, \
-            reader.image_shape[0] if reader.image_shape else None
+        return len(reader.labels), reader.class_names, default_image_size(reader)
 
 
 def check_threads():
@@ -152,15 +152,18 @@ def check_launch(world_size):
 
 
 def describe_data(train_file, val_file, image_size, batch, workers, prefetch, dtype):
-    """(number of training images, class names, image size, the training file's
+    """(number of training images, class names, image size (`image_size`, else the
+    training file's: h5format.default_image_size), the training file's
     normalisation {mean, std, pixel_max}) of the run's two data files,
     refusing (ConfigError) files that are not this format, a single class, validation
     classes other than the training file's, and images the run's buffers cannot hold."""
-    from mpitrain.datasets.h5format import FormatError, Reader, available_memory, white_level
+    from mpitrain.datasets.h5format import (FormatError, Reader, available_memory,
+                                            default_image_size, white_level)
     try:
         with Reader(train_file) as train, Reader(val_file) as val:
             names, val_names = train.class_names, val.class_names
             num_train, stored = len(train.labels), train.image_shape
+            size = image_size or default_image_size(train)
             normalise = dict(mean=train.mean.tolist(), std=train.std.tolist(),
                              pixel_max=white_level(train))
     except FormatError as e:
@@ -175,7 +178,6 @@ def describe_data(train_file, val_file, image_size, batch, workers, prefetch, dt
         raise ConfigError(f"validation file {val_file} does not have the classes of training "
                           f"file {train_file} ({differ}): convert both from the same folders "
                           f"(convert imagefolder --val-fraction splits one)")
-    size = image_size or (stored[0] if stored else 224)
     # the loader's ring of batches, for both loaders, plus one stored record per worker
     need = 2 * (prefetch + 1) * batch * size * size * 3 * np.dtype(dtype).itemsize
     if stored:

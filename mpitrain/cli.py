@@ -87,6 +87,11 @@ def fusion_threshold(text):
 
 fusion_threshold.__name__ = "bytes"
 
+# --image-size of the commands that read a data file
+DATA_IMAGE_SIZE = ("square side of the images the network takes (default: the data's, the "
+                   "short side of its median image as `convert` recorded it, at most 224; "
+                   "224 for a file that does not record it)")
+
 
 def build_parser():
     from mpitrain.nets import MODELS
@@ -111,8 +116,7 @@ def build_parser():
     train.add_argument("--val-data", help="validation file (default: DATA's FILE_val.h5)")
     train.add_argument("--data-dir", default=D["data_dir"],
                        help="where named data sets (digits) are converted to")
-    train.add_argument("--image-size", type=positive_int,
-                       help="training crop size (default: a pixel file's own size, else 224)")
+    train.add_argument("--image-size", type=positive_int, help=DATA_IMAGE_SIZE)
     train.add_argument("--augment", action=argparse.BooleanOptionalAction,
                        help="random-resized-crop and flip for training (default: on, off for digits)")
     train.add_argument("--workers", type=nonnegative_int, default=D["workers"],
@@ -346,10 +350,11 @@ def build_parser():
     data.add_argument("--data", required=True, help="an HDF5 file made by `convert`")
     data.add_argument("--workers", type=nonnegative_int, default=2)
     data.add_argument("--batch", type=positive_int, default=32)
-    data.add_argument("--image-size", type=positive_int, default=224)
+    data.add_argument("--image-size", type=positive_int, help=DATA_IMAGE_SIZE)
     data.add_argument("--batches", type=positive_int, help="batches timed (default: two epochs)")
     data.add_argument("--reference", choices=["torch"])
     data.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    data.set_defaults(command_parser=data)
     update = benches.add_parser(
         "update", help="one optimizer step over a model's arena, per kernel implementation",
         description="Time one LARS step (norms + fused update, fp32 master, fp16 working "
@@ -406,6 +411,9 @@ def build_parser():
     evaluate.add_argument("--batch-size", type=positive_int,
                           help="GLOBAL batch (default: the checkpoint's training batch)")
     evaluate.add_argument("--workers", type=nonnegative_int, default=D["workers"])
+    evaluate.add_argument("--image-size", type=positive_int,
+                          help="square side of the images (default: the checkpoint's, which "
+                               "its run took from its data or its --image-size)")
     evaluate.add_argument("--device", choices=["cpu", "gpu", "auto"], default=D["device"])
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
     evaluate.set_defaults(command_parser=evaluate)
@@ -483,6 +491,7 @@ def add_study(commands, D):
     large.add_argument("--val-data", help="validation file (default: DATA's FILE_val.h5)")
     large.add_argument("--data-dir", default=D["data_dir"],
                        help="where named data sets (digits) are converted to")
+    large.add_argument("--image-size", type=positive_int, help=DATA_IMAGE_SIZE)
     large.add_argument("--augment", action=argparse.BooleanOptionalAction,
                        help="random-resized-crop and flip (default: the data's own: off for "
                             "digits, on for a file)")
@@ -506,7 +515,8 @@ def run_study(args, argv):
     from mpitrain.study import StudyError, large_batch
     try:
         large_batch(args.data, args.data_dir, args.out, args.quick, args.epochs, args.seeds,
-                    args.ranks, args.ranks_per_run, args.augment, args.val_data, argv[2:])
+                    args.ranks, args.ranks_per_run, args.augment, args.val_data, argv[2:],
+                    image_size=args.image_size)
     except StudyError as e:
         args.command_parser.error(str(e))
 
@@ -725,7 +735,7 @@ def run_eval(args):
     from mpitrain.evaluate import EvalError, evaluate_checkpoint
     try:
         result = evaluate_checkpoint(args.checkpoint, args.data, args.batch_size, args.workers,
-                                     args.device)
+                                     args.device, image_size=args.image_size)
     except EvalError as e:
         args.command_parser.error(str(e))
     if MPI.COMM_WORLD.rank == 0:
@@ -734,8 +744,24 @@ def run_eval(args):
             print(json.dumps(result))
         else:
             top5 = f", top-5 {result['top5']:.2%}" if "top5" in result else ""
-            print(f"{args.checkpoint} on {args.data} ({result['images']} images): "
+            print(f"{args.checkpoint} on {args.data} ({result['images']} images, "
+                  f"{result['image_size']}x{result['image_size']}): "
                   f"top-1 {result['top1']:.2%}{top5}")
+
+
+def data_image_size(args):
+    """--image-size, else the size of args.data (checks.describe_file), said unless --json."""
+    if args.image_size:
+        return args.image_size
+    from mpitrain.checks import describe_file
+    from mpitrain.datasets.h5format import FormatError
+    try:
+        size = describe_file(args.data)[2]
+    except FormatError as e:
+        args.command_parser.error(str(e))
+    if not args.json:
+        print(f"images {size}x{size} from the data (--image-size to change)", flush=True)
+    return size
 
 
 def run_plot(args):
@@ -810,8 +836,8 @@ def main(argv=None):
         main_step(args, argv)
     elif args.bench == "data":
         from mpitrain.bench.data import run
-        run(args.data, args.workers, args.batch, args.image_size, args.reference, args.json,
-            args.batches)
+        run(args.data, args.workers, args.batch, data_image_size(args), args.reference,
+            args.json, args.batches)
     elif args.bench == "update":
         from mpitrain.bench.update import run, run_sharded
         if args.shard_update:

@@ -107,7 +107,8 @@ def flags(options):
 
 # ----- checks before any run -----
 def check_inputs(data, val_data, data_dir, out):
-    """(training file, number of training images, number of classes); refuses
+    """(training file, number of training images, number of classes, the image size a
+    run takes from the file: checks.describe_file); refuses
     (StudyError) a data file that is missing or not mpitrain's format, too few images
     and an --out that cannot be written, before anything is written."""
     from mpitrain.checks import PRESETS, describe_file
@@ -134,13 +135,13 @@ def check_inputs(data, val_data, data_dir, out):
         print(f"study: converting {data} into {data_dir}/", flush=True)
         getattr(convert, PRESETS[data]["convert"])(data_dir)
     try:
-        num_train, classes, _ = describe_file(train_file)
+        num_train, classes, size = describe_file(train_file)
     except FormatError as e:
         raise StudyError(str(e)) from None
     if len(batch_sizes(num_train)) < 2:
         raise StudyError(f"{train_file} has {num_train} training images: the study needs at "
                          f"least {MIN_STEPS * SMALLEST_BATCH * 2} to compare two batch sizes")
-    return train_file, num_train, len(classes)
+    return train_file, num_train, len(classes), size
 
 
 def writable_problem(out):
@@ -363,7 +364,7 @@ def write_outputs(out, rows, lines, study_command, epochs, num_train, num_classe
 
 def large_batch(data="digits", data_dir="data", out="runs/study-large-batch", quick=False,
                 epochs=None, seeds=None, ranks=None, ranks_per_run=1, augment=None,
-                val_data=None, argv=(), say=print):
+                val_data=None, argv=(), say=print, image_size=None):
     """The study (see the module docstring); returns the table's rows."""
     from mpitrain.checks import PRESETS
     from mpitrain.launcher import cores
@@ -375,7 +376,8 @@ def large_batch(data="digits", data_dir="data", out="runs/study-large-batch", qu
                          f"{SMALLEST_BATCH}; use 1, 2, 4, 8, 16 or 32")
     if ranks < ranks_per_run:
         raise StudyError(f"--ranks {ranks} is fewer than --ranks-per-run {ranks_per_run}")
-    train_file, num_train, num_classes = check_inputs(data, val_data, data_dir, out)
+    train_file, num_train, num_classes, data_size = check_inputs(data, val_data, data_dir, out)
+    size = f"{image_size}x{image_size}" if image_size else f"{data_size}x{data_size} from the data"
     parallel = ranks // ranks_per_run
     launcher = Launcher(ranks_per_run, max(1, cores() // ranks))
     batches = batch_sizes(num_train, quick)
@@ -392,13 +394,16 @@ def large_batch(data="digits", data_dir="data", out="runs/study-large-batch", qu
                     options["val_data"] = val_data
                 if augment is not None:
                     options["augment"] = augment
+                if image_size:
+                    options["image_size"] = image_size
                 grid.setdefault((config, batch), []).append(name)
                 runs.append((name, options))
     study_command = shlex.join(["python", "-m", "mpitrain", "study", "large-batch", *argv])
     say(f"study: {len(batches)} batch sizes ({', '.join(map(str, batches))}) x "
         f"{len(CONFIGS)} recipes ({', '.join(CONFIGS)}) x {seeds} seed(s) = {len(runs)} runs "
-        f"of {epochs} epochs on {train_file} ({num_train} images); {parallel} run(s) at once "
-        f"of {ranks_per_run} rank(s), {launcher.threads['OMP_NUM_THREADS']} thread(s) a rank",
+        f"of {epochs} epochs on {train_file} ({num_train} images, {size}); {parallel} run(s) "
+        f"at once of {ranks_per_run} rank(s), {launcher.threads['OMP_NUM_THREADS']} thread(s) "
+        f"a rank",
         flush=True)
     start = time.monotonic()
     results = run_all(runs, launcher, parallel, say)

@@ -297,10 +297,11 @@ class Run:
         self.scaler = scaler = make_scaler(cfg["loss_scale"], cfg["precision"])
         self.base_lr = scaled_lr(cfg["lr"], batch, cfg["lr_ref_batch"])
         self.steps = steps = self.train_data.steps_per_epoch
+        chosen = "" if cfg["image_size"] else " from the data"
         say(f"mpitrain: {cfg['model']} ({model.num_params():,} parameters) on {train_file} "
             f"({len(self.train_data.labels)} train / {len(self.val_data.labels)} val images, "
-            f"{size_px}x{size_px}), {size} rank(s) on {backend.device}, global batch {batch} "
-            f"({batch // size} per rank), {steps} steps/epoch, {epochs} epochs", flush=True)
+            f"{size_px}x{size_px}{chosen}), {size} rank(s) on {backend.device}, "
+            f"global batch {batch} ({batch // size} per rank), {steps} steps/epoch, {epochs} epochs", flush=True)
         say(f"optimizer {cfg['optimizer']}, peak lr {self.base_lr:g} ({cfg['schedule']} after "
             f"{cfg['warmup_epochs']:g} warm-up epochs), precision {cfg['precision']}, loss scale "
             f"{'dynamic from ' if scaler.dynamic else ''}{scaler.scale:g}", flush=True)
