@@ -8,6 +8,7 @@ itself with a changed environment.
 """
 import argparse
 import math
+import os
 import sys
 import traceback
 
@@ -86,6 +87,9 @@ def fusion_threshold(text):
 
 
 fusion_threshold.__name__ = "bytes"
+
+# the checkpoint of eval, predict and export
+CHECKPOINT = "a checkpoint-*.h5 file, or a run directory (its newest complete checkpoint)"
 
 # --image-size of the commands that read a data file
 DATA_IMAGE_SIZE = ("square side of the images the network takes (default: the data's, the "
@@ -406,7 +410,7 @@ def build_parser():
                     "mpirun the ranks share the file. The model and its number of classes "
                     "come from the checkpoint.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    evaluate.add_argument("--checkpoint", required=True, help="a checkpoint-*.h5 file")
+    evaluate.add_argument("--checkpoint", required=True, help=CHECKPOINT)
     evaluate.add_argument("--data", required=True, help="an HDF5 file made by `convert`")
     evaluate.add_argument("--batch-size", type=positive_int,
                           help="GLOBAL batch (default: the checkpoint's training batch)")
@@ -439,7 +443,7 @@ def build_parser():
                     "'logits', opset 17, dynamic batch. OUT is written to a temporary file "
                     "and renamed when complete. Needs the package of the format "
                     "(pip install 'mpitrain[export]').")
-    export.add_argument("checkpoint", help="a checkpoint-*.h5 file")
+    export.add_argument("checkpoint", help=CHECKPOINT)
     export.add_argument("--format", required=True, choices=["safetensors", "onnx"],
                         help="the file format to write")
     export.add_argument("out", help="the file to write (its directory must exist)")
@@ -453,7 +457,7 @@ def build_parser():
                     "crop fraction, the training file's mean/std). Prints the most probable "
                     "classes with their names and probabilities. One process: no mpirun.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    predict.add_argument("--checkpoint", required=True, help="a checkpoint-*.h5 file")
+    predict.add_argument("--checkpoint", required=True, help=CHECKPOINT)
     predict.add_argument("images", nargs="+", metavar="IMAGE",
                          help="image files (JPEG, PNG, anything Pillow reads; 16-bit "
                               "greyscale PNGs are taken in a 16-bit data file's units)")
@@ -730,9 +734,27 @@ def run_train(args, parser=None, argv=()):
         sys.exit(EXIT_STATUS[result["stopped"]])
 
 
+def checkpoint_in(args, comm=None):
+    """args.checkpoint, or where it names a run directory, that directory's newest complete
+    checkpoint (chosen by rank 0 of `comm` when given, so that every rank takes the same);
+    a directory without one is refused."""
+    from mpitrain import checkpoint
+    if not os.path.isdir(args.checkpoint):
+        return args.checkpoint
+    found = checkpoint.latest(args.checkpoint) if comm is None or comm.rank == 0 else None
+    if comm is not None:
+        found = comm.bcast(found, root=0)
+    if found is None:
+        args.command_parser.error(f"run directory {args.checkpoint} holds no complete "
+                                  f"checkpoint: give a checkpoint file, or train (or "
+                                  f"--resume) the run to its first checkpoint")
+    return found
+
+
 def run_eval(args):
     from mpi4py import MPI
     from mpitrain.evaluate import EvalError, evaluate_checkpoint
+    args.checkpoint = checkpoint_in(args, MPI.COMM_WORLD)
     try:
         result = evaluate_checkpoint(args.checkpoint, args.data, args.batch_size, args.workers,
                                      args.device, image_size=args.image_size)
@@ -818,9 +840,11 @@ def main(argv=None):
         run_convert(args)
     elif args.command == "export":
         from mpitrain.export import run
+        args.checkpoint = checkpoint_in(args)
         run(args)
     elif args.command == "predict":
         from mpitrain.predict import run
+        args.checkpoint = checkpoint_in(args)
         run(args)
     elif args.command == "study":
         run_study(args, argv)

@@ -652,4 +652,16 @@ def train(comm=None, log=print, **options):
     if run.train_data.skipped:
         run.say(f"{run.train_data.skipped} bad training record(s) skipped "
                 f"(--skip-bad-records)", flush=True)
+    say_where(run.say, result)
     return result
+
+
+def say_where(say, result):
+    """The end of a run: where its checkpoint and metrics are, how to plot them, and
+    that the run directory stands for its newest checkpoint."""
+    run_dir = result["run_dir"]
+    saved = (f"checkpoint {result['checkpoint']}" if result["checkpoint"] else
+             "no checkpoint (--checkpoint-every 0)")
+    say(f"{saved}; metrics {os.path.join(run_dir, 'metrics.jsonl')}; plots: python -m "
+        f"mpitrain plot {run_dir}; eval, predict and export take {run_dir} for its newest "
+        f"checkpoint", flush=True)

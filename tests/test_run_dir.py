@@ -76,23 +76,23 @@ def test_a_second_job_into_a_live_run_directory_is_refused(digits, tmp_path):
 
 @pytest.fixture(scope="module")
 def used(digits, tmp_path_factory):
-    """The directory of a finished one-epoch run under runs/ of a working directory, and
-    that directory."""
+    """The directory of a finished one-epoch run under runs/ of a working directory, that
+    directory, and the run's output."""
     cwd = tmp_path_factory.mktemp("cwd")
     r = quick(*JOB, "--epochs", "1", "--data-dir", str(digits), cwd=cwd)
     assert r.returncode == 0, r.stdout + r.stderr
     (run_dir,) = [p for p in (cwd / "runs").iterdir() if p.name != "latest"]
-    return run_dir, cwd
+    return run_dir, cwd, r.stdout
 
 
 def test_runs_latest_points_at_the_newest_run(used):
-    run_dir, cwd = used
+    run_dir, cwd, _ = used
     assert os.path.islink(cwd / "runs" / "latest")
     assert os.readlink(cwd / "runs" / "latest") == run_dir.name
 
 
 def test_a_fresh_run_into_a_used_directory_is_refused(used, digits):
-    run_dir, _ = used
+    run_dir, _, _ = used
     before = {p: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
     r = quick(*JOB, "--epochs", "1", "--data-dir", str(digits), "--run-dir", str(run_dir))
     assert r.returncode == 2, r.stdout + r.stderr
@@ -104,3 +104,38 @@ def test_a_fresh_run_into_a_used_directory_is_refused(used, digits):
               "--resume", "auto")
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads((run_dir / "config.json").read_text())["resume"] == "auto"
+
+
+def test_the_end_of_a_run_says_where_its_outputs_are(used):
+    run_dir, _, out = used
+    run_dir = os.path.relpath(run_dir, used[1])           # as the run named it: runs/<stamp>
+    assert out.rstrip().splitlines()[-1] == (
+        f"checkpoint {run_dir}/checkpoint-000000022.h5; metrics {run_dir}/metrics.jsonl; "
+        f"plots: python -m mpitrain plot {run_dir}; eval, predict and export take {run_dir} "
+        f"for its newest checkpoint")
+
+
+def test_eval_predict_and_export_take_a_run_directory(used, digits, tmp_path):
+    run_dir, cwd, _ = used
+    checkpoint = str(run_dir / "checkpoint-000000022.h5")
+    val = str(digits / "digits_val.h5")
+    by_file = quick("eval", "--checkpoint", checkpoint, "--data", val, "--json")
+    by_dir = quick("eval", "--checkpoint", str(cwd / "runs" / "latest"), "--data", val, "--json")
+    assert by_file.returncode == by_dir.returncode == 0, by_file.stderr + by_dir.stderr
+    assert json.loads(by_dir.stdout) == json.loads(by_file.stdout)
+    image = tmp_path / "seven.png"
+    from PIL import Image
+    Image.new("RGB", (32, 32), (255, 255, 255)).save(image)
+    r = quick("predict", "--checkpoint", str(run_dir), str(image), "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout)["checkpoint"] == checkpoint
+    r = quick("export", str(run_dir), "--format", "safetensors", str(tmp_path / "m.safetensors"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "m.safetensors").stat().st_size > 0
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = quick("predict", "--checkpoint", str(empty), str(image))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr == (f"python -m mpitrain predict: error: run directory {empty} holds no "
+                        f"complete checkpoint: give a checkpoint file, or train (or --resume) "
+                        f"the run to its first checkpoint\n")
