@@ -2,9 +2,9 @@
 
 Bad values are refused by argparse before any work starts: exit status 2 and one
 line, the reason, last (the usage is --help's; an unknown option gets the nearest
-known names, and no option is taken from an abbreviation). NumPy and MPI are imported only by the command that
-needs them, so `--help` is quick and `bench step --native-openblas` can re-run
-itself with a changed environment.
+known names, and no option is taken from an abbreviation). NumPy and MPI are
+imported only by the command that needs them, so `--help` is quick and `bench
+step --native-openblas` can re-run itself with a changed environment.
 """
 import argparse
 import math

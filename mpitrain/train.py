@@ -300,8 +300,9 @@ class Run:
         chosen = "" if cfg["image_size"] else " from the data"
         say(f"mpitrain: {cfg['model']} ({model.num_params():,} parameters) on {train_file} "
             f"({len(self.train_data.labels)} train / {len(self.val_data.labels)} val images, "
-            f"{size_px}x{size_px}{chosen}), {size} rank(s) on {backend.device}, "
-            f"global batch {batch} ({batch // size} per rank), {steps} steps/epoch, {epochs} epochs", flush=True)
+            f"{size_px}x{size_px}{chosen}), {size} rank(s) on {backend.device}, global batch "
+            f"{batch} ({batch // size} per rank), {steps} steps/epoch, {epochs} epochs",
+            flush=True)
         say(f"optimizer {cfg['optimizer']}, peak lr {self.base_lr:g} ({cfg['schedule']} after "
             f"{cfg['warmup_epochs']:g} warm-up epochs), precision {cfg['precision']}, loss scale "
             f"{'dynamic from ' if scaler.dynamic else ''}{scaler.scale:g}", flush=True)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from PIL import Image
 
 from launcher import BackgroundJob, environment, mpitrain_command
 from mpitrain.config import RunDirInUse, RunLock
@@ -123,8 +124,7 @@ def test_eval_predict_and_export_take_a_run_directory(used, digits, tmp_path):
     by_dir = quick("eval", "--checkpoint", str(cwd / "runs" / "latest"), "--data", val, "--json")
     assert by_file.returncode == by_dir.returncode == 0, by_file.stderr + by_dir.stderr
     assert json.loads(by_dir.stdout) == json.loads(by_file.stdout)
-    image = tmp_path / "seven.png"
-    from PIL import Image
+    image = tmp_path / "white.png"
     Image.new("RGB", (32, 32), (255, 255, 255)).save(image)
     r = quick("predict", "--checkpoint", str(run_dir), str(image), "--json")
     assert r.returncode == 0, r.stdout + r.stderr
