@@ -108,13 +108,14 @@ class RunLock:
 def link_latest(run_dir):
     """runs/latest -> the newest run under runs/ (the default runs' directory), replaced
     atomically; a run directory elsewhere leaves it alone."""
-    parent = os.path.dirname(os.path.abspath(run_dir))
-    if parent != os.path.abspath(RUNS):
+    real = os.path.realpath(run_dir)            # runs/latest itself: the run it names
+    parent = os.path.dirname(real)
+    if parent != os.path.realpath(RUNS):
         return
     link = os.path.join(parent, "latest")
     spare = f"{link}.{os.getpid()}"
     try:
-        os.symlink(os.path.basename(os.path.abspath(run_dir)), spare)
+        os.symlink(os.path.basename(real), spare)
         os.replace(spare, link)
     except OSError:                     # a file system without links: nothing to point
         if os.path.lexists(spare):

@@ -93,7 +93,7 @@ def test_runs_latest_points_at_the_newest_run(used):
 
 
 def test_a_fresh_run_into_a_used_directory_is_refused(used, digits):
-    run_dir, _, _ = used
+    run_dir, cwd, _ = used
     before = {p: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
     r = quick(*JOB, "--epochs", "1", "--data-dir", str(digits), "--run-dir", str(run_dir))
     assert r.returncode == 2, r.stdout + r.stderr
@@ -101,10 +101,11 @@ def test_a_fresh_run_into_a_used_directory_is_refused(used, digits):
             f"checkpoint-000000022.h5): continue it with --resume auto, or start afresh in "
             f"another --run-dir") in r.stderr, r.stderr
     assert {p: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
-    r = quick(*JOB, "--epochs", "1", "--data-dir", str(digits), "--run-dir", str(run_dir),
-              "--resume", "auto")
+    r = quick(*JOB, "--epochs", "1", "--data-dir", str(digits), "--run-dir", "runs/latest",
+              "--resume", "auto", cwd=cwd)
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads((run_dir / "config.json").read_text())["resume"] == "auto"
+    assert os.readlink(cwd / "runs" / "latest") == run_dir.name      # the run it names
 
 
 def test_the_end_of_a_run_says_where_its_outputs_are(used):
