@@ -10,6 +10,9 @@
 #   ./launch.sh train ARGS...   set up, then `python -m mpitrain train ARGS...` launched with
 #                               srun inside a Slurm allocation, else mpirun -np ${NP:-2}
 #                               (with --hostfile $HOSTFILE when HOSTFILE is set)
+#   ./launch.sh COMMAND ARGS... any other mpitrain command alike: eval, convert imagefolder,
+#                               bench step and bench comm as MPI jobs, the others (predict,
+#                               export, plot, inspect, study, simulate, ...) in one process
 #   ./launch.sh setup           set up only: the venv, editable install, Cython kernels
 #   ./launch.sh gpu-check       on a GPU machine without network: prove the GPU path and
 #                               write a JSON report (WHEELS=DIR installs from a folder of
@@ -29,7 +32,7 @@
 set -euo pipefail
 
 die() { echo "launch.sh: $*" >&2; exit 2; }
-case ${1:-} in -h|--help|help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
+case ${1:-} in -h|--help|help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 
 # The checkout. sbatch runs a copy of this script from slurmd's spool directory, so inside
 # a batch job the script's own directory is not the checkout: take the path that was
@@ -150,16 +153,40 @@ kernels_built() {
 }
 
 build_kernels() {
-    local log
     kernels_built && return 0
     [[ -z "$IN_JOB" ]] || die "the Cython kernels in $ROOT/kernels are not built or older than" \
         "their sources; run ./launch.sh setup first (outside a Slurm job, e.g. on a login node)"
-    echo "launch.sh: building the Cython kernels"
+    step "building the Cython kernels" "about a minute" "$PY" setup.py build_ext --inplace
+}
+
+# One step of the set-up: its name and how long it usually takes, then its output in a
+# log, with a line every 30 s saying that it still runs and how much it has written (a
+# compile is not a hang), and its time at the end; on failure the log's last lines.
+step() {   # what, how long it usually takes, command...
+    local what=$1 usual=$2 log pid rc=0 start=$SECONDS next=30
+    shift 2
+    echo "launch.sh: $what (usually $usual)"
     log=$(mktemp)
-    if ! "$PY" setup.py build_ext --inplace -q >"$log" 2>&1; then
-        cat "$log" >&2; rm -f "$log"; die "building the Cython kernels failed"
+    "$@" >"$log" 2>&1 &
+    pid=$!
+    # a background command ignores Ctrl-C: end it with this script
+    trap 'kill "$pid" 2>/dev/null; rm -f "$log"; exit 130' INT
+    trap 'kill "$pid" 2>/dev/null; rm -f "$log"; exit 143' TERM
+    while kill -0 "$pid" 2>/dev/null; do
+        sleep 1
+        if (( SECONDS - start >= next )); then
+            echo "launch.sh:   ... $((SECONDS - start)) s, $(wc -l <"$log") lines of output;" \
+                 "last: $(tail -n 1 "$log" | cut -c1-100)"
+            next=$((next + 30))
+        fi
+    done
+    wait "$pid" || rc=$?
+    trap - INT TERM
+    if (( rc != 0 )); then
+        tail -n 40 "$log" >&2; rm -f "$log"; die "$what failed (exit $rc; its last lines above)"
     fi
     rm -f "$log"
+    echo "launch.sh:   done in $((SECONDS - start)) s"
 }
 
 install() {
@@ -171,14 +198,21 @@ install() {
         MPI_EXEC=$VENV/bin/mpiexec
     fi
     echo "launch.sh: installing mpitrain and its dependencies into $VENV (MPI: $MPI_KIND${cc:+, $cc})"
-    [[ -x "$PY" ]] || python3 -m venv "$VENV"
-    "$PY" -m pip install -q cython numpy setuptools wheel
+    [[ -x "$PY" ]] || step "creating the venv" "a few seconds" python3 -m venv "$VENV"
+    step "installing Cython, NumPy, setuptools, wheel" "under a minute" \
+        "$PY" -m pip install cython numpy setuptools wheel
     if [[ $MPI_KIND == system ]]; then     # mpi4py compiled against the system MPI
-        MPICC=$cc "$PY" -m pip install -q --no-binary=mpi4py --no-cache-dir mpi4py
+        echo "launch.sh: mpi4py is compiled against the MPI on PATH; to skip the compile," \
+             "stop here (Ctrl-C), remove $VENV and run again with MPITRAIN_MPI=wheel (MPICH" \
+             "from the mpich wheel, no compile)"
+        MPICC=$cc step "compiling mpi4py against $cc" "5 to 10 minutes on 2 cores" \
+            "$PY" -m pip install -v --no-binary=mpi4py --no-cache-dir mpi4py
     else                                   # MPICH from PyPI, in the venv
-        "$PY" -m pip install -q mpich mpi4py
+        step "installing MPICH (the mpich wheel) and mpi4py" "under a minute" \
+            "$PY" -m pip install mpich mpi4py
     fi
-    "$PY" -m pip install -q --no-build-isolation -e ".[test,mkl]"
+    step "installing mpitrain and its dependencies (h5py, Numba, SciPy, scikit-learn, ...)" \
+        "1 to 3 minutes" "$PY" -m pip install --no-build-isolation -e ".[test,mkl]"
     MPI_LIBRARY=$(mpi_library)
     MPI_IMPL=$(mpi_impl "$MPI_EXEC")
     write_record
@@ -308,7 +342,9 @@ pass_on() {   # signal, launcher pid, how many of it so far
     kill -"$1" "$2" 2>/dev/null || true           # a third Ctrl-C: mpirun kills the job
 }
 
-run_train() {
+# `python -m mpitrain ARGS...` as an MPI job: srun inside a Slurm allocation, else the
+# venv's mpiexec with NP ranks
+run_mpi() {
     if [[ -n "${SLURM_JOB_ID:-}" ]]; then
         # exec: srun takes this shell's place, so a signal to the batch shell
         # (--signal=B:USR1@N) reaches srun, which forwards it to every task. Threads:
@@ -316,7 +352,7 @@ run_train() {
         local mpi
         mpi=$(srun_mpi)
         # shellcheck disable=SC2086
-        exec srun --kill-on-bad-exit=1 $mpi ${SRUN_FLAGS:-} "$PY" -m mpitrain train "$@"
+        exec srun --kill-on-bad-exit=1 $mpi ${SRUN_FLAGS:-} "$PY" -m mpitrain "$@"
     fi
     local words
     mapfile -t words < <(mpiexec_words "$NP")
@@ -324,7 +360,26 @@ run_train() {
     # launcher runs in a process group of its own)
     export MPITRAIN_LAUNCHER_PID=$$ MPITRAIN_LAUNCHER_HOST=$HOSTNAME
     # shellcheck disable=SC2046
-    run_forwarding env $(thread_env "$NP") "${words[@]}" "$PY" -m mpitrain train "$@"
+    run_forwarding env $(thread_env "$NP") "${words[@]}" "$PY" -m mpitrain "$@"
+}
+
+# python -m mpitrain's commands. Those that are MPI jobs (a command and its first word)
+# run under run_mpi; the others in one process, as their --help says (study and simulate
+# --calibrate start MPI jobs of their own, with the venv's mpiexec).
+COMMANDS=(train eval predict export plot inspect convert bench study simulate check-gpu)
+is_mpi_job() {   # command, its arguments...
+    case "$1 ${2:-}" in
+        "train "*|"eval "*|"convert imagefolder"|"bench step"|"bench comm") return 0 ;;
+    esac
+    return 1
+}
+
+run_command() {   # command, its arguments...
+    if is_mpi_job "$@"; then
+        run_mpi "$@"
+    else
+        "$PY" -m mpitrain "$@"
+    fi
 }
 
 # One test phase under `timeout` (a hang cannot stall CI); records a summary line and
@@ -400,10 +455,12 @@ gpu_check() {
 command=${1:-default}
 case $command in
     setup) IN_JOB=""; setup ;;   # asked for: installs even inside an allocation
-    default) setup; run_train ;;
-    train) shift; setup; run_train "$@" ;;
+    default) setup; run_mpi train ;;
     test) setup; run_tests all ;;
     test-mpi) setup; run_tests mpi ;;
     gpu-check) shift; gpu_check "$@" ;;
-    *) die "unknown command '$command' (use: setup, train ARGS..., test, test-mpi, gpu-check, or nothing)" ;;
+    *)
+        [[ " ${COMMANDS[*]} " == *" $command "* ]] || die "unknown command '$command' (use:" \
+            "setup, test, test-mpi, gpu-check, nothing, or one of mpitrain's: ${COMMANDS[*]})"
+        setup; run_command "$@" ;;
 esac

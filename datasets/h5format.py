@@ -17,6 +17,8 @@ behind it):
     offsets      int64 (N + 1,)        record i is images[offsets[i]:offsets[i+1]]
   storage "pixels":
     pixels       uint8 or uint16 (N, H, W, 3)   decoded images of one fixed size
+    attrs    image_size = (height, width), the median of the stored images' sizes
+             (files written before it lack it: see default_image_size)
 
 A record is read with one contiguous slice: the fastest layout at random
 access, as a variable-length dataset has HDF5 look each vlen element up in a
@@ -27,6 +29,7 @@ Files are written to a temporary name in the destination's directory and
 renamed when complete, so an interrupted conversion never leaves a file that
 looks finished.
 """
+import io
 import os
 import socket
 import sys
@@ -120,7 +123,7 @@ class Writer:
         self.storage = storage
         self.pixel_dtype = np.dtype(pixel_dtype)
         self.labels, self.filenames = [], []
-        self.sizes, self.pixels = [], []
+        self.sizes, self.pixels, self.shapes = [], [], []
         for name in remove_stale(path):
             print(f"mpitrain: removed {name}, left by a conversion of {path} that was killed",
                   file=sys.stderr, flush=True)
@@ -138,6 +141,9 @@ class Writer:
         if self.storage == "encoded":
             self._spool.write(data)
             self.sizes.append(len(data))
+            shape = encoded_shape(data)
+            if shape:
+                self.shapes.append(shape)
         else:
             data = np.asarray(data)
             if data.ndim != 3 or data.shape[2] != 3 or data.dtype != self.pixel_dtype:
@@ -147,6 +153,7 @@ class Writer:
                 raise ValueError(f"every record must have the shape {self.pixels[0].shape}, "
                                  f"got {data.shape}")
             self.pixels.append(data)
+            self.shapes.append(data.shape[:2])
         self.labels.append(int(label))
         self.filenames.append(filename)
 
@@ -159,6 +166,8 @@ class Writer:
             f.attrs["format"] = FORMAT
             f.attrs["version"] = VERSION
             f.attrs["storage"] = self.storage
+            if self.shapes:
+                f.attrs["image_size"] = np.rint(np.median(self.shapes, axis=0)).astype(np.int64)
             f.create_dataset("labels", data=np.asarray(self.labels, np.int64))
             f.create_dataset("class_names", data=self.class_names, dtype=strings)
             f.create_dataset("filenames", data=self.filenames, dtype=strings)
@@ -283,12 +292,39 @@ def _plain(value):
     return value.item() if isinstance(value, np.generic) else value
 
 
+def encoded_shape(data):
+    """(height, width) of an encoded image, from its header alone; None where the bytes
+    are no image (a record the loader will refuse, or skip with --skip-bad-records)."""
+    from PIL import Image, UnidentifiedImageError
+    try:
+        width, height = Image.open(io.BytesIO(bytes(data))).size
+    except (UnidentifiedImageError, OSError, ValueError):
+        return None
+    return height, width
+
+
+# A run's square image side when the data does not say, and the most it takes from the data
+DEFAULT_IMAGE_SIZE = 224
+
+
+def default_image_size(reader):
+    """The image side a run takes from a file when no --image-size is given: the short
+    side of the file's median image size, at most DEFAULT_IMAGE_SIZE (images larger than
+    that are cropped and scaled down to it, as ImageNet's are); DEFAULT_IMAGE_SIZE for an
+    encoded file that does not record its size."""
+    if reader.image_size is None:
+        return DEFAULT_IMAGE_SIZE
+    return min(DEFAULT_IMAGE_SIZE, *reader.image_size)
+
+
 class Reader:
     """Read access to one file (open one Reader per worker: h5py handles are not
     shared across threads' or processes' work).
 
     Attributes: path, storage, labels (int64 array), class_names, mean, std
-    (float64 (3,)), image_shape ((H, W, 3) for pixel files, None otherwise).
+    (float64 (3,)), image_shape ((H, W, 3) for pixel files, None otherwise),
+    image_size ((height, width): the median stored image's, None for an encoded
+    file written before files recorded it).
     `record(i)` returns record i: the encoded bytes (a uint8 array) or the
     pixel array.
     """
@@ -316,6 +352,8 @@ class Reader:
             else:
                 self.images = f["pixels"]
                 self.image_shape = self.images.shape[1:]
+            self.image_size = tuple(int(v) for v in f.attrs["image_size"]) \
+                if "image_size" in f.attrs else self.image_shape and self.image_shape[:2]
         except BaseException:
             self.file.close()
             raise

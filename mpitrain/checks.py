@@ -129,13 +129,13 @@ def resolve_data(cfg, comm):
 
 
 def describe_file(path):
-    """(number of images, class names, stored image size or None) of a data file, which
-    must hold an image (ConfigError otherwise)."""
-    from mpitrain.datasets.h5format import Reader
+    """(number of images, class names, the image size a run takes from it without
+    --image-size: h5format.default_image_size) of a data file, which must hold an image
+    (ConfigError otherwise)."""
+    from mpitrain.datasets.h5format import Reader, default_image_size
     with Reader(path) as reader:
         check_not_empty(reader, "data file")
-        return len(reader.labels), reader.class_names, \
-            reader.image_shape[0] if reader.image_shape else None
+        return len(reader.labels), reader.class_names, default_image_size(reader)
 
 
 def check_not_empty(reader, what):
@@ -172,17 +172,20 @@ def check_launch(world_size):
 
 
 def describe_data(train_file, val_file, image_size, batch, workers, prefetch, dtype):
-    """(number of training images, class names, image size, the training file's
+    """(number of training images, class names, image size (`image_size`, else the
+    training file's: h5format.default_image_size), the training file's
     normalisation {mean, std, pixel_max}) of the run's two data files,
     refusing (ConfigError) files that are not this format, a single class, validation
     classes other than the training file's, and images the run's buffers cannot hold."""
-    from mpitrain.datasets.h5format import FormatError, Reader, available_memory, white_level
+    from mpitrain.datasets.h5format import (FormatError, Reader, available_memory,
+                                            default_image_size, white_level)
     try:
         with Reader(train_file) as train, Reader(val_file) as val:
             for what, reader in (("training", train), ("validation", val)):
                 check_not_empty(reader, f"{what} file")
             names, val_names = train.class_names, val.class_names
             num_train, stored = len(train.labels), train.image_shape
+            size = image_size or default_image_size(train)
             normalise = dict(mean=train.mean.tolist(), std=train.std.tolist(),
                              pixel_max=white_level(train))
     except FormatError as e:
@@ -197,7 +200,6 @@ def describe_data(train_file, val_file, image_size, batch, workers, prefetch, dt
         raise ConfigError(f"validation file {val_file} does not have the classes of training "
                           f"file {train_file} ({differ}): convert both from the same folders "
                           f"(convert imagefolder --val-fraction splits one)")
-    size = image_size or (stored[0] if stored else 224)
     # the loader's ring of batches, for both loaders, plus one stored record per worker
     need = 2 * (prefetch + 1) * batch * size * size * 3 * np.dtype(dtype).itemsize
     if stored:
@@ -232,29 +234,51 @@ def _takes(model, size):
 
 
 def prepare_run_dir(cfg, comm):
-    """Choose the run directory (rank 0 decides, all ranks agree) and make sure it can
-    be written, before any work. Returns it."""
-    from .config import default_run_dir
+    """Choose the run directory (rank 0 decides, all ranks agree), make sure it can be
+    written and take its lock (config.RunLock) before anything is written into it, and
+    refuse a directory that another live job holds, or that holds an earlier run when
+    this one does not --resume. Returns (run directory, the lock on rank 0, else None)."""
+    from .config import RunDirInUse, RunLock, default_run_dir
     resume = cfg["resume"]
     if cfg["run_dir"] is None and resume not in (None, "auto"):
         cfg["run_dir"] = os.path.dirname(os.path.abspath(resume))
     if cfg["run_dir"] is None and resume == "auto":
         raise ConfigError("--resume auto needs --run-dir: the directory of the run to continue")
     run_dir = cfg["run_dir"] = cfg["run_dir"] or default_run_dir(comm)
-    problem = None
+    problem = lock = None
     if comm.rank == 0:
         try:
             os.makedirs(run_dir, exist_ok=True)
             if not os.access(run_dir, os.W_OK | os.X_OK):
                 problem = f"--run-dir {run_dir} is not writable; choose another directory"
+            else:
+                lock = RunLock(run_dir)
+                problem = None if resume else earlier_run(run_dir)
         except FileExistsError:
             problem = f"--run-dir {run_dir} is a file, not a directory; choose another name"
+        except RunDirInUse as e:
+            problem = str(e)
         except OSError as e:
             problem = f"--run-dir {run_dir} cannot be created ({e.strerror}); choose another"
     problem = comm.bcast(problem, root=0)
     if problem:
+        if lock:
+            lock.release()
         raise ConfigError(problem)
-    return run_dir
+    return run_dir, lock
+
+
+def earlier_run(run_dir):
+    """The refusal of a fresh run into `run_dir` when an earlier run's files are there
+    (its metrics and checkpoints would mix with this run's), else None."""
+    found = [name for name in ("config.json", "metrics.jsonl") if
+             os.path.exists(os.path.join(run_dir, name))] + \
+        [os.path.basename(p) for p in checkpoint.checkpoints(run_dir)[-1:]]
+    if not found:
+        return None
+    return (f"--run-dir {run_dir} holds an earlier run ({', '.join(found)}): continue it with "
+            f"--resume auto, or start afresh in another --run-dir (without --run-dir each "
+            f"run gets a new runs/<timestamp>)")
 
 
 def free_space(directory):

@@ -1,25 +1,54 @@
 """`python -m mpitrain <command>`: train, eval, plot, convert, inspect, bench, study.
 
-Bad values are refused by argparse (exit status 2, with its usage message)
-before any work starts. NumPy and MPI are imported only by the command that
-needs them, so `--help` is quick and `bench step --native-openblas` can re-run
-itself with a changed environment.
+Bad values are refused by argparse before any work starts: exit status 2 and one
+line, the reason, last (the usage is --help's; an unknown option gets the nearest
+known names, and no option is taken from an abbreviation). NumPy and MPI are
+imported only by the command that needs them, so `--help` is quick and `bench
+step --native-openblas` can re-run itself with a changed environment.
 """
 import argparse
 import math
+import os
 import sys
 import traceback
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, saying a bad command line once: under mpirun every rank parses it, and
-    only the launcher's rank 0 prints the message (all exit with status 2)."""
+    """argparse, saying a bad command line once and last: under mpirun every rank parses
+    it, and only the launcher's rank 0 prints the message (all exit with status 2). The
+    message is one line, `PROG: error: REASON`, the last thing printed, without the usage
+    (that is --help's); an option is never taken from an abbreviation of its name, and an
+    unknown one is answered with the nearest known names."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)    # --epoch is not --epochs
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         from mpitrain.launcher import launched_rank
-        if launched_rank() != 0:
-            self.exit(2)
-        super().error(message)
+        if launched_rank() == 0:
+            self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2)
+
+    def parse_known_args(self, args=None, namespace=None):
+        """Unknown options are refused by the command that was given them, which knows
+        the names to suggest."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and self._subparsers is None:
+            self.error(self.unrecognized(extras))
+        return namespace, extras
+
+    def unrecognized(self, extras):
+        import difflib
+        known = [s for s in self._option_string_actions if s.startswith("--")]
+        for arg in extras:
+            name = arg.split("=", 1)[0]
+            near = difflib.get_close_matches(name, known, n=2, cutoff=0.6) \
+                if name.startswith("-") else []
+            if near:
+                return (f"unrecognized option {name}: did you mean "
+                        f"{' or '.join(near)}? (--help lists the options)")
+        return f"unrecognized arguments: {' '.join(extras)} (--help lists the options)"
 
 
 # ----- argument types: each returns the value or raises ArgumentTypeError -----
@@ -74,6 +103,14 @@ def fusion_threshold(text):
 
 fusion_threshold.__name__ = "bytes"
 
+# the checkpoint of eval, predict and export
+CHECKPOINT = "a checkpoint-*.h5 file, or a run directory (its newest complete checkpoint)"
+
+# --image-size of the commands that read a data file
+DATA_IMAGE_SIZE = ("square side of the images the network takes (default: the data's, the "
+                   "short side of its median image as `convert` recorded it, at most 224; "
+                   "224 for a file that does not record it)")
+
 
 def build_parser():
     from mpitrain.nets import MODELS
@@ -99,8 +136,7 @@ def build_parser():
     train.add_argument("--val-data", help="validation file (default: DATA's FILE_val.h5)")
     train.add_argument("--data-dir", default=D["data_dir"],
                        help="where named data sets (digits, fashion-mnist) are converted to")
-    train.add_argument("--image-size", type=positive_int,
-                       help="training crop size (default: a pixel file's own size, else 224)")
+    train.add_argument("--image-size", type=positive_int, help=DATA_IMAGE_SIZE)
     train.add_argument("--augment", action=argparse.BooleanOptionalAction,
                        help="random-resized-crop and flip for training (default: on, off for "
                             "digits and fashion-mnist)")
@@ -363,10 +399,11 @@ def build_parser():
     data.add_argument("--data", required=True, help="an HDF5 file made by `convert`")
     data.add_argument("--workers", type=nonnegative_int, default=2)
     data.add_argument("--batch", type=positive_int, default=32)
-    data.add_argument("--image-size", type=positive_int, default=224)
+    data.add_argument("--image-size", type=positive_int, help=DATA_IMAGE_SIZE)
     data.add_argument("--batches", type=positive_int, help="batches timed (default: two epochs)")
     data.add_argument("--reference", choices=["torch"])
     data.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    data.set_defaults(command_parser=data)
     update = benches.add_parser(
         "update", help="one optimizer step over a model's arena, per kernel implementation",
         description="Time one LARS step (norms + fused update, fp32 master, fp16 working "
@@ -418,12 +455,15 @@ def build_parser():
                     "mpirun the ranks share the file. The model and its number of classes "
                     "come from the checkpoint.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    evaluate.add_argument("--checkpoint", required=True, help="a checkpoint-*.h5 file")
+    evaluate.add_argument("--checkpoint", required=True, help=CHECKPOINT)
     evaluate.add_argument("--data", required=True, help="an HDF5 file made by `convert`")
     evaluate.add_argument("--batch-size", type=positive_int,
                           help="GLOBAL batch (default: the checkpoint's training batch)")
     evaluate.add_argument("--workers", type=workers, default=D["workers"],
                           help="loader threads (at most the cores this process may run on)")
+    evaluate.add_argument("--image-size", type=positive_int,
+                          help="square side of the images (default: the checkpoint's, which "
+                               "its run took from its data or its --image-size)")
     evaluate.add_argument("--device", choices=["cpu", "gpu", "auto"], default=D["device"])
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
     evaluate.set_defaults(command_parser=evaluate)
@@ -449,7 +489,7 @@ def build_parser():
                     "'logits', opset 17, dynamic batch. OUT is written to a temporary file "
                     "and renamed when complete. Needs the package of the format "
                     "(pip install 'mpitrain[export]').")
-    export.add_argument("checkpoint", help="a checkpoint-*.h5 file")
+    export.add_argument("checkpoint", help=CHECKPOINT)
     export.add_argument("--format", required=True, choices=["safetensors", "onnx"],
                         help="the file format to write")
     export.add_argument("out", help="the file to write (its directory must exist)")
@@ -463,7 +503,7 @@ def build_parser():
                     "crop fraction, the training file's mean/std). Prints the most probable "
                     "classes with their names and probabilities. One process: no mpirun.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    predict.add_argument("--checkpoint", required=True, help="a checkpoint-*.h5 file")
+    predict.add_argument("--checkpoint", required=True, help=CHECKPOINT)
     predict.add_argument("images", nargs="+", metavar="IMAGE",
                          help="image files (JPEG, PNG, anything Pillow reads; 16-bit "
                               "greyscale PNGs are taken in a 16-bit data file's units)")
@@ -494,10 +534,11 @@ def add_study(commands, D):
                     "--ranks / --ranks-per-run run at once. Writes results.md, results.csv, "
                     "accuracy.png and commands.sh (every run's command) into --out, once "
                     "every run is done. Needs matplotlib. With --data fashion-mnist: "
-                    "batches 128 to 4096 (7.6%% of its 54,000 training images), Nesterov "
-                    "momentum too, each recipe's peak learning rate chosen by a sweep of "
-                    "0.5, 1 and 2 times its rule at every batch (sweep.csv), then 3 seeds at "
-                    "the best of the smallest and largest batch, 4 epochs.",
+                    "batches 128, 1024 and 4096 (7.6%% of its 54,000 training images), "
+                    "Nesterov momentum, Neumann and NLCG too, each recipe's peak learning "
+                    "rate chosen by a sweep of 0.5, 1 and 2 times its rule at every batch "
+                    "(sweep.csv), then 3 seeds at the best of the smallest and largest "
+                    "batch, 3 epochs.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     large.add_argument("--data", default=D["data"],
                        help="a training file made by `convert` (with its FILE_val.h5), or "
@@ -506,6 +547,7 @@ def add_study(commands, D):
     large.add_argument("--val-data", help="validation file (default: DATA's FILE_val.h5)")
     large.add_argument("--data-dir", default=D["data_dir"],
                        help="where named data sets (digits, fashion-mnist) are converted to")
+    large.add_argument("--image-size", type=positive_int, help=DATA_IMAGE_SIZE)
     large.add_argument("--augment", action=argparse.BooleanOptionalAction,
                        help="random-resized-crop and flip (default: the data's own: off for "
                             "digits, on for a file)")
@@ -517,7 +559,7 @@ def add_study(commands, D):
                             "epoch, no sweep")
     large.add_argument("--epochs", type=positive_int,
                        help="epochs of every run (default: the data's plan: digits 16, "
-                            "--quick 4; fashion-mnist 4, --quick 1)")
+                            "--quick 4; fashion-mnist 3, --quick 1)")
     large.add_argument("--seeds", type=positive_int,
                        help="runs per point, seeds 0..N-1 (default: 3, --quick 1; with a "
                             "learning-rate sweep, at the deciding batches)")
@@ -533,7 +575,8 @@ def run_study(args, argv):
     from mpitrain.study import StudyError, large_batch
     try:
         large_batch(args.data, args.data_dir, args.out, args.quick, args.epochs, args.seeds,
-                    args.ranks, args.ranks_per_run, args.augment, args.val_data, argv[2:])
+                    args.ranks, args.ranks_per_run, args.augment, args.val_data, argv[2:],
+                    image_size=args.image_size)
     except StudyError as e:
         args.command_parser.error(str(e))
 
@@ -760,13 +803,31 @@ def run_train(args, parser=None, argv=()):
         sys.exit(1)
 
 
+def checkpoint_in(args, comm=None):
+    """args.checkpoint, or where it names a run directory, that directory's newest complete
+    checkpoint (chosen by rank 0 of `comm` when given, so that every rank takes the same);
+    a directory without one is refused."""
+    from mpitrain import checkpoint
+    if not os.path.isdir(args.checkpoint):
+        return args.checkpoint
+    found = checkpoint.latest(args.checkpoint) if comm is None or comm.rank == 0 else None
+    if comm is not None:
+        found = comm.bcast(found, root=0)
+    if found is None:
+        args.command_parser.error(f"run directory {args.checkpoint} holds no complete "
+                                  f"checkpoint: give a checkpoint file, or train (or "
+                                  f"--resume) the run to its first checkpoint")
+    return found
+
+
 def run_eval(args):
     from mpi4py import MPI
     from mpitrain.evaluate import EvalError, evaluate_checkpoint
     from mpitrain.train import describe_nonfinite
+    args.checkpoint = checkpoint_in(args, MPI.COMM_WORLD)
     try:
         result = evaluate_checkpoint(args.checkpoint, args.data, args.batch_size, args.workers,
-                                     args.device)
+                                     args.device, image_size=args.image_size)
     except EvalError as e:
         args.command_parser.error(str(e))
     if MPI.COMM_WORLD.rank == 0:
@@ -775,13 +836,29 @@ def run_eval(args):
             print(json.dumps(result))
         else:
             top5 = f", top-5 {result['top5']:.2%}" if "top5" in result else ""
-            print(f"{args.checkpoint} on {args.data} ({result['images']} images): "
+            print(f"{args.checkpoint} on {args.data} ({result['images']} images, "
+                  f"{result['image_size']}x{result['image_size']}): "
                   f"top-1 {result['top1']:.2%}{top5}")
         if result["nonfinite"]:
             sys.stderr.write(f"mpitrain eval: error: "
                              f"{describe_nonfinite(result, result['images'])}\n")
     if result["nonfinite"]:                      # the same sums on every rank
         sys.exit(1)
+
+
+def data_image_size(args):
+    """--image-size, else the size of args.data (checks.describe_file), said unless --json."""
+    if args.image_size:
+        return args.image_size
+    from mpitrain.checks import describe_file
+    from mpitrain.datasets.h5format import FormatError
+    try:
+        size = describe_file(args.data)[2]
+    except FormatError as e:
+        args.command_parser.error(str(e))
+    if not args.json:
+        print(f"images {size}x{size} from the data (--image-size to change)", flush=True)
+    return size
 
 
 def run_plot(args):
@@ -849,9 +926,11 @@ def main(argv=None):
         run_convert(args)
     elif args.command == "export":
         from mpitrain.export import run
+        args.checkpoint = checkpoint_in(args)
         run(args)
     elif args.command == "predict":
         from mpitrain.predict import run
+        args.checkpoint = checkpoint_in(args)
         run(args)
     elif args.command == "study":
         run_study(args, argv)
@@ -871,8 +950,8 @@ def main(argv=None):
             main_step(args, argv)
     elif args.bench == "data":
         from mpitrain.bench.data import run
-        run(args.data, args.workers, args.batch, args.image_size, args.reference, args.json,
-            args.batches)
+        run(args.data, args.workers, args.batch, data_image_size(args), args.reference,
+            args.json, args.batches)
     elif args.bench == "update":
         from mpitrain.bench.update import run, run_sharded
         if args.shard_update:

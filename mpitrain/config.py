@@ -11,6 +11,9 @@ import platform
 import time
 
 
+RUNS = "runs"        # where runs go without --run-dir: runs/<timestamp>
+
+
 class ConfigFileError(ValueError):
     """A YAML configuration that cannot be used; the message names the file and key."""
 
@@ -45,12 +48,78 @@ def default_run_dir(comm):
     Communicator `comm`, so every rank agrees."""
     name = None
     if comm.rank == 0:
-        name = stem = time.strftime("runs/%Y%m%d-%H%M%S")
+        name = stem = os.path.join(RUNS, time.strftime("%Y%m%d-%H%M%S"))
         n = 1
         while os.path.exists(name):
             n += 1
             name = f"{stem}-{n}"
     return comm.bcast(name, root=0)
+
+
+class RunDirInUse(RuntimeError):
+    """Another live job holds the run directory's lock; the message names it."""
+
+
+class RunLock:
+    """RUN_DIR/.lock, held (flock) by rank 0 of the job writing into RUN_DIR, for the
+    whole job: a second job into the same directory is refused while the first lives.
+    The file names its holder (host, pid, start time) for the refusal's message; the
+    kernel drops the lock when the holder dies, however it dies, so a file left by a
+    killed job holds nothing. `release()` removes the file while still holding it."""
+
+    NAME = ".lock"
+
+    def __init__(self, run_dir):
+        import fcntl
+        import socket
+        self.path = os.path.join(run_dir, self.NAME)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 1000).decode(errors="replace").strip()
+                os.close(fd)
+                raise RunDirInUse(f"--run-dir {run_dir} is in use by a running job "
+                                  f"({holder or 'holder unknown'}): wait for it to end, or "
+                                  f"give another --run-dir") from None
+            # a holder that released it removed the file: this lock would hold a name
+            # no longer in the directory, so take the new file's instead
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        self.fd = fd
+        started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        os.ftruncate(fd, 0)
+        os.write(fd, f"host {socket.gethostname()}, pid {os.getpid()}, started {started}\n"
+                 .encode())
+
+    def release(self):
+        if self.fd is not None:
+            os.unlink(self.path)
+            os.close(self.fd)
+            self.fd = None
+
+
+def link_latest(run_dir):
+    """runs/latest -> the newest run under runs/ (the default runs' directory), replaced
+    atomically; a run directory elsewhere leaves it alone."""
+    real = os.path.realpath(run_dir)            # runs/latest itself: the run it names
+    parent = os.path.dirname(real)
+    if parent != os.path.realpath(RUNS):
+        return
+    link = os.path.join(parent, "latest")
+    spare = f"{link}.{os.getpid()}"
+    try:
+        os.symlink(os.path.basename(real), spare)
+        os.replace(spare, link)
+    except OSError:                     # a file system without links: nothing to point
+        if os.path.lexists(spare):
+            os.unlink(spare)
 
 
 def environment(comm, device):

@@ -15,17 +15,19 @@ class EvalError(ValueError):
     """A checkpoint and a data file that cannot be evaluated together."""
 
 
-def evaluate_checkpoint(path, data, batch_size=None, workers=2, device="auto", comm=None):
-    """{"top1", "top5" (5 classes or more), "images"} of checkpoint `path` on file `data`."""
+def evaluate_checkpoint(path, data, batch_size=None, workers=2, device="auto", comm=None,
+                        image_size=None):
+    """{"top1", "top5" (5 classes or more), "images", "image_size"} of checkpoint `path` on
+    file `data`, at `image_size` (None: the checkpoint's)."""
     from mpi4py import MPI
     from mpitrain.comm import Communicator
     comm = Communicator(comm or MPI.COMM_WORLD)
-    result = _evaluate(comm, path, data, batch_size, workers, device)
+    result = _evaluate(comm, path, data, batch_size, workers, device, image_size)
     comm.free()         # collective: not after an error, which may be one rank's alone
     return result
 
 
-def _evaluate(comm, path, data, batch_size, workers, device):
+def _evaluate(comm, path, data, batch_size, workers, device, image_size):
     from mpitrain.datasets.h5format import FormatError
     from mpitrain.datasets.loader import Loader
     from mpitrain.nets import build_model
@@ -73,10 +75,10 @@ def _evaluate(comm, path, data, batch_size, workers, device):
     average_buffers(model, comm)
     preset = PRESETS.get(cfg.get("data"))
     crop = (preset["transform"] if preset else TRANSFORM)["crop_fraction"]
-    size_px = cfg.get("image_size") or stored_size or 224
+    size_px = image_size or cfg.get("image_size") or stored_size
     with Loader(data, batch, rank=comm.rank, size=comm.size, train=False, image_size=size_px,
                 workers=workers, dtype=np.float32, num_classes=classes, crop_fraction=crop,
                 pinned=backend.xp is not np) as loader:
         result = evaluate(model, comm, loader, (1, 5) if classes >= 5 else (1,))
-    result["images"] = num_images
+    result.update(images=num_images, image_size=size_px)
     return result

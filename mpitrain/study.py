@@ -31,6 +31,7 @@ import math
 import os
 import shlex
 import socket
+import shutil
 import subprocess
 import sys
 import time
@@ -49,6 +50,8 @@ CONFIGS = {
     "lars": dict(optimizer="lars", precision="fp32", lr=1.0, scaling="sqrt"),
     "lars-fp16": dict(optimizer="lars", precision="fp16", lr=1.0, scaling="sqrt"),
     "lamb": dict(optimizer="lamb", precision="fp32", lr=0.01, scaling="sqrt"),
+    "neumann": dict(optimizer="neumann", precision="fp32", lr=0.1, scaling="sqrt"),
+    "nlcg": dict(optimizer="nlcg", precision="fp32", lr=0.01, scaling="sqrt"),
 }
 # the same for every run (weight decay 5e-4, momentum 0.9, LARS eta 0.001: train's defaults)
 COMMON = dict(model=MODEL, schedule="poly", checkpoint_every=0)
@@ -65,15 +68,16 @@ QUICK = dict(epochs=4, seeds=1)
 #               best (top-1 on the validation file) is the point's learning rate
 #   decide      the batches whose best learning rate is run at `seeds` seeds ("all", or
 #               "ends": the smallest and the largest, which decide the conclusion)
-# Fashion-MNIST's budget: 80 runs of 4 epochs of 54,000 images (6 batches would be 110):
-# about 17 M images, 2.5 hours at the 1,900 images/s of two one-thread runs side by side.
+# Fashion-MNIST's budget: 63 sweep runs and 28 seed runs of 3 epochs of 54,000 images,
+# about 15 M images: 2.2 hours at the 1,900 images/s of two one-thread runs side by side.
 PLANS = {
     "digits": dict(recipes=("sgd", "lars", "lars-fp16", "lamb"), smallest=32, largest_share=None,
                    batches=None, lr_factors=(1.0,), decide="all", full=FULL, quick=QUICK),
-    "fashion-mnist": dict(recipes=("sgd", "nesterov", "lars", "lars-fp16", "lamb"),
-                          smallest=128, largest_share=0.05, batches=(128, 512, 2048, 4096),
+    "fashion-mnist": dict(recipes=("sgd", "nesterov", "lars", "lars-fp16", "lamb", "neumann",
+                                   "nlcg"),
+                          smallest=128, largest_share=0.05, batches=(128, 1024, 4096),
                           lr_factors=(0.5, 1.0, 2.0), decide="ends",
-                          full=dict(epochs=4, seeds=3),
+                          full=dict(epochs=3, seeds=3),
                           quick=dict(epochs=1, seeds=1, batches=(128, 4096),
                                      recipes=("sgd", "lars"), lr_factors=(1.0,))),
 }
@@ -155,7 +159,8 @@ def flags(options):
 
 # ----- checks before any run -----
 def check_inputs(data, val_data, data_dir, out):
-    """(training file, number of training images, number of classes); refuses
+    """(training file, number of training images, number of classes, the image size a
+    run takes from the file: checks.describe_file); refuses
     (StudyError) a data file that is missing or not mpitrain's format, too few images
     and an --out that cannot be written, before anything is written."""
     from mpitrain.checks import PRESETS, describe_file
@@ -185,13 +190,13 @@ def check_inputs(data, val_data, data_dir, out):
         except convert.ConvertError as e:
             raise StudyError(str(e)) from None
     try:
-        num_train, classes, _ = describe_file(train_file)
+        num_train, classes, size = describe_file(train_file)
     except FormatError as e:
         raise StudyError(str(e)) from None
     if len(batch_sizes(num_train)) < 2:
         raise StudyError(f"{train_file} has {num_train} training images: the study needs at "
                          f"least {MIN_STEPS * SMALLEST_BATCH * 2} to compare two batch sizes")
-    return train_file, num_train, len(classes)
+    return train_file, num_train, len(classes), size
 
 
 def writable_problem(out):
@@ -299,10 +304,9 @@ def run_all(runs, launcher, parallel, say=print):
         while pending or running:
             while pending and len(running) < parallel:
                 name, options = pending.pop(0)
-                os.makedirs(options["run_dir"], exist_ok=True)
-                stale = os.path.join(options["run_dir"], "metrics.jsonl")
-                if os.path.exists(stale):       # a previous study's run of the same name
-                    os.remove(stale)
+                if os.path.isdir(options["run_dir"]):     # a previous study's run of the
+                    shutil.rmtree(options["run_dir"])     # same name
+                os.makedirs(options["run_dir"])
                 log = os.path.join(options["run_dir"], "log.txt")
                 running[name] = (launcher.start(options, log), options, log, time.monotonic())
             time.sleep(0.2)
@@ -463,7 +467,7 @@ def write_outputs(out, rows, lines, study_command, epochs, num_train, num_classe
 
 def large_batch(data="digits", data_dir="data", out="runs/study-large-batch", quick=False,
                 epochs=None, seeds=None, ranks=None, ranks_per_run=1, augment=None,
-                val_data=None, argv=(), say=print):
+                val_data=None, argv=(), say=print, image_size=None):
     """The study (see the module docstring); returns the table's rows."""
     from mpitrain.checks import PRESETS
     from mpitrain.launcher import cores
@@ -475,7 +479,8 @@ def large_batch(data="digits", data_dir="data", out="runs/study-large-batch", qu
                          f"{SMALLEST_BATCH}; use 1, 2, 4, 8, 16 or 32")
     if ranks < ranks_per_run:
         raise StudyError(f"--ranks {ranks} is fewer than --ranks-per-run {ranks_per_run}")
-    train_file, num_train, num_classes = check_inputs(data, val_data, data_dir, out)
+    train_file, num_train, num_classes, data_size = check_inputs(data, val_data, data_dir, out)
+    size = f"{image_size}x{image_size}" if image_size else f"{data_size}x{data_size} from the data"
     parallel = ranks // ranks_per_run
     launcher = Launcher(ranks_per_run, max(1, cores() // ranks))
     batches = plan_batches(plan, num_train, quick)
@@ -492,6 +497,8 @@ def large_batch(data="digits", data_dir="data", out="runs/study-large-batch", qu
             options["val_data"] = val_data
         if augment is not None:
             options["augment"] = augment
+        if image_size:
+            options["image_size"] = image_size
         return name, options
 
     # the sweep at seed 0; with a single factor the seeds need no sweep, and run with it
@@ -511,7 +518,8 @@ def large_batch(data="digits", data_dir="data", out="runs/study-large-batch", qu
            f"rule), then {seeds} seeds at the best of batches "
            f"{', '.join(map(str, deciding))}" if len(factors) > 1 else
            f" x {seeds} seed(s)") +
-        f": {len(runs)} runs of {epochs} epochs on {train_file} ({num_train} images) "
+        f": {len(runs)} runs of {epochs} epochs on {train_file} ({num_train} images, "
+        f"{size}) "
         f"{'first ' if len(factors) > 1 else ''}({grid_size} points); {parallel} run(s) at "
         f"once of {ranks_per_run} rank(s), {launcher.threads['OMP_NUM_THREADS']} thread(s) "
         f"a rank", flush=True)

@@ -128,6 +128,8 @@ def set_threads(threads):
 
 # The Neumann optimizer's reset period K starts at 10 epochs (Krishnan et al., Table 1)
 NEUMANN_RESET_EPOCHS = 10
+# arena-sized state an optimizer keeps beyond master and momentum (a checkpoint's size)
+EXTRA_STATE = {"lamb": 1, "neumann": 1, "nlcg": 2}
 
 
 def optimizer_options(cfg, steps_per_epoch):
@@ -247,11 +249,12 @@ def describe_nonfinite(result, images):
 def open_run(cfg, comm, say):
     """Save and print the resolved configuration and the environment in the run
     directory (after every check has passed: a refused run overwrites nothing)."""
-    from .config import describe, environment, save_json
+    from .config import describe, environment, link_latest, save_json
     env = environment(comm, backend.device)
     problem = None
     if comm.rank == 0:
         try:
+            link_latest(cfg["run_dir"])
             save_json(os.path.join(cfg["run_dir"], "config.json"), cfg)
             save_json(os.path.join(cfg["run_dir"], "environment.json"), env)
         except OSError as e:
@@ -270,6 +273,14 @@ class Run:
     releases everything. `result` collects what train() returns."""
 
     def __init__(self, cfg, mpi_comm, log):
+        self.lock = None
+        try:
+            self.set_up(cfg, mpi_comm, log)
+        except BaseException:
+            self.close(collective=False)        # the run directory's lock above all
+            raise
+
+    def set_up(self, cfg, mpi_comm, log):
         from mpitrain.comm import Communicator, syncbn
         from mpitrain.comm.autotune import FusionTuner
         from mpitrain.comm.buckets import Reducer, share_gradients
@@ -309,9 +320,10 @@ class Run:
         self.model = model = build_model(cfg["model"], num_classes=len(class_names),
                                          seed=cfg["seed"], rank=rank, working_dtype=working)
         check_image_size(model, cfg["model"], size_px)
-        self.run_dir = run_dir = prepare_run_dir(cfg, comm)
-        # master, momentum, LAMB's second moment, each rank's top-k residual
-        arrays = 2 + (cfg["optimizer"] == "lamb") + size * (cfg["compress"] == "topk")
+        run_dir, self.lock = prepare_run_dir(cfg, comm)
+        self.run_dir = run_dir
+        # master, momentum, the optimizer's further state, each rank's top-k residual
+        arrays = 2 + EXTRA_STATE.get(cfg["optimizer"], 0) + size * (cfg["compress"] == "topk")
         check_free_space(run_dir, checkpoint.expected_size(model, size, arrays), comm)
         resume_from = find_resume(cfg, comm, say)
         data = dict(rank=rank, size=size, image_size=size_px, workers=cfg["workers"],
@@ -332,11 +344,12 @@ class Run:
         self.scaler = scaler = make_scaler(cfg["loss_scale"], cfg["precision"])
         self.base_lr = scaled_lr(cfg["lr"], batch, cfg["lr_ref_batch"])
         self.steps = steps = self.train_data.steps_per_epoch
+        chosen = "" if cfg["image_size"] else " from the data"
         say(f"mpitrain: {cfg['model']} ({model.num_params():,} parameters) on {train_file} "
             f"({len(self.train_data.labels)} train / {len(self.val_data.labels)} val images, "
-            f"{size_px}x{size_px}), {size} rank(s) on {backend.device}{sharing(cfg)}, "
-            f"global batch {batch} "
-            f"({batch // size} per rank), {steps} steps/epoch, {epochs} epochs", flush=True)
+            f"{size_px}x{size_px}{chosen}), {size} rank(s) on {backend.device}{sharing(cfg)}, "
+            f"global batch {batch} ({batch // size} per rank), {steps} steps/epoch, "
+            f"{epochs} epochs", flush=True)
         say(f"optimizer {cfg['optimizer']}, peak lr {self.base_lr:g} ({cfg['schedule']} after "
             f"{cfg['warmup_epochs']:g} warm-up epochs), precision {cfg['precision']}, loss scale "
             f"{'dynamic from ' if scaler.dynamic else ''}{scaler.scale:g}", flush=True)
@@ -665,6 +678,8 @@ class Run:
             self.progress.close()
         if self.comm and collective:
             self.comm.free()
+        if self.lock:
+            self.lock.release()
 
 
 def train(comm=None, log=print, **options):
@@ -716,4 +731,16 @@ def train(comm=None, log=print, **options):
     if result["bad_records"]:
         run.say(f"{result['bad_records']} bad validation record(s) skipped in the last "
                 f"evaluation (--skip-bad-records)", flush=True)
+    say_where(run.say, result)
     return result
+
+
+def say_where(say, result):
+    """The end of a run: where its checkpoint and metrics are, how to plot them, and
+    that the run directory stands for its newest checkpoint."""
+    run_dir = result["run_dir"]
+    saved = (f"checkpoint {result['checkpoint']}" if result["checkpoint"] else
+             "no checkpoint (--checkpoint-every 0)")
+    say(f"{saved}; metrics {os.path.join(run_dir, 'metrics.jsonl')}; plots: python -m "
+        f"mpitrain plot {run_dir}; eval, predict and export take {run_dir} for its newest "
+        f"checkpoint", flush=True)

@@ -43,13 +43,32 @@ def run(*args, timeout=120):
     (["bench"], "the following arguments are required: benchmark"),
     ([], "the following arguments are required: command"),
 ])
-def test_bad_values_exit_2_with_argparse_message(argv, message, capsys):
+def test_bad_values_exit_2_with_the_reason_alone(argv, message, capsys):
+    """One line, the reason, last; the usage is --help's."""
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert "usage: python -m mpitrain" in err
-    assert message in err
+    assert "usage:" not in err, err
+    assert err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["train", "--bach-size", "64"], "python -m mpitrain train: error: unrecognized option "
+                                     "--bach-size: did you mean --batch-size"),
+    (["bench", "step", "--warmpu=3"], "python -m mpitrain bench step: error: unrecognized "
+                                      "option --warmpu: did you mean --warmup?"),
+    (["train", "--epoch", "3"], "unrecognized option --epoch: did you mean --epochs"),
+    (["eval", "--checkpoint", "x.h5", "--data", "y.h5", "--batch", "4"],
+     "unrecognized option --batch: did you mean --batch-size"),
+])
+def test_unknown_options_get_the_nearest_names_and_no_abbreviation_is_taken(argv, message,
+                                                                           capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
 
 
 def test_unknown_model_lists_the_choices():

@@ -1,0 +1,98 @@
+"""launch.sh for every command: `./launch.sh COMMAND ARGS...` starts mpitrain's MPI jobs
+under the venv's recorded MPI with its options and the others in one process, and a
+set-up that names each step with how long it usually takes (and the mpich wheel as the
+way around compiling mpi4py). The venv here is a stand-in (tests/test_openmpi.py's):
+its MPI launcher and, for the set-up, its Python record how they were called."""
+import subprocess
+import sys
+
+import pytest
+
+from mpitrain.cli import build_parser
+from mpitrain.launcher import outside_environment
+from test_openmpi import ROOT, calls, fake_venv, stand_in
+
+
+def launch(tmp_path, impl, *args, **extra):
+    """`launch.sh ARGS` with a venv whose recorded mpiexec is a stand-in; (result, log)."""
+    venv = fake_venv(tmp_path, impl)
+    python = venv / "bin" / "python"               # this Python with its site-packages
+    python.unlink()
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    log = tmp_path / "calls"
+    log.mkdir(exist_ok=True)
+    stand_in(venv / "bin", "mpiexec", log / "mpiexec")
+    (venv / ".mpitrain-mpi").write_text(f"kind=system\nimpl={impl}\n"
+                                        f"mpiexec={venv}/bin/mpiexec\nlibrary=test\n")
+    env = {k: v for k, v in outside_environment().items()
+           if not k.startswith(("SLURM_", "MPITRAIN_", "OMPI_")) and not k.endswith("_NUM_THREADS")}
+    env.update(MPITRAIN_VENV=str(venv), NP="2", **extra)
+    r = subprocess.run([str(ROOT / "launch.sh"), *args], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    return r, log, venv
+
+
+@pytest.mark.parametrize("impl, options", [("mpich", ""), ("openmpi", "--bind-to none ")])
+@pytest.mark.parametrize("args", [("eval", "--checkpoint", "runs/latest", "--data", "v.h5"),
+                                  ("bench", "comm", "--model", "resnet_small"),
+                                  ("convert", "imagefolder", "src", "dst.h5")])
+def test_mpi_commands_run_under_the_recorded_mpi(tmp_path, impl, options, args):
+    r, log, venv = launch(tmp_path, impl, *args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"args={options}-np 2 {venv}/bin/python -m mpitrain {' '.join(args)}\n" in \
+        calls(log, "mpiexec"), calls(log, "mpiexec")
+
+
+def test_other_commands_run_in_one_process(tmp_path):
+    r, log, _ = launch(tmp_path, "mpich", "inspect", "--model", "resnet_small",
+                       "--image-size", "32", "--num-classes", "10")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resnet_small" in r.stdout and "total" in r.stdout.lower(), r.stdout
+    assert calls(log, "mpiexec") == ""
+
+
+def test_every_command_of_mpitrain_is_one_of_launch_sh(tmp_path):
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for command in [*commands, "trian"]:
+        (tmp_path / command).mkdir()
+        r, _, _ = launch(tmp_path / command, "mpich", command, "--help")
+        if command != "trian":
+            assert r.returncode == 0, (command, r.stdout + r.stderr)
+    assert r.returncode == 2 and "launch.sh: unknown command 'trian'" in r.stderr, r.stderr
+
+
+PIP = """#!/bin/sh
+# a venv's python for launch.sh's set-up: records pip's arguments, succeeds at once
+echo "args=$*" >> {log}
+case "$*" in *sysconfig*) exec {python} "$@" ;; esac
+"""
+
+
+def test_setup_names_each_step_and_the_wheel_that_skips_the_compile(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    log = tmp_path / "python-calls"
+    python = venv / "bin" / "python"
+    python.write_text(PIP.format(log=log, python=sys.executable))
+    python.chmod(0o755)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for name in ("mpicc", "mpiexec"):              # an MPI on PATH: mpi4py is compiled
+        stand_in(bindir, name, tmp_path / name)
+    env = {k: v for k, v in outside_environment().items()
+           if not k.startswith(("SLURM_", "MPITRAIN_"))}
+    env.update(MPITRAIN_VENV=str(venv), PATH=f"{bindir}:{env['PATH']}")
+    r = subprocess.run([str(ROOT / "launch.sh"), "setup"], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    steps = [line for line in r.stdout.splitlines() if "(usually " in line]
+    assert steps == [
+        "launch.sh: installing Cython, NumPy, setuptools, wheel (usually under a minute)",
+        f"launch.sh: compiling mpi4py against {bindir}/mpicc (usually 5 to 10 minutes on 2 cores)",
+        "launch.sh: installing mpitrain and its dependencies (h5py, Numba, SciPy, "
+        "scikit-learn, ...) (usually 1 to 3 minutes)"], r.stdout
+    assert "run again with MPITRAIN_MPI=wheel (MPICH from the mpich wheel, no compile)" \
+        in r.stdout, r.stdout
+    assert r.stdout.count("launch.sh:   done in ") == 3, r.stdout
+    assert "--no-binary=mpi4py" in log.read_text()

@@ -1,0 +1,142 @@
+"""Run directories that cannot be mixed: a lock held by the job writing into one (a
+second job into it is refused, naming the holder), an earlier run's directory refused
+to a fresh run without --resume, runs/latest pointing at the newest run."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+from launcher import BackgroundJob, environment, mpitrain_command
+from mpitrain.config import RunDirInUse, RunLock
+
+JOB = ("train", "--batch-size", "64", "--seed", "5")
+
+HOLD = """
+import sys, time
+from mpitrain.config import RunLock
+RunLock(sys.argv[1])
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def quick(*args, cwd=None):
+    """One process, no mpiexec (MPI starts as a singleton)."""
+    return subprocess.run([sys.executable, "-m", "mpitrain", *args], capture_output=True,
+                          text=True, timeout=300, env=environment(1), cwd=cwd)
+
+
+def holding(run_dir):
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE,
+                         text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def test_a_lock_refuses_while_its_holder_lives_and_not_after_it_is_killed(tmp_path):
+    holder = holding(tmp_path)
+    try:
+        with pytest.raises(RunDirInUse, match=rf"in use by a running job \(host .*, pid "
+                                              rf"{holder.pid}, started .*\)"):
+            RunLock(str(tmp_path))
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert os.path.exists(tmp_path / RunLock.NAME)      # left by the killed holder
+    lock = RunLock(str(tmp_path))                       # ... and holding nothing
+    assert f"pid {os.getpid()}," in (tmp_path / RunLock.NAME).read_text()
+    lock.release()
+    assert not os.path.exists(tmp_path / RunLock.NAME)
+
+
+@pytest.mark.launches
+def test_a_second_job_into_a_live_run_directory_is_refused(digits, tmp_path):
+    run_dir = tmp_path / "run"
+    first = BackgroundJob(mpitrain_command(2, *JOB, "--epochs", "30", "--data-dir", str(digits),
+                                           "--run-dir", str(run_dir)),
+                          run_dir, tmp_path / "first.log")
+    try:
+        first.running()
+        config = (run_dir / "config.json").read_text()
+        r = subprocess.run(mpitrain_command(2, *JOB, "--epochs", "3", "--data-dir", str(digits),
+                                            "--run-dir", str(run_dir), "--resume", "auto"),
+                           capture_output=True, text=True, timeout=180, env=environment(2))
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert (f"--run-dir {run_dir} is in use by a running job (host "
+                f"{first.board()[0]['host']}, pid {first.pid(0)}, started ") in r.stderr, r.stderr
+        assert "epoch 1/" not in r.stdout, r.stdout
+        assert (run_dir / "config.json").read_text() == config
+        assert first.proc.poll() is None, first.output()
+    finally:
+        first.cleanup()
+
+
+@pytest.fixture(scope="module")
+def used(digits, tmp_path_factory):
+    """The directory of a finished one-epoch run under runs/ of a working directory, that
+    directory, and the run's output."""
+    cwd = tmp_path_factory.mktemp("cwd")
+    r = quick(*JOB, "--epochs", "1", "--data-dir", str(digits), cwd=cwd)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (run_dir,) = [p for p in (cwd / "runs").iterdir() if p.name != "latest"]
+    return run_dir, cwd, r.stdout
+
+
+def test_runs_latest_points_at_the_newest_run(used):
+    run_dir, cwd, _ = used
+    assert os.path.islink(cwd / "runs" / "latest")
+    assert os.readlink(cwd / "runs" / "latest") == run_dir.name
+
+
+def test_a_fresh_run_into_a_used_directory_is_refused(used, digits):
+    run_dir, cwd, _ = used
+    before = {p: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    r = quick(*JOB, "--epochs", "1", "--data-dir", str(digits), "--run-dir", str(run_dir))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert (f"--run-dir {run_dir} holds an earlier run (config.json, metrics.jsonl, "
+            f"checkpoint-000000022.h5): continue it with --resume auto, or start afresh in "
+            f"another --run-dir") in r.stderr, r.stderr
+    assert {p: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+    r = quick(*JOB, "--epochs", "1", "--data-dir", str(digits), "--run-dir", "runs/latest",
+              "--resume", "auto", cwd=cwd)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((run_dir / "config.json").read_text())["resume"] == "auto"
+    assert os.readlink(cwd / "runs" / "latest") == run_dir.name      # the run it names
+
+
+def test_the_end_of_a_run_says_where_its_outputs_are(used):
+    run_dir, _, out = used
+    run_dir = os.path.relpath(run_dir, used[1])           # as the run named it: runs/<stamp>
+    assert out.rstrip().splitlines()[-1] == (
+        f"checkpoint {run_dir}/checkpoint-000000022.h5; metrics {run_dir}/metrics.jsonl; "
+        f"plots: python -m mpitrain plot {run_dir}; eval, predict and export take {run_dir} "
+        f"for its newest checkpoint")
+
+
+def test_eval_predict_and_export_take_a_run_directory(used, digits, tmp_path):
+    run_dir, cwd, _ = used
+    checkpoint = str(run_dir / "checkpoint-000000022.h5")
+    val = str(digits / "digits_val.h5")
+    by_file = quick("eval", "--checkpoint", checkpoint, "--data", val, "--json")
+    by_dir = quick("eval", "--checkpoint", str(cwd / "runs" / "latest"), "--data", val, "--json")
+    assert by_file.returncode == by_dir.returncode == 0, by_file.stderr + by_dir.stderr
+    assert json.loads(by_dir.stdout) == json.loads(by_file.stdout)
+    image = tmp_path / "white.png"
+    Image.new("RGB", (32, 32), (255, 255, 255)).save(image)
+    r = quick("predict", "--checkpoint", str(run_dir), str(image), "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout)["checkpoint"] == checkpoint
+    r = quick("export", str(run_dir), "--format", "safetensors", str(tmp_path / "m.safetensors"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "m.safetensors").stat().st_size > 0
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = quick("predict", "--checkpoint", str(empty), str(image))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr == (f"python -m mpitrain predict: error: run directory {empty} holds no "
+                        f"complete checkpoint: give a checkpoint file, or train (or --resume) "
+                        f"the run to its first checkpoint\n")
