@@ -416,7 +416,7 @@ run_tests() {
     if [[ $1 == mpi ]]; then select=(-m "launches and not one_mpi") what="tests that start MPI jobs"; fi
     [[ ! -t 1 ]] || color=yes        # Open MPI gives its ranks a terminal even for a log
     # shellcheck disable=SC2046
-    run_phase "$what" 900 env $(thread_env 1) "$PY" -m pytest tests --ignore=tests/mpi \
+    run_phase "$what" 1800 env $(thread_env 1) "$PY" -m pytest tests --ignore=tests/mpi \
         -q "${select[@]}"
     # 3 ranks: a world that is not a power of two, and uneven nodes with --ranks-per-node 2
     for n in 1 2 3 4; do
