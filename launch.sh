@@ -3,10 +3,10 @@
 #
 #   ./launch.sh                 set up, then the default job: resnet_small on the bundled
 #                               digits with 2 MPI ranks (ends with the validation accuracy)
-#   ./launch.sh test            set up, then every test: single-process, then the MPI tests
-#                               under mpirun -np 1, 2, 3 and 4
-#   ./launch.sh test-mpi        the tests that start MPI jobs, then the MPI tests (CI runs
-#                               them again under a second MPI)
+#   ./launch.sh test            set up, then every test: single-process, those across
+#                               emulated hosts, then the MPI tests under mpirun -np 1 to 4
+#   ./launch.sh test-mpi        the tests that start MPI jobs (on emulated hosts too), then
+#                               the MPI tests (CI runs them again under a second MPI)
 #   ./launch.sh train ARGS...   set up, then `python -m mpitrain train ARGS...` launched with
 #                               srun inside a Slurm allocation, else mpirun -np ${NP:-2}
 #                               (with --hostfile $HOSTFILE when HOSTFILE is set)
@@ -362,7 +362,11 @@ run_tests() {
     [[ ! -t 1 ]] || color=yes        # Open MPI gives its ranks a terminal even for a log
     # shellcheck disable=SC2046
     run_phase "$what" 900 env $(thread_env 1) "$PY" -m pytest tests --ignore=tests/mpi \
-        -q "${select[@]}"
+        --ignore=tests/test_nodes.py -q "${select[@]}"
+    # jobs on emulated hosts: the MPI tests and training across node boundaries
+    # shellcheck disable=SC2046
+    run_phase "tests across emulated hosts (tests/test_nodes.py)" 900 env $(thread_env 1) \
+        "$PY" -m pytest tests/test_nodes.py -q "${select[@]}"
     # 3 ranks: a world that is not a power of two, and uneven nodes with --ranks-per-node 2
     for n in 1 2 3 4; do
         mapfile -t words < <(mpiexec_words "$n")

@@ -130,10 +130,13 @@ def hosts_command(layout, *argv, interleave=False):
         return ",".join(f"{name}:{n}" for name, n in zip(names, slots))
     if family() == "openmpi":
         # routed direct: every daemon reports to mpirun itself, not through the tree of
-        # daemons an rsh launch builds
+        # daemons an rsh launch builds. Each host's slots hold its ranks, so Open MPI sees
+        # no oversubscription: ranks that outnumber this machine's cores are told to yield
+        # the core while they wait (else they spin, and the job crawls)
         opts = ["--host", hosts(layout), "--mca", "plm_rsh_agent", str(EMULATED_HOST),
                 "--mca", "routed", "direct", "--bind-to", "none",
-                *(["--map-by", "node"] if interleave else [])]
+                *(["--map-by", "node"] if interleave else []),
+                *(["--mca", "mpi_yield_when_idle", "1"] if sum(layout) > cores() else [])]
     else:       # hydra fills each host's slots in turn: one slot each deals the ranks out
         opts = ["-hosts", hosts([1] * len(layout) if interleave else layout),
                 "-bootstrap", "ssh", "-bootstrap-exec", str(EMULATED_HOST)]

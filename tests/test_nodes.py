@@ -28,11 +28,18 @@ pytestmark = pytest.mark.launches
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# the MPI tests on the real topology: every module whose collectives span the nodes
-# (without the --ranks-per-node regroupings, which the 2x2 job runs)
-REAL_TOPOLOGY = ("tests/mpi/test_comm.py", "tests/mpi/test_buckets.py",
-                 "tests/mpi/test_data_parallel.py", "tests/mpi/test_syncbn.py",
-                 "-k", "not rpn1 and not rpn2 and not rpn3")
+# The MPI tests at 2x2: all of them, with the --ranks-per-node grouping that spans the
+# hosts (3: ranks 0-2, on nodeA and nodeB, share no memory) and not those of 1 and 2
+# (nodes of one host, as on one machine)
+ALL = ("tests/mpi", "-k", "not rpn1 and not rpn2")
+# on the other layouts, what the node boundary can change: the topology, the shared
+# windows, every algorithm's sums (fp16 on the wire too) alone and through the Reducer,
+# the replicas through the training path, the BatchNorm groups
+ACROSS = ("tests/mpi/test_comm.py", "tests/mpi/test_buckets.py", "tests/mpi/test_syncbn.py",
+          "tests/mpi/test_data_parallel.py", "-k",
+          "not rpn1 and not rpn2 and not rpn3 and (topology or windows or small_sums or "
+          "medium_sums or fp16_on_the_wire or hybrid_rule or reducer_sums_every_ranks or "
+          "groups_equal or replicas_stay)")
 
 
 def run_on_hosts(layout, *argv, interleave=False, timeout=600):
@@ -47,11 +54,11 @@ def mpitrain_on_hosts(layout, *args):
 
 
 @pytest.mark.parametrize("layout, interleave, tests", [
-    ((2, 2), False, ("tests/mpi",)),
-    ((3, 3), False, REAL_TOPOLOGY),
-    ((2, 2, 2), False, REAL_TOPOLOGY),
-    ((3, 2), False, REAL_TOPOLOGY),                  # nodes of unequal size
-    ((2, 2), True, REAL_TOPOLOGY),                   # nodeA, nodeB, nodeA, nodeB
+    ((2, 2), False, ALL),
+    ((3, 3), False, ACROSS),
+    ((2, 2, 2), False, ACROSS),
+    ((3, 2), False, ACROSS),                         # nodes of unequal size
+    ((2, 2), True, ACROSS),                          # nodeA, nodeB, nodeA, nodeB
 ], ids=["2x2", "2x3", "3x2", "3+2", "2x2-interleaved"])
 def test_the_mpi_tests_across_hosts(layout, interleave, tests):
     r = run_on_hosts(layout, sys.executable, "-m", "mpi4py", "-m", "pytest", *tests, "-q",
