@@ -23,6 +23,7 @@ from mpitrain import checkpoint
 import launcher
 from launcher import BackgroundJob
 from test_checkpoint import wait_for
+from test_openmpi import require_set_up_venv
 
 pytestmark = pytest.mark.launches
 
@@ -158,3 +159,26 @@ def test_a_stopped_rank_on_the_second_host_is_named_with_its_host(digits, tmp_pa
     assert status != 0, out
     assert "no progress for" in out and "(--collective-timeout 6)" in out, out
     assert f"rank 3: no sign of life for" in out and f"(pid {stopped} on nodeB)" in out, out
+
+
+def test_launch_sh_trains_on_emulated_hosts(digits, tmp_path):
+    """HOSTS=2 NP=4 ./launch.sh train: 2 nodes of 2 ranks; a HOSTS that does not divide
+    NP, or beside a HOSTFILE, is refused (status 2) before any launch."""
+    require_set_up_venv()
+    launcher.require_emulated_hosts()
+    env = {k: v for k, v in launcher.environment().items()    # as a user's shell has it
+           if not k.startswith("MPITRAIN_") and not k.endswith("_NUM_THREADS")}
+    env.update(MPITRAIN_VENV=sys.prefix, HOSTS="2", NP="4")
+    args = [str(ROOT / "launch.sh"), "train", "--epochs", "1", "--batch-size", "64",
+            "--data-dir", str(digits), "--run-dir", str(tmp_path / "run")]
+    r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ("4 rank(s) on 2 node(s)" in r.stdout and "node 1: 2 rank(s): 2-3" in r.stdout
+            and "final validation accuracy" in r.stdout), r.stdout
+    for extra, error in (({"NP": "3"}, "HOSTS=2 does not divide NP=3: every emulated host "
+                                       "runs NP / HOSTS ranks; choose NP as a multiple of 2"),
+                         ({"HOSTFILE": str(tmp_path / "hosts")}, "HOSTS and HOSTFILE exclude "
+                                                                 "each other")):
+        r = subprocess.run(args, env={**env, **extra}, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2 and error in r.stderr and not r.stdout, r.stdout + r.stderr
