@@ -3,13 +3,14 @@
 #
 #   ./launch.sh                 set up, then the default job: resnet_small on the bundled
 #                               digits with 2 MPI ranks (ends with the validation accuracy)
-#   ./launch.sh test            set up, then every test: single-process, then the MPI tests
-#                               under mpirun -np 1, 2, 3 and 4
-#   ./launch.sh test-mpi        the tests that start MPI jobs, then the MPI tests (CI runs
-#                               them again under a second MPI)
+#   ./launch.sh test            set up, then every test: single-process, those across
+#                               emulated hosts, then the MPI tests under mpirun -np 1 to 4
+#   ./launch.sh test-mpi        the tests that start MPI jobs (on emulated hosts too), then
+#                               the MPI tests (CI runs them again under a second MPI)
 #   ./launch.sh train ARGS...   set up, then `python -m mpitrain train ARGS...` launched with
 #                               srun inside a Slurm allocation, else mpirun -np ${NP:-2}
-#                               (with --hostfile $HOSTFILE when HOSTFILE is set)
+#                               (with --hostfile $HOSTFILE when HOSTFILE is set; on HOSTS
+#                               emulated hosts of this machine when HOSTS is set, as root)
 #   ./launch.sh COMMAND ARGS... any other mpitrain command alike: eval, convert imagefolder,
 #                               bench step and bench comm as MPI jobs, the others (predict,
 #                               export, plot, inspect, study, simulate, ...) in one process
@@ -32,7 +33,7 @@
 set -euo pipefail
 
 die() { echo "launch.sh: $*" >&2; exit 2; }
-case ${1:-} in -h|--help|help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
+case ${1:-} in -h|--help|help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 
 # The checkout. sbatch runs a copy of this script from slurmd's spool directory, so inside
 # a batch job the script's own directory is not the checkout: take the path that was
@@ -265,10 +266,40 @@ thread_env() {
     echo "OMP_NUM_THREADS=$n OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=$n"
 }
 
-# mpiexec and its options for $1 ranks on this host (prints one word per line)
-mpiexec_words() {
+# HOSTS=N: the job on N hosts emulated on this machine, nodeA, nodeB, ..., with NP / N
+# ranks each: tests/emulated_host.sh stands in for ssh and starts each host's processes
+# in a UTS namespace of that name, so MPI finds N nodes. Refuses what cannot run.
+AGENT=$ROOT/tests/emulated_host.sh
+check_emulated_hosts() {   # hosts, ranks
+    [[ $1 =~ ^[1-9][0-9]*$ ]] && (( $1 <= 26 )) \
+        || die "HOSTS=$1: give the number of hosts to emulate on this machine (1 to 26)"
+    (( $2 % $1 == 0 )) || die "HOSTS=$1 does not divide NP=$2: every emulated host runs" \
+        "NP / HOSTS ranks; choose NP as a multiple of $1"
+    [[ -z "${HOSTFILE:-}" ]] || die "HOSTS and HOSTFILE exclude each other: HOSTS emulates" \
+        "hosts on this machine, HOSTFILE names real ones; unset one of them"
+    [[ "$("$AGENT" probe-host hostname 2>&1)" == probe-host ]] || die "HOSTS=$1: this" \
+        "machine cannot give a process a host name of its own ($AGENT: unshare --uts" \
+        "needs root); run as root, or unset HOSTS"
+}
+
+# mpiexec and its options for $1 ranks, on this host or on $2 emulated hosts (prints one
+# word per line)
+mpiexec_words() {   # ranks, [hosts]
+    local names=({A..Z}) list="" i
     echo "$MPI_EXEC"
-    if [[ $MPI_IMPL == openmpi ]]; then
+    if [[ -n "${2:-}" ]]; then
+        for ((i = 0; i < $2; i++)); do list+=${list:+,}node${names[i]}:$(( $1 / $2 )); done
+        if [[ $MPI_IMPL == openmpi ]]; then
+            # each daemon reports to mpirun directly; ranks that outnumber the cores yield
+            # while they wait (each host's slots hold its ranks: Open MPI sees no
+            # oversubscription)
+            printf '%s\n' --bind-to none --host "$list" --mca plm_rsh_agent "$AGENT" \
+                --mca routed direct
+            (( $1 <= $(nproc) )) || printf '%s\n' --mca mpi_yield_when_idle 1
+        else
+            printf '%s\n' -hosts "$list" -bootstrap ssh -bootstrap-exec "$AGENT"
+        fi
+    elif [[ $MPI_IMPL == openmpi ]]; then
         # no binding (each rank's threads share the cores, as under MPICH), and more ranks
         # than cores allowed on one host (a hostfile's slots say it otherwise)
         printf '%s\n' --bind-to none
@@ -346,6 +377,8 @@ pass_on() {   # signal, launcher pid, how many of it so far
 # venv's mpiexec with NP ranks
 run_mpi() {
     if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+        [[ -z "${HOSTS:-}" ]] || die "HOSTS=$HOSTS emulates hosts on one machine; inside a" \
+            "Slurm allocation srun starts the ranks on its nodes: unset HOSTS"
         # exec: srun takes this shell's place, so a signal to the batch shell
         # (--signal=B:USR1@N) reaches srun, which forwards it to every task. Threads:
         # the program shares each host's cores among its ranks itself.
@@ -355,7 +388,8 @@ run_mpi() {
         exec srun --kill-on-bad-exit=1 $mpi ${SRUN_FLAGS:-} "$PY" -m mpitrain "$@"
     fi
     local words
-    mapfile -t words < <(mpiexec_words "$NP")
+    [[ -z "${HOSTS:-}" ]] || check_emulated_hosts "$HOSTS" "$NP"
+    mapfile -t words < <(mpiexec_words "$NP" "${HOSTS:-}")
     # the ranks end the job when this shell is gone (kill -9 of it reaches no rank: the
     # launcher runs in a process group of its own)
     export MPITRAIN_LAUNCHER_PID=$$ MPITRAIN_LAUNCHER_HOST=$HOSTNAME
@@ -417,7 +451,11 @@ run_tests() {
     [[ ! -t 1 ]] || color=yes        # Open MPI gives its ranks a terminal even for a log
     # shellcheck disable=SC2046
     run_phase "$what" 1800 env $(thread_env 1) "$PY" -m pytest tests --ignore=tests/mpi \
-        -q "${select[@]}"
+        --ignore=tests/test_nodes.py -q "${select[@]}"
+    # jobs on emulated hosts: the MPI tests and training across node boundaries
+    # shellcheck disable=SC2046
+    run_phase "tests across emulated hosts (tests/test_nodes.py)" 900 env $(thread_env 1) \
+        "$PY" -m pytest tests/test_nodes.py -q "${select[@]}"
     # 3 ranks: a world that is not a power of two, and uneven nodes with --ranks-per-node 2
     for n in 1 2 3 4; do
         mapfile -t words < <(mpiexec_words "$n")

@@ -6,6 +6,10 @@ it needs, in an environment without the launch variables of any job around the t
     mpitrain_command(ranks, ...) command(ranks, python, -m, mpitrain, ...)
     environment(ranks)           the environment for it (pass it: env=environment(n))
     family()                     "mpich" or "openmpi"
+    hosts_command(layout, *argv) the same job on emulated hosts: layout (2, 2) is host
+                                 nodeA with ranks 0-1 and nodeB with ranks 2-3
+    hosts_environment(layout)    the environment for it, naming each rank's host
+    require_emulated_hosts()     skip (saying why) where hosts cannot be emulated
     BackgroundJob                a training job running in the background, its ranks
                                  found through their heartbeat files
 
@@ -70,6 +74,81 @@ def environment(ranks=None):
     inside another would join it, or be refused), Open MPI's consent to run as root, and,
     for `ranks` ranks, each rank's share of the cores in threads (as launch.sh gives)."""
     return job_environment(family(), max(1, cores() // ranks) if ranks else None)
+
+
+# Emulated hosts: tests/emulated_host.sh stands in for ssh and starts each "host"'s
+# processes in a UTS namespace of that name, so MPI sees several hosts on this machine
+EMULATED_HOST = Path(__file__).resolve().with_name("emulated_host.sh")
+# the host of every rank, comma-separated, as the job was launched (tests/mpi checks it)
+HOSTS_VARIABLE = "MPITRAIN_TEST_HOSTS"
+
+
+def host_names(count):
+    """nodeA, nodeB, ...: the names of `count` emulated hosts."""
+    if not 1 <= count <= 26:
+        raise ValueError(f"1 to 26 emulated hosts, not {count}")
+    return [f"node{chr(ord('A') + i)}" for i in range(count)]
+
+
+def placement(layout, interleave=False):
+    """The host of every rank, in rank order, of a launch of `layout` (ranks per host):
+    in blocks (nodeA's ranks first), or, with `interleave`, one rank per host in turn."""
+    names = host_names(len(layout))
+    if not interleave:
+        return [name for name, ranks in zip(names, layout) for _ in range(ranks)]
+    if len(set(layout)) != 1:
+        raise ValueError(f"interleaving needs as many ranks on every host, not {layout}")
+    return names * layout[0]
+
+
+@functools.lru_cache(maxsize=None)
+def emulated_hosts_unavailable():
+    """Why hosts cannot be emulated here (a new UTS namespace needs root), or None."""
+    try:
+        probe = subprocess.run([str(EMULATED_HOST), "probe-host", "hostname"],
+                               capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{EMULATED_HOST.name} did not run: {e}"
+    if probe.returncode or probe.stdout.strip() != "probe-host":
+        return (f"{EMULATED_HOST.name} could not give a process a host name of its own "
+                f"(status {probe.returncode}): {probe.stderr.strip() or probe.stdout.strip()}")
+    return None
+
+
+def require_emulated_hosts():
+    why = emulated_hosts_unavailable()
+    if why:
+        pytest.skip(f"NO EMULATED HOSTS, the tests across node boundaries did not run: {why} "
+                    f"(unshare --uts needs root, as CI runs)")
+
+
+def hosts_command(layout, *argv, interleave=False):
+    """`mpiexec` starting argv on emulated hosts: layout[i] ranks on host i (placement())."""
+    names = host_names(len(layout))
+
+    def hosts(slots):
+        return ",".join(f"{name}:{n}" for name, n in zip(names, slots))
+    if family() == "openmpi":
+        # routed direct: every daemon reports to mpirun itself, not through the tree of
+        # daemons an rsh launch builds. Each host's slots hold its ranks, so Open MPI sees
+        # no oversubscription: ranks that outnumber this machine's cores are told to yield
+        # the core while they wait (else they spin, and the job crawls)
+        opts = ["--host", hosts(layout), "--mca", "plm_rsh_agent", str(EMULATED_HOST),
+                "--mca", "routed", "direct", "--bind-to", "none",
+                *(["--map-by", "node"] if interleave else []),
+                *(["--mca", "mpi_yield_when_idle", "1"] if sum(layout) > cores() else [])]
+    else:       # hydra fills each host's slots in turn: one slot each deals the ranks out
+        opts = ["-hosts", hosts([1] * len(layout) if interleave else layout),
+                "-bootstrap", "ssh", "-bootstrap-exec", str(EMULATED_HOST)]
+    return [mpiexec(), *opts, "-np", str(sum(layout)), *argv]
+
+
+def hosts_environment(layout, interleave=False):
+    """environment() for the ranks of hosts_command(layout), which share this machine's
+    cores, with each rank's host in HOSTS_VARIABLE."""
+    env = environment(sum(layout))
+    env[HOSTS_VARIABLE] = ",".join(placement(layout, interleave))
+    return env
 
 
 class BackgroundJob:

@@ -190,14 +190,19 @@ class Launched(BackgroundJob):
                           *args], tmp_path / "run", tmp_path / "log", 2, env)
 
 
-@pytest.fixture
-def launched(tmp_path, digits):
+def require_set_up_venv():
+    """Skip unless this Python's venv is one launch.sh set up and would use as it is."""
     record = installed_mpi()
     if record is None:
         pytest.skip(f"{sys.prefix} was not made by launch.sh")
     installed = Path(sys.prefix, ".mpitrain-installed").read_text().strip()
     if installed != stamp(record["kind"]):               # launch.sh would install: not here
         pytest.skip(f"{sys.prefix} is older than setup.py or pyproject.toml: ./launch.sh setup")
+
+
+@pytest.fixture
+def launched(tmp_path, digits):
+    require_set_up_venv()
     jobs = []
 
     def start(*args):

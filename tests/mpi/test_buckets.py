@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 
 from mpitrain.backend import HostStreams
-from mpitrain.comm import Communicator
+from mpitrain.comm import ALGORITHMS, Communicator
 from mpitrain.comm.buckets import bucket_bounds, share_gradients
 from mpitrain.nets import build_model
 from mpitrain.nets.losses import softmax_cross_entropy
@@ -87,13 +87,16 @@ def test_shared_gradients_stay_aligned_and_keep_their_values(comm):
 
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("wire", [None, np.float16], ids=["fp32-wire", "fp16-wire"])
-def test_reducer_sums_every_ranks_gradients(comm, overlap, wire):
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_reducer_sums_every_ranks_gradients(comm, algorithm, overlap, wire):
     """After finish(), grad * postscale is the mean of every rank's backward gradients
     (float64 reference; fp16 on the wire: within its rounding), with the same bits on
-    every rank; with overlap the buckets start during backward, without it after."""
+    every rank, whatever the algorithm; with overlap the buckets start during backward,
+    without it after."""
     def check():
         model = small_net(seed=0)
-        reducer = reducer_for(model, comm, threshold=100, wire_dtype=wire, overlap=overlap)
+        reducer = reducer_for(model, comm, algorithm, threshold=100, wire_dtype=wire,
+                              overlap=overlap)
         if len(reducer.bounds) < 3:
             return f"only {len(reducer.bounds)} bucket(s): the test would prove little"
         grads = []

@@ -1,4 +1,5 @@
-"""The communication layer under `mpirun -np N python -m mpi4py -m pytest tests/mpi`, N = 1..4.
+"""The communication layer under `mpirun -np N python -m mpi4py -m pytest tests/mpi`, N = 1..4,
+and on several emulated hosts (tests/test_nodes.py), whose names MPITRAIN_TEST_HOSTS gives.
 
 Every rank fills its buffer from (seed, rank), so every rank can regenerate
 all inputs and compute the float64 serial sum itself. A test never asserts
@@ -7,6 +8,8 @@ rank fails the test on every rank instead of leaving the others waiting in a
 collective; a watchdog (conftest.py) aborts the job if a test blocks anyway.
 """
 import hashlib
+import os
+import socket
 
 import numpy as np
 import pytest
@@ -20,7 +23,7 @@ pytestmark = pytest.mark.mpi
 WORLD = MPI.COMM_WORLD
 P = WORLD.size
 DTYPES = (np.float32, np.float64, np.float16)
-GROUPINGS = (None, 1, 2, 3)     # None: the real topology (one host: one node)
+GROUPINGS = (None, 1, 2, 3)     # None: the real topology (one node per host)
 
 
 _comms = {}
@@ -158,11 +161,25 @@ def test_repeated_calls_reuse_scratch():
 # ----------------------------------------------------------------------------
 # topology
 # ----------------------------------------------------------------------------
+def launched_hosts():
+    """The host of every rank: as tests/launcher.py placed them on emulated hosts
+    (MPITRAIN_TEST_HOSTS, checked against each rank's host name), else as each rank's
+    host name says."""
+    mine = socket.gethostname()
+    named = os.environ.get("MPITRAIN_TEST_HOSTS")
+    hosts = named.split(",") if named else WORLD.allgather(mine)
+    agree(len(hosts) == P and hosts[WORLD.rank] == mine,
+          f"launched on {named!r}, {P} rank(s), this one on host {mine}")
+    return hosts
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_topology_of_ranks_per_node(k):
     comm = communicator(k)
+    hosts = launched_hosts()
     expect_sizes = [k] * (P // k) + ([P % k] if P % k else [])
     leaders = comm.leaders_comm
+    one_host = len({hosts[r] for r in range(P) if r // k == comm.rank // k}) == 1
     facts = dict(
         node=comm.node == comm.rank // k,
         local_rank=comm.local_rank == comm.rank % k,
@@ -176,16 +193,66 @@ def test_topology_of_ranks_per_node(k):
         and comm.cross_comm.rank == comm.node,
         describe=all(f"node {j}: {s} rank(s)" in comm.describe()
                      for j, s in enumerate(expect_sizes)),
+        # a group of ranks on several hosts shares no memory (shm runs 2d there)
+        shares_memory=comm.shares_memory == (comm.local_size > 1 and one_host),
     )
     agree(all(facts.values()), [f for f, v in facts.items() if not v])
 
 
-def test_topology_of_shared_memory():
-    """Without ranks_per_node the ranks of this one host form one node."""
+def test_topology_of_the_hosts():
+    """Without ranks_per_node a node is a host: numbered by its lowest rank, its ranks in
+    rank order, its first rank its leader; the cross communicators join the ranks of one
+    local index, in node order; shared memory on every node of two ranks or more."""
     comm = communicator(None)
-    agree(comm.num_nodes == 1 and comm.local_size == P and comm.node_sizes == [P]
-          and comm.local_rank == comm.rank and comm.node == 0,
-          comm.describe())
+    hosts = launched_hosts()
+    order = list(dict.fromkeys(hosts))                 # hosts by their lowest rank
+    members = [[r for r in range(P) if hosts[r] == h] for h in order]
+    node = order.index(hosts[comm.rank])
+    local = members[node].index(comm.rank)
+    cross = [m[local] for m in members if len(m) > local]
+    leaders = comm.leaders_comm
+    facts = dict(
+        nodes=comm.num_nodes == len(order) and comm.node_sizes == [len(m) for m in members]
+        and comm.node_of == [order.index(h) for h in hosts] and comm.node == node,
+        node_comm=comm.node_comm.allgather(comm.rank) == members[node]
+        and (comm.local_rank, comm.local_size) == (local, len(members[node])),
+        host=(comm.host_rank, comm.host_size) == (local, len(members[node])),
+        leaders=(leaders != MPI.COMM_NULL) == (local == 0)
+        and (leaders == MPI.COMM_NULL or leaders.allgather(comm.rank) == [m[0] for m in members]),
+        cross=comm.cross_comm.allgather(comm.rank) == cross,
+        shares_memory=comm.shares_memory == (len(members[node]) > 1),
+        describe=comm.describe().startswith(f"{P} rank(s) on {len(order)} node(s)"),
+    )
+    agree(all(facts.values()), f"{[f for f, v in facts.items() if not v]} on {hosts}:\n"
+                               f"{comm.describe()}")
+
+
+@pytest.mark.parametrize("k", [None, 2, 3], ids=lambda k: f"rpn{k}")
+def test_shared_windows_hold_the_ranks_of_one_host(k):
+    """A shared_zeros array is one window per node, mapping the copies of the node's ranks,
+    in local-rank order, and no rank of another host; where a node (--ranks-per-node)
+    spans hosts, each rank's array is its own."""
+    comm = communicator(k)
+    hosts = launched_hosts()
+    node_ranks = comm.node_comm.allgather(comm.rank)
+    one_host = len({hosts[r] for r in node_ranks}) == 1
+    mine = comm.shared_zeros(1001, np.float64)
+    mine[:] = comm.rank
+    win, copies = comm.peers(mine)
+    if win is not None:
+        win.Sync()
+    comm.node_comm.Barrier()        # every copy written
+    if win is not None:
+        win.Sync()
+    seen = [sorted(set(c.tolist())) for c in copies]
+    if win is not None:
+        ok = one_host and comm.local_size > 1 and seen == [[r] for r in node_ranks]
+    else:
+        ok = not (one_host and comm.local_size > 1) and all(c.ctypes.data == mine.ctypes.data
+                                                             for c in copies)
+    comm.node_comm.Barrier()        # every copy read before any rank writes its next array
+    agree(ok, f"window: {win is not None}, node's ranks {node_ranks} on {hosts}, "
+              f"values seen in the copies {seen}")
 
 
 @pytest.mark.parametrize("n, node_sizes, expect", [

@@ -1,25 +1,23 @@
 """Ranks sharing a GPU under `mpirun -np N` (any N), as far as a CPU can check it: the
 device index and the collectives each real rank takes from its node-local rank and
 the node's size (backend.pick_device, backend.collectives_for), and the refusals,
-alike on every rank. All ranks of these jobs run on one host, so the node is the job."""
+alike on every rank of the node. A node is a host (on emulated hosts too:
+tests/test_nodes.py), so each node's ranks are gathered and checked, whatever the job."""
 import pytest
-from mpi4py import MPI
 
 from mpitrain import backend
 from mpitrain.backend import DeviceError, pick_device
 
-WORLD = MPI.COMM_WORLD
-
 
 def chosen(comm, gpus, k):
-    """Every rank's (device index, collectives), gathered on every rank."""
+    """(device index, collectives) of every rank of this node, gathered on each of them."""
     index = pick_device("gpu", gpus, comm.host_rank, comm.host_size, {}, ranks_per_gpu=k)
-    return WORLD.allgather((index, backend.collectives_for(k)))
+    return comm.node_comm.allgather((index, backend.collectives_for(k)))
 
 
 def test_all_ranks_of_a_node_share_one_gpu_through_mpi(comm):
     n = comm.host_size
-    assert n == WORLD.size
+    assert n == comm.local_size
     assert chosen(comm, 1, n) == [(0, "nccl" if n == 1 else "mpi")] * n
 
 
@@ -48,13 +46,13 @@ def test_sharing_is_refused_on_every_rank_unless_asked_and_possible(comm):
             return str(e)
         return None
 
-    messages = WORLD.allgather(refusal(n + 1, n + 1))       # K does not divide the node's ranks
+    messages = comm.node_comm.allgather(refusal(n + 1, n + 1))       # K does not divide the node's ranks
     assert messages == [messages[0]] * n
     assert f"--ranks-per-gpu {n + 1} does not divide the {n} ranks" in messages[0]
     if n > 1:
-        messages = WORLD.allgather(refusal(1, None))        # two ranks on one GPU, not asked
+        messages = comm.node_comm.allgather(refusal(1, None))        # two ranks on one GPU, not asked
         assert messages == [messages[0]] * n
         assert f"{n} ranks on this node but only 1 visible GPU(s)" in messages[0]
         assert "--ranks-per-gpu K" in messages[0]
-        messages = WORLD.allgather(refusal(1, 1))           # K = 1 is a GPU per rank
+        messages = comm.node_comm.allgather(refusal(1, 1))           # K = 1 is a GPU per rank
         assert f"need {n} GPUs, but only 1" in messages[0]

@@ -1,7 +1,8 @@
-"""Distributed BatchNorm under `mpirun -np N` (any N): with the group of all N ranks,
+"""Distributed BatchNorm under `mpirun -np N` (any N): with groups of consecutive ranks,
 each rank's slice of the output and of dx, the summed gamma/beta gradients and the
-running statistics equal single-process BN on the concatenated batch (float64)."""
+running statistics equal single-process BN on the group's concatenated batch (float64)."""
 import numpy as np
+import pytest
 from mpi4py import MPI
 
 from mpitrain.comm import syncbn
@@ -22,8 +23,14 @@ def bn(comm=None, group_size=None):
     return net, layer
 
 
-def test_group_of_all_ranks_equals_one_process_on_the_whole_batch(comm):
+@pytest.mark.parametrize("size", [None, 2, 3], ids=["all", "2", "3"])
+def test_groups_equal_one_process_on_the_group_batch(comm, size):
+    """With groups of `size` consecutive ranks (None: all of them; groups of 2 and 3 cross
+    the hosts of tests/test_nodes.py), each rank's slice of the output and of dx and the
+    running statistics are one process's on its group's batches together, and the
+    gamma/beta gradients summed over the ranks are the sum of every group's."""
     n, N = 3, WORLD.size
+    G = size or N
 
     def check():
         rng = np.random.default_rng(0)       # the same global batch on every rank
@@ -31,25 +38,32 @@ def test_group_of_all_ranks_equals_one_process_on_the_whole_batch(comm):
         dy = rng.standard_normal(x.shape)
         mine = slice(WORLD.rank * n, (WORLD.rank + 1) * n)
 
-        net, layer = bn(comm, group_size=N)
+        net, layer = bn(comm, group_size=G)
         y = net.forward(x[mine], train=True)
         dx = net.backward(dy[mine])
         grads = net.arena.grad.copy()
         WORLD.Allreduce(MPI.IN_PLACE, grads, op=MPI.SUM)    # what the gradient all-reduce does
 
-        ref, ref_layer = bn()
-        y_ref = ref.forward(x, train=True)
-        dx_ref = ref.backward(dy)
+        ref_grads = 0
+        for first in range(0, N, G):           # every group's batch in one process
+            rows = slice(first * n, min(first + G, N) * n)
+            ref, _ = bn()
+            y_ref, dx_ref = ref.forward(x[rows], train=True), ref.backward(dy[rows])
+            ref_grads = ref_grads + ref.arena.grad
+            if first == WORLD.rank // G * G:
+                at = slice((WORLD.rank - first) * n, (WORLD.rank - first + 1) * n)
+                expect = dict(y=y_ref[at], dx=dx_ref[at], stats=ref.buffer_arena.data.copy())
         failures = []
-        for name, a, b in (("y", y, y_ref[mine]), ("dx", dx, dx_ref[mine]),
-                           ("gamma/beta grads", grads, ref.arena.grad),
-                           ("running stats", net.buffer_arena.data, ref.buffer_arena.data)):
+        for name, a, b in (("y", y, expect["y"]), ("dx", dx, expect["dx"]),
+                           ("gamma/beta grads", grads, ref_grads),
+                           ("running stats", net.buffer_arena.data, expect["stats"])):
             err = np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
             if err > 1e-12:
                 failures.append(f"{name} differ by {err:.1e}")
-        # without the group the same rank's output differs (unless one rank holds it all)
+        # without the group the same rank's output differs (unless the rank is its group)
         alone, _ = bn()
-        if N > 1 and np.allclose(alone.forward(x[mine], train=True), y):
+        grouped = layer.group is not None and layer.group.size > 1
+        if grouped and np.allclose(alone.forward(x[mine], train=True), y):
             failures.append("per-rank BN gave the same output: the test would prove nothing")
         return "; ".join(failures) or None
     agree(check)
