@@ -182,22 +182,31 @@ def _cuda_version(code):
     return f"{code // 1000}.{code % 1000 // 10}"
 
 
-def save_json(path, data):
-    """Write `data` to `path` as indented JSON, atomically: into a temporary file beside
-    it, renamed over `path` once complete (a full disk leaves the old file or none, never
-    a truncated one). OSError when it cannot be written."""
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp")
+def write_atomic(out, write):
+    """Run write(tmp) for a temporary path beside `out`, fsync it and rename it over `out`;
+    on any failure remove the temporary file and leave `out` as it was (a full disk leaves
+    the old file or none, never a truncated one)."""
+    directory = os.path.dirname(os.path.abspath(out))
+    tmp = os.path.join(directory, f".{os.path.basename(out)}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
+        write(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, out)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def save_json(path, data):
+    """Write `data` to `path` as indented JSON, atomically (write_atomic). OSError when it
+    cannot be written."""
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+    write_atomic(path, write)
 
 
 def describe(title, data, width=100):

@@ -31,6 +31,7 @@ import os
 import numpy as np
 
 from .backend import to_numpy
+from .config import write_atomic
 from .predict import PredictError, load_model, preprocessing, read_config
 
 FORMATS = ("safetensors", "onnx")
@@ -228,22 +229,6 @@ def onnx_model(model, image_size, metadata, batches_tracked=0):
 
 
 # ----- files -----
-def write_atomic(out, write):
-    """Run write(tmp) for a temporary path beside `out`, fsync it and rename it over `out`;
-    on any failure remove the temporary file and leave `out` as it was."""
-    directory = os.path.dirname(os.path.abspath(out))
-    tmp = os.path.join(directory, f".{os.path.basename(out)}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def save_safetensors(model, out, metadata, batches_tracked=0):
     from safetensors.numpy import save
     tensors = {k: v.astype(np.float32, copy=False) if v.dtype.kind == "f" else v
