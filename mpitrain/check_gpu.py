@@ -352,8 +352,8 @@ def environment():
     """What is missing for the other steps (None when nothing), and the environment report."""
     out = {"missing": None, "passed": False, "torch_cuda": False}
     try:
-        from mpi4py import MPI
-        out["mpi"] = MPI.Get_library_version().strip().splitlines()[0]
+        from mpitrain.config import mpi_library
+        out["mpi"] = mpi_library()
     except Exception as e:      # mpi4py without a library to load: no MPI on this machine
         out["missing"] = (f"no MPI library for mpi4py ({type(e).__name__}: {e}); add the "
                           f"`mpich` wheel to the wheels folder")

@@ -133,7 +133,7 @@ def environment(comm, device):
     hosts = sorted(set(comm.allgather(platform.node())))
     env = dict(world_size=comm.size, nodes=len(hosts), ranks_per_node=comm.host_size,
                hosts=hosts[:16] + ([f"... {len(hosts) - 16} more"] if len(hosts) > 16 else []),
-               device=device, mpi_library=MPI.Get_library_version().strip().splitlines()[0],
+               device=device, mpi_library=mpi_library(),
                mpi_standard=".".join(map(str, MPI.Get_version())), mpi4py=mpi4py.__version__,
                python=platform.python_version(), numpy=numpy.__version__,
                numba=numba.__version__, h5py=h5py.__version__, hdf5=h5py.version.hdf5_version)
@@ -180,6 +180,12 @@ def _cudnn_versions():
 def _cuda_version(code):
     """CUDA's integer version (1000 * major + 10 * minor) as "major.minor"."""
     return f"{code // 1000}.{code % 1000 // 10}"
+
+
+def mpi_library():
+    """The first line of the MPI library's version string (Open MPI's ends in a NUL byte)."""
+    from mpi4py import MPI
+    return MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
 
 
 def write_atomic(out, write):

@@ -263,8 +263,18 @@ def open_run(cfg, comm, say):
     problem = comm.bcast(problem, root=0)
     if problem:
         raise ConfigError(problem)
-    say(describe(f"configuration (saved in {cfg['run_dir']}/config.json)", cfg), flush=True)
+    changed = {k: v for k, v in cfg.items() if k not in DEFAULTS or v != DEFAULTS[k]}
+    say(describe(f"configuration: {len(cfg) - len(changed)} options at their defaults, these "
+                 f"not (all in {cfg['run_dir']}/config.json)", changed), flush=True)
     say(describe("environment", env), flush=True)
+
+
+def describe_buckets(bounds, itemsize):
+    """'N bucket(s) of A to B bytes' (or 'of A bytes'): the gradient buckets' real sizes,
+    from their element ranges (comm.buckets.bucket_bounds) and the gradient's itemsize."""
+    sizes = [(stop - start) * itemsize for start, stop in bounds]
+    span = f"{min(sizes):,}" if min(sizes) == max(sizes) else f"{min(sizes):,} to {max(sizes):,}"
+    return f"{len(sizes)} bucket(s) of {span} bytes"
 
 
 class Run:
@@ -388,12 +398,13 @@ class Run:
             tuner = self.tuner
             threshold = tuner.threshold if tuner else cfg["fusion_threshold"]
             self.reducer = self.new_reducer(threshold)
-            tuning = ("" if tuner is None else " (chosen by --fusion-threshold auto)"
+            tuning = ("" if tuner is None else ", chosen by --fusion-threshold auto"
                       if tuner.chosen else
-                      f" first (--fusion-threshold auto: {len(tuner.candidates)} sizes from "
-                      f"{tuner.candidates[0]:,} bytes, {tuner.steps} steps each)")
-            how = (f"{len(self.reducer.bounds)} bucket(s) of about {threshold:,} bytes{tuning}, "
-                   f"all-reduce {cfg['allreduce']}, {cfg['comm_dtype']} on the wire, "
+                      f"; --fusion-threshold auto tries {len(tuner.candidates)} sizes from "
+                      f"{tuner.candidates[0]:,} bytes first, {tuner.steps} steps each")
+            how = (f"{describe_buckets(self.reducer.bounds, model.arena.grad.itemsize)} (each "
+                   f"closed at {threshold:,} bytes{tuning}), all-reduce {cfg['allreduce']}, "
+                   f"{cfg['comm_dtype']} on the wire, "
                    f"{'overlapped with' if overlap else 'after'} backward")
         say(f"gradients: {how}" + (f"; BatchNorm statistics over groups of {cfg['bn_group']} "
                                    f"rank(s)" if bn_group else ""), flush=True)
@@ -563,7 +574,8 @@ class Run:
         self.timeline.take_totals()             # evaluation and checkpoint time is not a step's
         self.signals.mark()
         if self.progress:
-            self.progress.line(f"{line}  ({time.perf_counter() - self.start:.1f} s)")
+            self.progress.line(f"{line}  ({time.perf_counter() - self.start:.1f} s since the "
+                               f"start)")
 
     def evaluate(self):
         average_buffers(self.model, self.comm)

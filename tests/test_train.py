@@ -53,6 +53,18 @@ def test_default_job_reaches_95_percent(tmp_path):
     assert len(final) == 1, r.stdout                        # rank 0 alone reports
     assert float(final[0]) >= 95.0, r.stdout
     assert (tmp_path / "digits_train.h5").exists()          # it trained from converted files
+    # what the start and the epochs say: the buckets' real size, the options that differ
+    # from the defaults, and the time since the start, named
+    from mpitrain.comm.buckets import bucket_bounds
+    from mpitrain.nets import build_model
+    (start, stop), = bucket_bounds(build_model("resnet_small", num_classes=10).arena)
+    assert f"gradients: 1 bucket(s) of {(stop - start) * 4:,} bytes (each closed at " \
+        f"4,194,304 bytes)" in r.stdout, r.stdout
+    config = r.stdout.split("configuration: ")[1].split("\nenvironment")[0]
+    assert "options at their defaults, these not" in config and "run_dir=" in config
+    assert " model=" not in config and "allreduce=" not in config
+    assert re.search(r"epoch 8/8 .* s since the start\)", r.stdout), r.stdout
+    assert "\\x00" not in r.stdout
 
 
 @pytest.mark.launches
@@ -81,10 +93,10 @@ def test_fusion_threshold_auto_chooses_saves_and_resumes_with_the_choice(tmp_pat
     r = run_train(2, *job, "--run-dir", str(tmp_path / "resumed"), "--resume",
                   str(tmp_path / "run" / "checkpoint-000000022.h5"), timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "bytes (chosen by --fusion-threshold auto)" in r.stdout, r.stdout
+    assert "bytes, chosen by --fusion-threshold auto)" in r.stdout, r.stdout
     assert "fusion threshold auto: chose" not in r.stdout
     size = fusion[0]["chosen"]
-    assert f"of about {size:,} bytes (chosen by" in r.stdout
+    assert f"(each closed at {size:,} bytes, chosen by" in r.stdout
 
 
 @pytest.mark.launches
@@ -156,3 +168,9 @@ def test_neumann_and_nlcg_train_the_digits(tmp_path, optimizer, options):
                   timeout=600)
     assert f"optimizer {optimizer}, peak lr" in r.stdout, r.stdout + r.stderr
     assert final_top1(r) >= 90.0, r.stdout
+
+
+def test_bucket_sizes_are_described_from_their_ranges():
+    from mpitrain.train import describe_buckets
+    assert describe_buckets([(0, 1000)], 4) == "1 bucket(s) of 4,000 bytes"
+    assert describe_buckets([(0, 1000), (1024, 1536)], 2) == "2 bucket(s) of 1,024 to 2,000 bytes"
