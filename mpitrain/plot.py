@@ -3,7 +3,9 @@
     loss.png        training loss per logged step (x: epochs)
     accuracy.png    validation top-1 / top-5 per evaluation
     lr.png          learning rate (and the loss scale, when there is one)
-    throughput.png  images/s, and the time per step of each phase stacked
+    throughput.png  images/s, and the time per step of each phase stacked (the
+                    all-reduce's own time drawn beside them: it runs behind backward,
+                    and the step's wait for it is the "comm" phase)
 
 and `plot_batch_study`: the large-batch study's top-1 against the global batch.
 """
@@ -11,6 +13,15 @@ import math
 import os
 
 from .metrics import read_metrics
+
+
+# phases of a step record that overlap the others: drawn as lines, not stacked
+BESIDE = {"bucket": "all-reduce (behind backward)"}
+
+
+def stacked_phases(steps):
+    """The phases of the step records whose times add up to the step, in order."""
+    return sorted({k for r in steps for k in r.get("time", {})} - set(BESIDE))
 
 
 class PlotError(RuntimeError):
@@ -83,7 +94,7 @@ def plot_run(run_dir, out=None):
 
     def throughput(ax):
         ax.plot(x, [r["images_per_s"] for r in steps], marker=".", label="images/s")
-        phases = sorted({k for r in steps for k in r.get("time", {})})
+        phases = stacked_phases(steps)
         if phases:
             twin = ax.twinx()
             bottom = [0.0] * len(steps)
@@ -91,6 +102,10 @@ def plot_run(run_dir, out=None):
                 top = [b + 1e3 * r.get("time", {}).get(phase, 0.0) for b, r in zip(bottom, steps)]
                 twin.fill_between(x, bottom, top, alpha=0.25, step="mid", label=phase)
                 bottom = top
+            for phase, label in BESIDE.items():
+                if any(phase in r.get("time", {}) for r in steps):
+                    twin.plot(x, [1e3 * r.get("time", {}).get(phase, 0.0) for r in steps],
+                              linestyle="--", label=label)
             twin.set_ylabel("ms per step (rank 0), by phase")
             twin.legend(loc="lower right", fontsize="small")
     figure("throughput.png", "throughput", "images/s", throughput)

@@ -144,7 +144,7 @@ def test_plot_draws_the_curves(tmp_path):
             log.write(dict(kind="step", epoch=epoch, step=step, global_step=g, loss=2.0 / g,
                            lr=0.1 * g / 30, loss_scale=None, images_per_s=500 + 10 * g,
                            time=dict(data=0.001, forward=0.01, backward=0.02, comm=0.005,
-                                     update=0.001)))
+                                     bucket=0.015, update=0.001)))
         log.write(dict(kind="eval", epoch=epoch, global_step=10 * epoch, top1=0.3 * epoch,
                        top5=0.33 * epoch))
     log.close()
@@ -158,6 +158,15 @@ def test_plot_draws_the_curves(tmp_path):
             assert len(im.convert("RGB").getcolors(1 << 16)) > 20    # not a blank canvas
     with pytest.raises(PlotError, match="does not exist"):
         plot_run(str(tmp_path / "png"))
+
+
+def test_throughput_stacks_the_phases_that_add_up_to_the_step():
+    """The all-reduce's own time ("bucket") runs behind backward; the step's wait for it
+    is "comm": stacking both would count the communication twice."""
+    from mpitrain.plot import stacked_phases
+    steps = [dict(time=dict(forward=0.01, backward=0.02, comm=0.005, bucket=0.015,
+                            update=0.001))]
+    assert stacked_phases(steps) == ["backward", "comm", "forward", "update"]
 
 
 def test_progress_bar_redraws_in_place_on_a_terminal():
