@@ -306,14 +306,16 @@ def save_plan(key, name, path=None):
     path = PLAN_CACHE if path is None else path
     if not path:
         return
+    from mpitrain.config import write_atomic
     plans = load_plans(path)
     plans[key] = name
-    try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
+
+    def write(tmp):
         with open(tmp, "w") as f:
             json.dump(plans, f, indent=0, sort_keys=True)
-        os.replace(tmp, path)
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        write_atomic(path, write)
     except OSError:                 # a read-only home: the choice stays in this process
         pass
 
