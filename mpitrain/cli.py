@@ -568,6 +568,10 @@ def add_study(commands, D):
                             "cores)")
     large.add_argument("--ranks-per-run", type=positive_int, default=1,
                        help="MPI ranks of each run (a divisor of 32)")
+    large.add_argument("--resume", action="store_true",
+                       help="keep the results of runs that ended in an earlier study into the "
+                            "same --out with the same options, and run only the others (a "
+                            "study stopped halfway goes on where it stopped)")
     large.set_defaults(command_parser=large)
 
 
@@ -576,7 +580,7 @@ def run_study(args, argv):
     try:
         large_batch(args.data, args.data_dir, args.out, args.quick, args.epochs, args.seeds,
                     args.ranks, args.ranks_per_run, args.augment, args.val_data, argv[2:],
-                    image_size=args.image_size)
+                    image_size=args.image_size, resume=args.resume)
     except StudyError as e:
         args.command_parser.error(str(e))
 

@@ -23,10 +23,12 @@ temporary name, then renamed):
     results.md     the table (and the recipe), results.csv the same table
     accuracy.png   top-1 against the global batch, one line per recipe
     commands.sh    the exact command of every run
-    runs/NAME/     each run's directory (config.json, metrics.jsonl) and log.txt
+    runs/NAME/     each run's directory (config.json, metrics.jsonl), log.txt, and
+                   study-result.json once it has ended (what --resume keeps)
 """
 import csv
 import io
+import json
 import math
 import os
 import shlex
@@ -292,13 +294,39 @@ def time_left(took, pending, running, parallel):
     return work / parallel
 
 
-def run_all(runs, launcher, parallel, say=print):
+RESULT_FILE = "study-result.json"     # in a run's directory once the study has read it
+
+
+def kept_result(options):
+    """The result of a run that ended in an earlier study with the same options (None:
+    there is none), read from the RESULT_FILE it wrote then."""
+    path = os.path.join(options["run_dir"], RESULT_FILE)
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record["result"] if record.get("options") == options else None
+
+
+def run_all(runs, launcher, parallel, say=print, resume=False):
     """Run every (name, options) of `runs`, `parallel` at a time; returns {name: result}.
-    Prints a line as each run ends: runs and points done, elapsed time, estimated time left."""
+    Prints a line as each run ends: runs and points done, elapsed time, estimated time left.
+    resume: a run whose directory holds an earlier study's result for the same options
+    is not run again."""
     points = {}
     for name, _ in runs:
         points.setdefault(name.rsplit("-s", 1)[0], []).append(name)
-    pending, running, results, took = list(runs), {}, {}, {}
+    pending, running, results, took = [], {}, {}, {}
+    for name, options in runs:
+        kept = kept_result(options) if resume else None
+        if kept is None:
+            pending.append((name, options))
+        else:
+            results[name] = kept
+    if results:
+        say(f"study: {len(results)} of {len(runs)} runs ended in an earlier study with the "
+            f"same options; their results are kept (--resume)", flush=True)
     start = time.monotonic()
     try:
         while pending or running:
@@ -316,6 +344,8 @@ def run_all(runs, launcher, parallel, say=print):
                     continue
                 del running[name]
                 results[name] = result = read_result(options["run_dir"], log, status)
+                write_whole(os.path.join(options["run_dir"], RESULT_FILE),
+                            json.dumps(dict(options=options, result=result), indent=1))
                 took[name] = (options["batch_size"], time.monotonic() - began)
                 done = len(results)
                 elapsed = time.monotonic() - start
@@ -439,6 +469,8 @@ def recipe_markdown(epochs, recipes=None):
 def write_whole(path, text):
     with open(path + ".tmp", "w") as f:
         f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
 
 
@@ -467,7 +499,7 @@ def write_outputs(out, rows, lines, study_command, epochs, num_train, num_classe
 
 def large_batch(data="digits", data_dir="data", out="runs/study-large-batch", quick=False,
                 epochs=None, seeds=None, ranks=None, ranks_per_run=1, augment=None,
-                val_data=None, argv=(), say=print, image_size=None):
+                val_data=None, argv=(), say=print, image_size=None, resume=False):
     """The study (see the module docstring); returns the table's rows."""
     from mpitrain.checks import PRESETS
     from mpitrain.launcher import cores
@@ -524,7 +556,7 @@ def large_batch(data="digits", data_dir="data", out="runs/study-large-batch", qu
         f"once of {ranks_per_run} rank(s), {launcher.threads['OMP_NUM_THREADS']} thread(s) "
         f"a rank", flush=True)
     start = time.monotonic()
-    results = run_all(runs, launcher, parallel, say)
+    results = run_all(runs, launcher, parallel, say, resume)
     # each point's learning rate: the sweep's best (the only one without a sweep, where its
     # seeds ran already, diverged or not)
     chosen = {key: best_factor(sweep, results) if len(factors) > 1 else factors[0]
@@ -539,7 +571,7 @@ def large_batch(data="digits", data_dir="data", out="runs/study-large-batch", qu
     if seeded:
         say(f"study: {len(seeded)} more runs: seeds 1..{seeds - 1} at each recipe's best "
             f"learning rate at batches {', '.join(map(str, deciding))}", flush=True)
-        results.update(run_all(seeded, launcher, parallel, say))
+        results.update(run_all(seeded, launcher, parallel, say, resume))
         runs += seeded
     seconds = time.monotonic() - start
     rows = summarise(grid, results, chosen, sweeps)

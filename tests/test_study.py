@@ -208,3 +208,13 @@ def test_quick_study_end_to_end(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     evals = [x for x in (rerun / "metrics.jsonl").read_text().splitlines() if '"eval"' in x]
     assert f"{float(re.search(r'top1.: ([0-9.]+)', evals[-1]).group(1)):.4f}" == top1
+    # a study stopped with one run unfinished: --resume runs that one alone, and the table
+    # comes out the same
+    table = (out / "results.csv").read_text()
+    (out / "runs" / "lars-b128-s0" / study.RESULT_FILE).unlink()
+    r = run_study("--quick", "--resume", "--out", str(out), "--data-dir", str(tmp_path / "data"),
+                  timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "11 of 12 runs ended in an earlier study" in r.stdout
+    assert re.search(r"\[12/12 runs, 12/12 points\] lars-b128-s0", r.stdout)
+    assert (out / "results.csv").read_text() == table
