@@ -391,6 +391,11 @@ def _tune(entry, a, b, out, key):
     g.build_plans()                 # the plan that runs: the fastest, else the first that builds
 
 
+def workspace():
+    """The shared workspace as it is now (a CUDA graph keeps the one it was captured with)."""
+    return _workspace
+
+
 def _workspace_ptr(nbytes):
     """The device pointer of the shared workspace, at least nbytes long."""
     global _workspace

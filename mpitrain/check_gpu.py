@@ -22,8 +22,8 @@ the install step put in place is what the later steps import:
     nccl         a one-rank Communicator's all-reduce and broadcast of CuPy
                  arrays through NCCL, and the Reducer's stream path (nccl_check)
     bench        `bench step --device gpu` at 224x224 on ResNet-50 fp16 batch 256
-                 and fp32 batch 128 and AlexNet fp16 batch 512 (BENCH), against
-                 PyTorch where it sees the GPU
+                 and fp32 batch 128 with CUDA graphs, ResNet-50 fp16 eagerly, and
+                 AlexNet fp16 batch 512 (BENCH), against PyTorch where it sees the GPU
     profile      `bench step --device gpu --profile N` of ResNet-50 and AlexNet in
                  fp16: device time per layer type and phase, kernels per step
 
@@ -67,8 +67,9 @@ TOLERANCE = {"logits": 1e-4, "loss": 1e-5, "grad": 2e-3, "update": 2e-3, "master
 # the CPU's own distance, or by one fp16 rounding (FP16_FLOOR), whichever is larger.
 FP16_MARGIN, FP16_FLOOR = 2.0, 2.0 ** -11
 
-# (model, precision, batch) of the throughput runs at 224x224
-BENCH = (("resnet50", "fp16", 256), ("resnet50", "fp32", 128), ("alexnet", "fp16", 512))
+# (model, precision, batch, CUDA graphs) of the throughput runs at 224x224
+BENCH = (("resnet50", "fp16", 256, True), ("resnet50", "fp32", 128, True),
+         ("resnet50", "fp16", 256, False), ("alexnet", "fp16", 512, False))
 # (model, batch) of the profiles, in fp16
 PROFILE = (("resnet50", 256), ("alexnet", 512))
 
@@ -179,9 +180,10 @@ def _all_steps(args, wheels, report, save):
     if not env.get("passed"):               # no GPU for CuPy, no MPI, or mpitrain broken
         raise CheckError(env.get("missing") or "; ".join(env.get("failures", [])))
     save()
-    for model, precision, batch in BENCH:
-        step(f"bench {model} {precision}", bench, model, precision, batch, env["torch_cuda"],
-             args.steps, args.warmup, args.rounds, group="bench")
+    for model, precision, batch, graph in BENCH:
+        step(f"bench {model} {precision}{' graph' if graph else ''}", bench, model, precision,
+             batch, env["torch_cuda"], args.steps, args.warmup, args.rounds, graph,
+             group="bench")
     for model, batch in PROFILE:
         step(f"profile {model}", profile, model, batch, args.profile_steps, group="profile")
     step("tests", run_tests)
@@ -277,11 +279,11 @@ def _bench_argv(model, precision, batch, *options):
             *options]
 
 
-def bench(model, precision, batch, torch, steps, warmup, rounds=1):
+def bench(model, precision, batch, torch, steps, warmup, rounds=1, graph=False):
     """bench step --device gpu on `model` at 224x224 (with --reference torch when PyTorch
-    sees the GPU), `rounds` rounds; its JSON result."""
+    sees the GPU), `rounds` rounds, with --cuda-graph where `graph`; its JSON result."""
     argv = _bench_argv(model, precision, batch, "--steps", str(steps), "--warmup", str(warmup),
-                       "--rounds", str(rounds), "--json")
+                       "--rounds", str(rounds), "--json", *(["--cuda-graph"] if graph else []))
     if torch:
         argv += ["--reference", "torch"]
     r = _command_step(argv, 1800)

@@ -191,6 +191,12 @@ def build_parser():
                        help="multiply the loss gradient by S (unscaled in the update), or "
                             "'dynamic' (from 2^16, halved on overflow, doubled after 2000 clean "
                             "steps); default: dynamic under fp16, 1 under fp32")
+    train.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction,
+                       default=D["cuda_graph"],
+                       help="on a GPU with one rank: replay forward, loss and backward from "
+                            "CUDA graphs captured after 2 eager steps (mpitrain/graph.py); the "
+                            "run says when a model cannot be captured (dropout) and runs it "
+                            "eagerly")
     # the run around the loop
     train.add_argument("--config", metavar="YAML",
                        help="a YAML file of train options (keys as the flags, dashes or "
@@ -376,6 +382,11 @@ def build_parser():
                            "steps timed by CUDA events per layer type and phase, with GB/s "
                            "and TFLOP/s against the card's measured peaks, the host's time to "
                            "queue a step, and the kernels one step launches")
+    step.add_argument("--cuda-graph", action="store_true",
+                      help="one process on a GPU: replay forward and backward from CUDA "
+                           "graphs captured after 2 eager steps (mpitrain/graph.py; the "
+                           "warm-up steps include the capture); a model with dropout runs "
+                           "eagerly, and the output says so")
     step.add_argument("--rounds", type=positive_int, default=1, metavar="N",
                       help="one process: time mpitrain (and --reference) N times, taking turns "
                            "at going first, and report each round and the median ratio (a "

@@ -62,7 +62,8 @@ DEFAULTS = dict(model="resnet_small", data="digits", val_data=None, data_dir="da
                 device="auto", eval_every=1,
                 # optimizer and precision; loss_scale None: dynamic under fp16, 1 under fp32
                 optimizer="sgd", lr_ref_batch=None, lars_eta=0.001, lars_eps=1e-9,
-                schedule="cosine", milestones=(), precision="fp32", loss_scale=None)
+                schedule="cosine", milestones=(), precision="fp32", loss_scale=None,
+                cuda_graph=False)
 
 # The run around the loop: run directory, checkpoints, logging, failure handling.
 DEFAULTS.update(run_dir=None, checkpoint_every=1, keep_checkpoints=3, resume=None, trace=None,
@@ -169,7 +170,7 @@ def average_buffers(model, comm):
 
 # ----- one step -----
 def train_step(model, optimizer, reducer, x, y, lr, label_smoothing=0.0, scaler=None,
-               timeline=NO_TIMELINE):
+               timeline=NO_TIMELINE, graph=None):
     """Forward, loss, backward, gradient sum, overflow check, update.
 
     x: this rank's images (n, H, W, 3) in the model's working dtype, y: its labels (n,),
@@ -181,6 +182,8 @@ def train_step(model, optimizer, reducer, x, y, lr, label_smoothing=0.0, scaler=
     multiplied by its scale before backward; a step whose summed gradient overflowed is
     skipped on every rank (scaler.skipped counts them), BatchNorm statistics included.
     timeline (mpitrain.metrics.Timeline) times each phase.
+    graph: an mpitrain.graph.StepGraph of this model, which replays forward, loss and
+    backward from CUDA graphs (with label_smoothing its own); None: they run eagerly.
     """
     from mpitrain.nets.losses import softmax_cross_entropy
     scaler = scaler or LossScaler(1.0)
@@ -191,12 +194,19 @@ def train_step(model, optimizer, reducer, x, y, lr, label_smoothing=0.0, scaler=
     quiet = np.errstate(over="ignore", invalid="ignore") if scaler.check else contextlib.nullcontext()
     with quiet:
         with timeline.span("forward", "forward"):
-            logits = model.forward(x, train=True)
-            loss, dlogits = softmax_cross_entropy(logits, y, label_smoothing=label_smoothing,
-                                                  scale=scaler.scale)
-        reducer.begin(scaler.scale)
+            if graph is None:
+                logits = model.forward(x, train=True)
+                loss, dlogits = softmax_cross_entropy(logits, y, label_smoothing=label_smoothing,
+                                                      scale=scaler.scale)
+            else:
+                loss = graph.forward(x, y, scaler.scale)
         with timeline.span("backward", "backward"):
-            model.backward(dlogits)
+            if graph is None:
+                reducer.begin(scaler.scale)
+                model.backward(dlogits)         # each bucket's sum starts as it lands
+            else:
+                graph.backward()                # a replay calls no hooks: finish() below
+                reducer.begin(scaler.scale)     # sums every bucket
     with timeline.span("all-reduce", "comm"):
         reducer.finish()
     # the same flag on every rank (reducer.nonfinite_flag); the loss and the flag come to
@@ -363,6 +373,15 @@ class Run:
         say(f"optimizer {cfg['optimizer']}, peak lr {self.base_lr:g} ({cfg['schedule']} after "
             f"{cfg['warmup_epochs']:g} warm-up epochs), precision {cfg['precision']}, loss scale "
             f"{'dynamic from ' if scaler.dynamic else ''}{scaler.scale:g}", flush=True)
+        self.graph = None
+        if cfg["cuda_graph"]:
+            from mpitrain.graph import StepGraph, refusal
+            why_not = refusal(model, size)
+            if why_not is None:
+                self.graph = StepGraph(model, cfg["label_smoothing"], say=say)
+            say("--cuda-graph: " + (f"the step runs eagerly: {why_not}" if why_not else
+                                    f"forward, loss and backward replayed from CUDA graphs "
+                                    f"from step {self.graph.eager_steps + 1}"), flush=True)
 
         # ----- the run directory's reports, then the checkpoint to continue from -----
         open_run(cfg, comm, say)
@@ -477,7 +496,7 @@ class Run:
             started = time.perf_counter()
             loss = train_step(self.model, self.optimizer, self.reducer, backend.xp.asarray(x),
                               backend.xp.asarray(y), lr, cfg["label_smoothing"], self.scaler,
-                              self.timeline)
+                              self.timeline, self.graph)
             global_step = epoch * steps + s + 1
             if self.tuner:
                 self.tune_fusion(time.perf_counter() - started, global_step)

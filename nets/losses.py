@@ -16,7 +16,8 @@ def softmax_cross_entropy(logits, labels, label_smoothing=0.0, scale=1.0):
     Computed in fp32 (float64 for float64 logits) whatever the logits' dtype.
     scale: the loss scale of mixed precision; dlogits is scale * (softmax - t) / N, scaled
     before the cast to the logits' dtype so that fp16 keeps its small values (the loss
-    itself is not scaled).
+    itself is not scaled). A number, or a 0-d array on the logits' device (what a CUDA
+    graph reads afresh at each replay, mpitrain.graph).
 
     Returns (loss, dlogits with the dtype and shape of logits); the loss is a 0-d array
     of the logits' module, so that on a GPU it stays on the device until the caller
@@ -41,7 +42,7 @@ def softmax_cross_entropy(logits, labels, label_smoothing=0.0, scale=1.0):
     if eps:
         p -= eps / K
     p /= N
-    if scale != 1:
+    if not isinstance(scale, (int, float)) or scale != 1:
         p *= scale
     return loss, cast.astype(p, logits.dtype)
 

@@ -303,15 +303,18 @@ def test_check_gpu_dry_run_goes_through_every_step_measurements_first(tmp_path):
     assert r.returncode == 0, r.stderr
     report = json.loads((out / "report.json").read_text())
     names = list(report["steps"])
-    assert names == ["install", "build", "environment", "bench resnet50 fp16",
-                     "bench resnet50 fp32", "bench alexnet fp16", "profile resnet50",
-                     "profile alexnet", "tests", "compare fp32", "compare fp16", "nccl"]
+    assert names == ["install", "build", "environment", "bench resnet50 fp16 graph",
+                     "bench resnet50 fp32 graph", "bench resnet50 fp16", "bench alexnet fp16",
+                     "profile resnet50", "profile alexnet", "tests", "compare fp32",
+                     "compare fp16", "nccl"]
     bench = report["steps"]["bench alexnet fp16"]["command"]
     assert bench[bench.index("--model") + 1] == "alexnet" and "--reference" in bench
+    assert "--cuda-graph" not in bench
+    assert "--cuda-graph" in report["steps"]["bench resnet50 fp16 graph"]["command"]
     assert bench[bench.index("--steps") + 1] == "7" and bench[bench.index("--rounds") + 1] == "2"
     profile = report["steps"]["profile resnet50"]["command"]
     assert profile[profile.index("--profile") + 1] == "4"
-    assert "dry run: " in (out / "bench-resnet50-fp32.log").read_text()
+    assert "dry run: " in (out / "bench-resnet50-fp32-graph.log").read_text()
     assert "pytest" in (out / "tests.log").read_text()
     assert "gpu-check: all passed" in r.stdout
 
@@ -324,6 +327,6 @@ def test_check_gpu_starts_no_step_past_its_budget(tmp_path):
     assert r.returncode == 0, r.stderr
     steps = json.loads((out / "report.json").read_text())["steps"]
     assert steps["tests"] == {"skipped": True}
-    assert steps["bench resnet50 fp16"]["reason"] == "out of time (--budget 0)"
+    assert steps["bench resnet50 fp16 graph"]["reason"] == "out of time (--budget 0)"
     assert all(s.get("skipped") for name, s in steps.items() if name != "environment")
     assert "SKIP  nccl: out of time (--budget 0)" in r.stdout

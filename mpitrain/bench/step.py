@@ -88,24 +88,43 @@ class OneStep:
     then the overflow check and the SGD update (momentum 0.9, weight decay 1e-4),
     skipped when the scaled gradient overflowed. precision "fp16" takes the dynamic
     loss scale of training (mpitrain.precision.make_scaler); "fp32" neither scales
-    nor checks. The model's working dtype says what it computes in."""
+    nor checks. The model's working dtype says what it computes in. graph: forward and
+    backward replayed from CUDA graphs (mpitrain.graph.StepGraph) where the model
+    allows it; `graph_note` says whether they were, or why not."""
 
-    def __init__(self, model, precision="fp32", lr=0.01, momentum=0.9, weight_decay=1e-4):
+    def __init__(self, model, precision="fp32", lr=0.01, momentum=0.9, weight_decay=1e-4,
+                 graph=False):
+        from mpitrain.graph import StepGraph, refusal
         from mpitrain.optim import SGD
         from mpitrain.precision import make_scaler
         self.model, self.lr = model, lr
         self.optimizer = SGD(model.arena, momentum=momentum, weight_decay=weight_decay)
         self.scaler = make_scaler(None, precision)
+        self.graph_note = refusal(model) if graph else None
+        self.graph = StepGraph(model) if graph and self.graph_note is None else None
 
     def forward(self, x, y):
-        """(logits, loss) of the batch; keeps the loss gradient for backward."""
+        """(logits, loss) of the batch; keeps the loss gradient for backward. From a
+        graph: (None, loss)."""
         from mpitrain.nets.losses import softmax_cross_entropy
+        if self.graph is not None:
+            return None, self.graph.forward(x, y, self.scaler.scale)
         logits = self.model.forward(x, train=True)
         loss, self.dlogits = softmax_cross_entropy(logits, y, scale=self.scaler.scale)
         return logits, loss
 
     def backward(self):
-        self.model.backward(self.dlogits)
+        if self.graph is not None:
+            self.graph.backward()
+        else:
+            self.model.backward(self.dlogits)
+
+    def graph_outcome(self):
+        """What the graph option came to: None (not asked for), "captured", or why the
+        step ran eagerly."""
+        if self.graph is not None:
+            return "captured" if self.graph.captured else self.graph.refused or "not captured"
+        return self.graph_note
 
     def update(self):
         """The update unless the gradient overflowed; returns whether it was applied."""
@@ -125,13 +144,14 @@ def _clock():
     return time.perf_counter()
 
 
-def time_ours(model, x, y, steps, warmup, precision="fp32", profile=0, gflops=True):
+def time_ours(model, x, y, steps, warmup, precision="fp32", profile=0, gflops=True,
+              graph=False):
     """Median phase times of `steps` steps after `warmup`, with gflops on the CPU the
     GFLOP/s of the median step (its layers' floating-point operations as the direct form
     counts them, counted in one more step), and with
-    profile=N a profile of N more steps (mpitrain.bench.profile)."""
+    profile=N a profile of N more steps (mpitrain.bench.profile). graph: OneStep's."""
     from .profile import profile_steps, step_flops
-    step = OneStep(model, precision)
+    step = OneStep(model, precision, graph=graph)
     phases = {"forward_loss": [], "backward": [], "update": []}
     first_loss = None
     for i in range(warmup + steps):
@@ -148,6 +168,8 @@ def time_ours(model, x, y, steps, warmup, precision="fp32", profile=0, gflops=Tr
             for name, t in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
                 phases[name].append(t)
     out = _summary(len(y), phases, first_loss)
+    if graph:
+        out["cuda_graph"] = step.graph_outcome()
 
     def whole_step():
         step.forward(x, y)
@@ -279,13 +301,15 @@ def random_batch(model, batch, image_size, num_classes, seed):
 
 
 def bench_step(model_name, image_size=64, batch=32, steps=10, warmup=2, num_classes=1000,
-               seed=0, reference=None, device="cpu", precision="fp32", profile=0, rounds=1):
+               seed=0, reference=None, device="cpu", precision="fp32", profile=0, rounds=1,
+               graph=False):
     """Time training steps of `model_name` on a random batch; returns a dict (see main_step).
     device: "cpu", "gpu" or "auto" (backend.use_device; a missing GPU raises DeviceError).
     profile: profile this many more steps (mpitrain.bench.profile), in the first round.
     rounds: time mpitrain (and the reference) this many times, taking turns at going
     first; each side's figures are then those of its median round (peak memory: the
-    largest) and the ratio is the median of the rounds' ratios (_median_rounds)."""
+    largest) and the ratio is the median of the rounds' ratios (_median_rounds).
+    graph: mpitrain's forward and backward replayed from CUDA graphs (OneStep)."""
     from mpitrain import backend
     backend.use_device(device)
     result = {"model": model_name, "image_size": image_size, "batch": batch, "steps": steps,
@@ -309,7 +333,7 @@ def bench_step(model_name, image_size=64, batch=32, steps=10, warmup=2, num_clas
         if torch_first:
             time_reference(run)
         run["mpitrain"] = _time_fresh(model_name, image_size, batch, num_classes, seed, steps,
-                                      warmup, precision, profile if r == 0 else 0)
+                                      warmup, precision, profile if r == 0 else 0, graph)
         if not torch_first:
             time_reference(run)
         runs.append(run)
@@ -369,13 +393,13 @@ def _median_rounds(runs):
 
 
 def _time_fresh(model_name, image_size, batch, num_classes, seed, steps, warmup, precision,
-                profile=0):
+                profile=0, graph=False):
     """time_ours on a model and batch made here on the current device (freed on return),
     with the peak resident memory of the model and its steps."""
     from .profile import PeakMemory
     with PeakMemory() as memory:
         model, x, y = build_on_device(model_name, image_size, batch, num_classes, seed, precision)
-        out = time_ours(model, x, y, steps, warmup, precision, profile)
+        out = time_ours(model, x, y, steps, warmup, precision, profile, graph=graph)
     return {**out, "peak_memory": memory.bytes}
 
 
@@ -715,6 +739,7 @@ def _run_step(args):
         if MPI.COMM_WORLD.size > 1:
             given = [name for name, value in (("--reference", args.reference),
                                               ("--profile", args.profile),
+                                              ("--cuda-graph", args.cuda_graph),
                                               ("--rounds", args.rounds > 1)) if value]
             if given:
                 raise OneProcessOnly(f"{', '.join(given)} apply to the one-process benchmark, "
@@ -727,9 +752,13 @@ def _run_step(args):
                                          args.density if args.compress == "topk" else None,
                                          args.shard_update)
             return result if MPI.COMM_WORLD.rank == 0 else None
+    if args.cuda_graph and args.profile:
+        from mpitrain.checks import ConfigError
+        raise ConfigError("--profile times every layer of eager steps, and a replayed graph "
+                          "has no layers to time: drop --cuda-graph or --profile")
     return bench_step(args.model, args.image_size, args.batch, args.steps, args.warmup,
                       args.num_classes, args.seed, args.reference, args.device, args.precision,
-                      args.profile, args.rounds)
+                      args.profile, args.rounds, args.cuda_graph)
 
 
 def format_profile(p, top=12):
@@ -783,6 +812,9 @@ def format_result(r):
         if name in r:
             t = r[name]
             label = f"torch {t['version']} ({t['threads']} threads)" if name == "torch" else name
+            if name == "mpitrain" and "cuda_graph" in t:
+                label = ("mpitrain (CUDA graphs)" if t["cuda_graph"] == "captured" else
+                         f"mpitrain (eager: {t['cuda_graph']})")
             if name == "torch" and "device" in t:
                 label = (f"torch {t['version']} ({t['device']}, {t['precision']}, "
                          f"{t['memory_format']})")

@@ -1,0 +1,141 @@
+"""A training step's forward + loss and its backward, each captured once as a CUDA graph
+and replayed every step after.
+
+Eagerly, a ResNet-50 step queues about 900 kernels from Python, and the host's time
+to queue them is close to the GPU's time to run them. A CUDA graph records the same
+kernels, with their arguments and pointers, once; a replay queues them all with one
+call. What a replay may not do follows from that:
+
+- read a value from the host that changes from step to step: the images and labels
+  are copied into buffers that the graph owns (`x`, `y`), and the loss scale is a
+  0-d device array that softmax_cross_entropy multiplies by (`scale`), written before
+  each replay;
+- allocate: the kernels write where they wrote while being captured. The capture
+  allocates from a memory pool of its own, which lives as long as the graph, and the
+  cuDNN workspace of that time is kept too (cuDNN swaps it for a larger one when a
+  new shape needs more);
+- build a cuDNN plan, compile a kernel or wait for the device: every layer has run
+  eagerly before the capture (`eager_steps` steps), which builds and caches all of it.
+
+The update stays outside the graph (the optimizer's learning rate and the overflow
+verdict are read on the host, once a step, as PyTorch's GradScaler reads its flag).
+Two graphs rather than one keep forward and backward apart, so the step's phases are
+timed as in the eager step; the backward graph reads what the forward graph cached.
+
+`refusal(model, ranks)` says why a step cannot be captured (None: it can): on the CPU
+there is nothing to capture; dropout draws its mask's key on the host each step; with
+more than one rank, backward's hooks start the all-reduce of each bucket as it lands,
+which a replay cannot do. The eager step serves all of these.
+"""
+from mpitrain import backend
+
+
+def refusal(model, ranks=1, device=None):
+    """Why `model`'s step on `ranks` ranks runs eagerly (None: it can be captured).
+    device: where it runs (default: backend.device)."""
+    from mpitrain.nets.activation import Dropout
+    if (device or backend.device) == "cpu":
+        return "the step runs on the CPU (CUDA graphs are a GPU's)"
+    if ranks > 1:
+        return (f"{ranks} ranks: each bucket's all-reduce starts from backward as its "
+                f"gradients land, which a replay cannot do")
+    if any(isinstance(m, Dropout) and m.p > 0 for _, m in model.named_modules()):
+        return "the model has dropout, whose mask's key is drawn on the host every step"
+    return None
+
+
+class StepGraph:
+    """forward + softmax cross-entropy, and backward, of `model` as two CUDA graphs.
+
+    forward(x, y, scale) -> the loss (a 0-d device array, updated by each replay);
+    backward() -> None: the gradients are in model.arena.grad, scale times the loss's.
+    The first `eager_steps` calls run eagerly (and build every plan); the next one
+    captures, then replays, as does every later one. Every batch has the first one's
+    shape. say: where to print the capture's outcome (None: nowhere).
+    """
+
+    def __init__(self, model, label_smoothing=0.0, eager_steps=2, say=None):
+        import cupy
+        self.cupy, self.model, self.label_smoothing = cupy, model, label_smoothing
+        self.eager_steps, self.say = eager_steps, say
+        self.steps = 0
+        # capture needs a stream of its own (not the legacy default stream); the replays
+        # run on the caller's current stream, in order with the rest of the step
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.scale = cupy.ones((), cupy.float32)
+        self.x = self.y = None
+        self.graphs = self.pool = self.workspace = None
+        self.loss = self.dlogits = None
+        self.refused = None         # why a capture failed, and the step stays eager
+
+    @property
+    def captured(self):
+        return self.graphs is not None
+
+    def forward(self, x, y, scale):
+        xp = self.cupy
+        if self.x is None:
+            self.x = xp.empty(x.shape, x.dtype)     # (N, H, W, 3), the model's dtype
+            self.y = xp.empty(y.shape, y.dtype)     # (N,)
+        if (x.shape, x.dtype, y.shape) != (self.x.shape, self.x.dtype, self.y.shape):
+            raise ValueError(f"a step graph takes batches of one shape: {self.x.shape} "
+                             f"{self.x.dtype} images first, now {x.shape} {x.dtype}")
+        self.x[...] = xp.asarray(x)
+        self.y[...] = xp.asarray(y)
+        self.scale.fill(scale)
+        self.steps += 1
+        if self.steps > self.eager_steps and not self.captured and self.refused is None:
+            self._capture()
+        if self.captured:
+            self.graphs[0].launch(stream=self.cupy.cuda.get_current_stream())
+        else:
+            self._forward()
+        return self.loss
+
+    def backward(self):
+        if self.captured:
+            self.graphs[1].launch(stream=self.cupy.cuda.get_current_stream())
+        else:
+            self.model.backward(self.dlogits)
+
+    def _forward(self):
+        from mpitrain.nets.losses import softmax_cross_entropy
+        logits = self.model.forward(self.x, train=True)
+        self.loss, self.dlogits = softmax_cross_entropy(
+            logits, self.y, label_smoothing=self.label_smoothing, scale=self.scale)
+
+    def _capture(self):
+        """Record both graphs (nothing runs: the caller launches them). A capture that
+        fails leaves the step eager, with the reason in `refused`."""
+        from mpitrain.kernels import cudnn
+        cp = self.cupy
+        pool, graphs = cp.cuda.MemoryPool(), []
+        try:
+            with cp.cuda.using_allocator(pool.malloc), self.stream:
+                for phase in (self._forward, lambda: self.model.backward(self.dlogits)):
+                    self.stream.begin_capture()
+                    try:
+                        phase()
+                    except BaseException:
+                        self._abandon_capture()
+                        raise
+                    graphs.append(self.stream.end_capture())
+        except Exception as e:
+            self.refused = f"the capture failed ({type(e).__name__}: {e})"
+            self._say(f"CUDA graphs: {self.refused}; the step runs eagerly")
+            return
+        self.graphs, self.pool, self.workspace = graphs, pool, cudnn.workspace()
+        cp.get_default_memory_pool().free_all_blocks()  # the eager steps' spare blocks
+        self._say(f"CUDA graphs: captured at step {self.steps}, "
+                  f"{pool.total_bytes() / 2**20:,.0f} MiB of their own memory")
+
+    def _say(self, line):
+        if self.say is not None:
+            self.say(line, flush=True)
+
+    def _abandon_capture(self):
+        """End a capture that an error interrupted; the error itself is what is reported."""
+        try:
+            self.stream.end_capture()
+        except Exception:           # the capture was already invalid: nothing to keep
+            pass
