@@ -12,6 +12,11 @@ describes every tensor by NCHW-ordered dims; strides say the memory is NHWC
     backward_data   dx = conv_dgrad(dy, w)          (the adjoint in x)
     backward_filter dw = conv_wgrad(x, dy)          (the adjoint in w)
 
+and matrix products, for the fully connected layers: `matmul(a, b)` = a @ b on 2-D
+arrays, transposed views included (a matrix is one of a batch of one: dims
+[1, M, K], its strides as they are). CuPy refuses its own cuBLAS calls while a
+CUDA graph is being captured (mpitrain/graph.py); cuDNN's graphs have no such limit.
+
 Each graph is built once per (operation, shapes, dtypes, stride, padding) and
 cached; the computation is fp32 whatever the io type (fp16 on tensor cores,
 accumulating in fp32). Only float16 and float32 are routed here; float64 stays
@@ -198,10 +203,18 @@ def _try_conv(dtype):
 
 # ----- graphs -----
 
-def _nhwc(shape):
+def _nhwc(a):
     """cuDNN dims and strides of a C-contiguous NHWC (or OHWI) array."""
-    n, h, w, c = shape
+    n, h, w, c = a.shape
     return [n, c, h, w], [h * w * c, 1, w * c, c]
+
+
+def _matrix(a):
+    """cuDNN dims and strides of a 2-D array (M, K) as it lies in memory (a transposed
+    view too), as the one matrix of a batch."""
+    m, k = a.shape
+    s0, s1 = (s // a.itemsize for s in a.strides)
+    return [1, m, k], [m * k, s0, s1]
 
 
 def _data_type(dtype):
@@ -236,18 +249,21 @@ def _build(cudnn, kind, a, b, out, stride, pad):
     g = cudnn.pygraph(io_data_type=_data_type(a.dtype),
                       intermediate_data_type=cudnn.data_type.FLOAT,
                       compute_data_type=cudnn.data_type.FLOAT, handle=_handle)
-    dims, strides = _nhwc(a.shape)
+    layout = _matrix if kind == "matmul" else _nhwc
+    dims, strides = layout(a)
     ta = g.tensor(name="a", dim=dims, stride=strides, data_type=_data_type(a.dtype))
-    dims, strides = _nhwc(b.shape)
+    dims, strides = layout(b)
     tb = g.tensor(name="b", dim=dims, stride=strides, data_type=_data_type(b.dtype))
     conv = {"padding": [pad, pad], "stride": [stride, stride], "dilation": [1, 1]}
     if kind == "fprop":          # a = x, b = w
         tout = g.conv_fprop(image=ta, weight=tb, **conv)
     elif kind == "dgrad":        # a = dy, b = w
         tout = g.conv_dgrad(loss=ta, filter=tb, **conv)
-    else:                        # "wgrad": a = x, b = dy
+    elif kind == "wgrad":        # a = x, b = dy
         tout = g.conv_wgrad(image=ta, loss=tb, **conv)
-    dims, strides = _nhwc(out.shape)
+    else:                        # "matmul": a (M, K) @ b (K, N)
+        tout = g.matmul(A=ta, B=tb, compute_data_type=cudnn.data_type.FLOAT)
+    dims, strides = layout(out)
     tout.set_output(True).set_dim(dims).set_stride(strides).set_data_type(_data_type(out.dtype))
     g.validate()
     g.build_operation_graph()
@@ -415,6 +431,19 @@ def _run(kind, a, b, out, stride, pad):
     # plain device pointers: no DLPack export (and its stream hand-over) per tensor
     g.execute({ta: a.data.ptr, tb: b.data.ptr, tout: out.data.ptr}, workspace, handle=_handle)
     return out
+
+
+def matmul(a, b, out=None):
+    """out (M, N) = a (M, K) @ b (K, N), summed in fp32, in out's dtype (default: a's;
+    out C-contiguous); a and b may be transposed views. Raises Unsupported where cuDNN
+    cannot build this product."""
+    import cupy
+    if out is None:
+        out = cupy.empty((a.shape[0], b.shape[1]), a.dtype)
+    elif not out.flags.c_contiguous:
+        raise Unsupported(f"matmul into a {out.shape} array that is not C-contiguous")
+    layout = tuple(s // x.itemsize for x in (a, b) for s in x.strides)
+    return _run("matmul", a, b, out, layout, None)
 
 
 def conv_forward(x, w, stride, pad):

@@ -79,7 +79,7 @@ def _matmul(a, b, out, accumulate, fp16_product=False):
         compute, product = (np.float32 if dtype == np.float16 else dtype), gemm.matmul
     else:
         tensor_cores = fp16_product and a.dtype == b.dtype == np.float16
-        compute, product = (np.float16 if tensor_cores else dtype), xp.matmul
+        compute, product = (np.float16 if tensor_cores else dtype), _device_matmul
     a, b = cast.astype(a, compute), cast.astype(b, compute)
     if accumulate:
         if xp is np and out.dtype == compute:
@@ -91,6 +91,18 @@ def _matmul(a, b, out, accumulate, fp16_product=False):
         return product(a, b, out=out)
     out[...] = cast.astype(product(a, b), out.dtype)
     return out
+
+
+def _device_matmul(a, b, out=None):
+    """a @ b of two CuPy arrays of one dtype: cuDNN's product where it builds one (a CUDA
+    graph can capture it; CuPy refuses its own cuBLAS calls during a capture), else
+    CuPy's."""
+    if cudnn.available(a.dtype) and (out is None or out.dtype == a.dtype):
+        try:
+            return cudnn.matmul(a, b, out)
+        except cudnn.Unsupported:
+            pass
+    return array_module(a).matmul(a, b, out=out)
 
 
 # One scratch buffer per array module, shared by every convolution of the process: a

@@ -4,6 +4,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from mpitrain.kernels import cudnn
 
@@ -50,3 +51,31 @@ def test_chosen_plans_are_kept_in_one_file_replaced_whole(tmp_path):
     assert cudnn.load_plans(path) == {"c": "eng1"}
     cudnn.save_plan("d", "eng1", "")                               # "": memory only
     assert cudnn.load_plans("") == {}
+
+
+def test_a_matrix_is_described_as_it_lies_in_memory_transposed_views_too():
+    a = np.empty((3, 5), np.float16)
+    assert cudnn._matrix(a) == ([1, 3, 5], [15, 5, 1])
+    assert cudnn._matrix(a.T) == ([1, 5, 3], [15, 1, 5])       # the same memory, read down
+    assert cudnn._nhwc(np.empty((2, 4, 6, 3))) == ([2, 3, 4, 6], [72, 1, 18, 3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, False)])
+def test_cudnn_matmul_of_plain_and_transposed_operands_against_float64(dtype, ta, tb):
+    """The fully connected layer's three products: x W^T, dy W and dy^T x."""
+    import cupy
+    rng = np.random.default_rng(0)
+    M, K, N = 37, 70, 24
+    a = rng.standard_normal((K, M) if ta else (M, K)).astype(dtype)
+    b = rng.standard_normal((N, K) if tb else (K, N)).astype(dtype)
+    a_d, b_d = cupy.asarray(a), cupy.asarray(b)
+    a_d, b_d, a, b = (a_d.T if ta else a_d), (b_d.T if tb else b_d), (a.T if ta else a), \
+        (b.T if tb else b)
+    got = cupy.asnumpy(cudnn.matmul(a_d, b_d))
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    assert got.dtype == dtype and got.shape == (M, N)
+    # fp32 sums either way; fp16: the result rounded once
+    np.testing.assert_allclose(got, want, rtol=1e-5 if dtype == np.float32 else 1e-3,
+                               atol=1e-4 if dtype == np.float32 else 2e-2)
