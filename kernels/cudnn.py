@@ -12,10 +12,12 @@ describes every tensor by NCHW-ordered dims; strides say the memory is NHWC
     backward_data   dx = conv_dgrad(dy, w)          (the adjoint in x)
     backward_filter dw = conv_wgrad(x, dy)          (the adjoint in w)
 
-and matrix products, for the fully connected layers: `matmul(a, b)` = a @ b on 2-D
-arrays, transposed views included (a matrix is one of a batch of one: dims
+and fp16 matrix products, for the fully connected layers: `matmul(a, b)` = a @ b on
+2-D arrays, transposed views included (a matrix is one of a batch of one: dims
 [1, M, K], its strides as they are). CuPy refuses its own cuBLAS calls while a
 CUDA graph is being captured (mpitrain/graph.py); cuDNN's graphs have no such limit.
+cuDNN's fp32 products run on TF32 tensor cores whatever the plan's notes say, so
+fp32 products stay with cuBLAS.
 
 Each graph is built once per (operation, shapes, dtypes, stride, padding) and
 cached; the computation is fp32 whatever the io type (fp16 on tensor cores,
@@ -268,6 +270,7 @@ def _build(cudnn, kind, a, b, out, stride, pad):
     g.validate()
     g.build_operation_graph()
     g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC])   # same bits each run
     if not TF32 and a.dtype == np.float32:      # as torch.backends.cudnn.allow_tf32 = False
         g.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE,
                                   cudnn.numerical_note.DOWN_CONVERT_INPUTS])
@@ -435,9 +438,12 @@ def _run(kind, a, b, out, stride, pad):
 
 def matmul(a, b, out=None):
     """out (M, N) = a (M, K) @ b (K, N), summed in fp32, in out's dtype (default: a's;
-    out C-contiguous); a and b may be transposed views. Raises Unsupported where cuDNN
-    cannot build this product."""
+    out C-contiguous); a and b fp16, and may be transposed views. Raises Unsupported for
+    other dtypes and where cuDNN cannot build this product."""
     import cupy
+    if a.dtype != np.float16 or b.dtype != np.float16:
+        raise Unsupported(f"matmul of {a.dtype.name} x {b.dtype.name}: fp16 only (cuDNN's "
+                          f"fp32 products run on TF32 tensor cores)")
     if out is None:
         out = cupy.empty((a.shape[0], b.shape[1]), a.dtype)
     elif not out.flags.c_contiguous:

@@ -195,8 +195,8 @@ def build_parser():
                        default=D["cuda_graph"],
                        help="on a GPU with one rank: replay forward, loss and backward from "
                             "CUDA graphs captured after 2 eager steps (mpitrain/graph.py); the "
-                            "run says when a model cannot be captured (dropout) and runs it "
-                            "eagerly")
+                            "run says when a model cannot be captured (fp32, dropout) and "
+                            "runs it eagerly")
     # the run around the loop
     train.add_argument("--config", metavar="YAML",
                        help="a YAML file of train options (keys as the flags, dashes or "
@@ -385,8 +385,8 @@ def build_parser():
     step.add_argument("--cuda-graph", action="store_true",
                       help="one process on a GPU: replay forward and backward from CUDA "
                            "graphs captured after 2 eager steps (mpitrain/graph.py; the "
-                           "warm-up steps include the capture); a model with dropout runs "
-                           "eagerly, and the output says so")
+                           "warm-up steps include the capture); an fp32 model or one with "
+                           "dropout runs eagerly, and the output says so")
     step.add_argument("--rounds", type=positive_int, default=1, metavar="N",
                       help="one process: time mpitrain (and --reference) N times, taking turns "
                            "at going first, and report each round and the median ratio (a "

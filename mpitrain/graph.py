@@ -25,8 +25,14 @@ timed as in the eager step; the backward graph reads what the forward graph cach
 `refusal(model, ranks)` says why a step cannot be captured (None: it can): on the CPU
 there is nothing to capture; dropout draws its mask's key on the host each step; with
 more than one rank, backward's hooks start the all-reduce of each bucket as it lands,
-which a replay cannot do. The eager step serves all of these.
+which a replay cannot do; an fp32 model's fully connected layers multiply through
+cuBLAS, whose calls CuPy refuses to capture (fp16 products go through cuDNN,
+kernels/cudnn.py). The eager step serves all of these, and a capture that fails for
+another reason (a layer that copies from the host, say) leaves the step eager and says
+why.
 """
+import numpy as np
+
 from mpitrain import backend
 
 
@@ -34,6 +40,7 @@ def refusal(model, ranks=1, device=None):
     """Why `model`'s step on `ranks` ranks runs eagerly (None: it can be captured).
     device: where it runs (default: backend.device)."""
     from mpitrain.nets.activation import Dropout
+    from mpitrain.nets.linear import Linear
     if (device or backend.device) == "cpu":
         return "the step runs on the CPU (CUDA graphs are a GPU's)"
     if ranks > 1:
@@ -41,6 +48,9 @@ def refusal(model, ranks=1, device=None):
                 f"gradients land, which a replay cannot do")
     if any(isinstance(m, Dropout) and m.p > 0 for _, m in model.named_modules()):
         return "the model has dropout, whose mask's key is drawn on the host every step"
+    if model.dtype != np.float16 and any(isinstance(m, Linear) for _, m in model.named_modules()):
+        return (f"{model.dtype} fully connected layers multiply through cuBLAS, whose calls "
+                f"CuPy does not capture (fp16 models can be)")
     return None
 
 

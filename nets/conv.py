@@ -94,10 +94,10 @@ def _matmul(a, b, out, accumulate, fp16_product=False):
 
 
 def _device_matmul(a, b, out=None):
-    """a @ b of two CuPy arrays of one dtype: cuDNN's product where it builds one (a CUDA
-    graph can capture it; CuPy refuses its own cuBLAS calls during a capture), else
-    CuPy's."""
-    if cudnn.available(a.dtype) and (out is None or out.dtype == a.dtype):
+    """a @ b of two CuPy arrays of one dtype: fp16 through cuDNN's product where it builds
+    one (a CUDA graph can capture it; CuPy refuses its own cuBLAS calls during a capture),
+    else CuPy's (cuBLAS; cuDNN's fp32 products run on TF32 tensor cores)."""
+    if a.dtype == np.float16 and cudnn.available(a.dtype) and (out is None or out.dtype == a.dtype):
         try:
             return cudnn.matmul(a, b, out)
         except cudnn.Unsupported:

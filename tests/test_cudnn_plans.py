@@ -61,7 +61,15 @@ def test_a_matrix_is_described_as_it_lies_in_memory_transposed_views_too():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_cudnn_matmul_refuses_fp32_whose_products_would_run_in_tf32():
+    import cupy
+    a = cupy.ones((4, 4), cupy.float32)
+    with pytest.raises(cudnn.Unsupported, match="fp16 only"):
+        cudnn.matmul(a, a)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16])
 @pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, False)])
 def test_cudnn_matmul_of_plain_and_transposed_operands_against_float64(dtype, ta, tb):
     """The fully connected layer's three products: x W^T, dy W and dy^T x."""

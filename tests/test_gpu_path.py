@@ -304,7 +304,7 @@ def test_check_gpu_dry_run_goes_through_every_step_measurements_first(tmp_path):
     report = json.loads((out / "report.json").read_text())
     names = list(report["steps"])
     assert names == ["install", "build", "environment", "bench resnet50 fp16 graph",
-                     "bench resnet50 fp32 graph", "bench resnet50 fp16", "bench alexnet fp16",
+                     "bench resnet50 fp16", "bench resnet50 fp32", "bench alexnet fp16",
                      "profile resnet50", "profile alexnet", "tests", "compare fp32",
                      "compare fp16", "nccl"]
     bench = report["steps"]["bench alexnet fp16"]["command"]
@@ -314,7 +314,7 @@ def test_check_gpu_dry_run_goes_through_every_step_measurements_first(tmp_path):
     assert bench[bench.index("--steps") + 1] == "7" and bench[bench.index("--rounds") + 1] == "2"
     profile = report["steps"]["profile resnet50"]["command"]
     assert profile[profile.index("--profile") + 1] == "4"
-    assert "dry run: " in (out / "bench-resnet50-fp32-graph.log").read_text()
+    assert "dry run: " in (out / "bench-resnet50-fp32.log").read_text()
     assert "pytest" in (out / "tests.log").read_text()
     assert "gpu-check: all passed" in r.stdout
 

@@ -9,12 +9,16 @@ from mpitrain.graph import refusal
 from mpitrain.nets import build_model
 
 
+FP16 = {"working_dtype": np.float16}
+
+
 @pytest.mark.parametrize("name,kw,ranks,device,reason", [
-    ("resnet_small", {}, 1, "cpu", "runs on the CPU"),
-    ("resnet_small", {}, 1, "cuda:0", None),
-    ("resnet_small", {}, 4, "cuda:0", "4 ranks: each bucket's all-reduce starts from backward"),
-    ("alexnet", {}, 1, "cuda:0", "dropout, whose mask's key is drawn on the host"),
-    ("alexnet", {"dropout": 0.0}, 1, "cuda:0", None),
+    ("resnet_small", FP16, 1, "cpu", "runs on the CPU"),
+    ("resnet_small", FP16, 1, "cuda:0", None),
+    ("resnet_small", FP16, 4, "cuda:0", "4 ranks: each bucket's all-reduce starts from backward"),
+    ("resnet_small", {}, 1, "cuda:0", "float32 fully connected layers multiply through cuBLAS"),
+    ("alexnet", FP16, 1, "cuda:0", "dropout, whose mask's key is drawn on the host"),
+    ("alexnet", {"dropout": 0.0, **FP16}, 1, "cuda:0", None),
 ])
 def test_which_steps_are_captured_and_why_the_others_are_not(name, kw, ranks, device, reason):
     model = build_model(name, num_classes=10, seed=0, **kw)
@@ -38,20 +42,20 @@ def test_a_number_or_a_device_value_scales_the_loss_gradient_alike():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,kw,precision", [
-    ("resnet_small", {}, "fp32"), ("resnet_small", {}, "fp16"),
-    ("alexnet", {"dropout": 0.0}, "fp16"),
+    ("resnet_small", {}, "fp16"), ("alexnet", {"dropout": 0.0}, "fp16"),
 ])
 def test_a_captured_step_equals_the_eager_step_bit_for_bit(name, kw, precision):
     """Six steps of the same model from the same seed, eagerly and with graphs (steps 1-2
     eager, 3 captured and replayed, 4-6 replayed) on a new batch each step, the loss scale
     halved before step 5: every step's loss, gradient, weights and BatchNorm statistics
-    are the same bits."""
+    are the same bits. AlexNet at 224x224, where its adaptive pooling is the identity
+    (at other sizes it copies its bins from the host, and the step stays eager)."""
     import cupy
 
     from mpitrain.bench.step import OneStep, random_batch
     try:
         backend.use_device("gpu")
-        size = 64 if name == "alexnet" else 32
+        size = 224 if name == "alexnet" else 32
         working = np.float16 if precision == "fp16" else None
         steps = [OneStep(build_model(name, num_classes=10, seed=3, working_dtype=working, **kw),
                          precision, graph=graph) for graph in (False, True)]
@@ -98,7 +102,7 @@ def test_cuda_graph_asked_for_on_the_cpu_is_refused_by_name_and_the_run_trains(t
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("precision", ["fp16"])
 def test_training_with_cuda_graphs_logs_the_eager_runs_losses_and_accuracy(tmp_path, precision):
     """`train --cuda-graph` against `train` on the GPU: the same metrics.jsonl losses and
     top-1, bit for bit (timings aside)."""
