@@ -125,7 +125,28 @@ def resolve_data(cfg, comm):
                                   + (" or name it with --val-data" if what == "validation" else ""))
     if cfg["augment"] is not None:
         transform["augment"] = cfg["augment"]
-    return train_file, val_file, transform
+    return train_file, val_file, {**transform, **augment_options(cfg)}
+
+
+def augment_options(cfg):
+    """The loader's scale, ratio (training crops) and crop_fraction (validation) from
+    --crop-scale, --crop-ratio and --crop-fraction (None: the data's own), checked."""
+    from mpitrain.datasets.augment import RATIO, SCALE
+    scale, ratio = cfg.get("crop_scale") or SCALE, cfg.get("crop_ratio") or RATIO
+    fraction = cfg.get("crop_fraction")
+    if not (len(scale) == 2 and 0 < scale[0] <= scale[1] <= 1):
+        raise ConfigError(f"--crop-scale MIN MAX takes the crop's share of the image's area, "
+                          f"0 < MIN <= MAX <= 1 (for example 0.08 1), got {' '.join(map(str, scale))}")
+    if not (len(ratio) == 2 and 0 < ratio[0] <= ratio[1]):
+        raise ConfigError(f"--crop-ratio MIN MAX takes the crop's width / height, 0 < MIN <= MAX "
+                          f"(for example 0.75 1.333), got {' '.join(map(str, ratio))}")
+    options = dict(scale=tuple(scale), ratio=tuple(ratio))
+    if fraction is not None:
+        if not 0 < fraction <= 1:
+            raise ConfigError(f"--crop-fraction takes the centred square's share of the short "
+                              f"side, in (0, 1] (for example 0.875), got {fraction}")
+        options["crop_fraction"] = fraction
+    return options
 
 
 def describe_file(path):

@@ -137,9 +137,7 @@ def build_parser():
     train.add_argument("--data-dir", default=D["data_dir"],
                        help="where named data sets (digits, fashion-mnist) are converted to")
     train.add_argument("--image-size", type=positive_int, help=DATA_IMAGE_SIZE)
-    train.add_argument("--augment", action=argparse.BooleanOptionalAction,
-                       help="random-resized-crop and flip for training (default: on, off for "
-                            "digits and fashion-mnist)")
+    add_augment_options(train, D)
     train.add_argument("--workers", type=workers, default=D["workers"],
                        help="loader threads reading, decoding and augmenting ahead of the step "
                             "(at most the cores this process may run on)")
@@ -278,11 +276,18 @@ def build_parser():
     inspect = commands.add_parser(
         "inspect", help="table of layers: output shape, parameters, multiply-adds",
         description="Print every layer of a network with its output shape, parameters and "
-                    "forward multiply-adds, and the totals.",
+                    "forward multiply-adds, and the totals. The number of classes (and so "
+                    "of parameters) is the data's with --data, as train builds the model.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     inspect.add_argument("--model", choices=models, default="resnet50")
-    inspect.add_argument("--image-size", type=positive_int, default=224)
-    inspect.add_argument("--num-classes", type=positive_int, default=1000)
+    inspect.add_argument("--data", help="take the classes and the image size from this "
+                                        "training file, or 'digits' or 'fashion-mnist'")
+    inspect.add_argument("--data-dir", default=D["data_dir"],
+                         help="where named data sets are converted to")
+    inspect.add_argument("--image-size", type=positive_int,
+                         help="default: the data's with --data, else 224")
+    inspect.add_argument("--num-classes", type=positive_int,
+                         help="default: the data's with --data, else 1000")
     inspect.set_defaults(command_parser=inspect)
 
     convert = commands.add_parser(
@@ -482,7 +487,8 @@ def build_parser():
     plot = commands.add_parser(
         "plot", help="PNG curves (loss, accuracy, learning rate, throughput) of a run",
         description="Draw RUN_DIR/metrics.jsonl as PNG files in RUN_DIR (or --out): "
-                    "loss.png, accuracy.png, lr.png, throughput.png. Needs matplotlib "
+                    "loss.png (training and validation), accuracy.png (training top-1, "
+                    "validation top-1 and top-5), lr.png, throughput.png. Needs matplotlib "
                     "(pip install 'mpitrain[plot]').")
     plot.add_argument("run_dir")
     plot.add_argument("--out", help="directory for the PNG files (default: RUN_DIR)")
@@ -512,9 +518,19 @@ def build_parser():
         description="Classify image files with a checkpoint's model, prepared as its run "
                     "prepared validation images (resize, centre crop at its image size and "
                     "crop fraction, the training file's mean/std). Prints the most probable "
-                    "classes with their names and probabilities. One process: no mpirun.",
+                    "classes with their names and probabilities. One process: no mpirun. "
+                    "With --onnx FILE: the exported ONNX file run by onnxruntime on the "
+                    "images prepared as its metadata says (the same code); with "
+                    "--checkpoint too, its probabilities compared with the checkpoint's "
+                    "(exit 1 above --tolerance).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    predict.add_argument("--checkpoint", required=True, help=CHECKPOINT)
+    predict.add_argument("--checkpoint", help=CHECKPOINT + " (required without --onnx)")
+    predict.add_argument("--onnx", metavar="FILE",
+                         help="a file of `export --format onnx`, run by onnxruntime "
+                              "(pip install onnxruntime)")
+    predict.add_argument("--tolerance", type=positive_float, metavar="P",
+                         help="with --onnx and --checkpoint: the largest difference of "
+                              "probabilities that agrees (default: 1e-3)")
     predict.add_argument("images", nargs="+", metavar="IMAGE",
                          help="image files (JPEG, PNG, anything Pillow reads; 16-bit "
                               "greyscale PNGs are taken in a 16-bit data file's units)")
@@ -525,9 +541,69 @@ def build_parser():
     predict.add_argument("--data", metavar="FILE", help=stand_in)
     predict.add_argument("--json", action="store_true", help="print one JSON object")
     predict.set_defaults(command_parser=predict)
+    add_preview(commands, D)
     add_study(commands, D)
     add_simulate(commands, models, D)
     return parser
+
+
+def add_augment_options(parser, D):
+    """What the loader does to an image (datasets/augment.py): train and preview alike."""
+    from mpitrain.datasets.augment import RATIO, SCALE
+    parser.add_argument("--augment", action=argparse.BooleanOptionalAction,
+                        help="random-resized-crop and flip for training (default: on, off for "
+                             "digits and fashion-mnist)")
+    parser.add_argument("--crop-scale", type=float, nargs=2, metavar=("MIN", "MAX"),
+                        default=D["crop_scale"],
+                        help=f"a training crop's share of the image's area, drawn uniformly "
+                             f"from [MIN, MAX] (default: {SCALE[0]:g} {SCALE[1]:g}); raise MIN "
+                             f"where small crops cut the object out of small images")
+    parser.add_argument("--crop-ratio", type=float, nargs=2, metavar=("MIN", "MAX"),
+                        default=D["crop_ratio"],
+                        help=f"a training crop's width / height, drawn log-uniformly from "
+                             f"[MIN, MAX] (default: {RATIO[0]:g} {RATIO[1]:.4g})")
+    parser.add_argument("--crop-fraction", type=float, default=D["crop_fraction"], metavar="F",
+                        help="validation: the centred square of F times the short side, "
+                             "resized to the image size (default: 0.875, 1 for digits and "
+                             "fashion-mnist)")
+
+
+def run_preview(args):
+    from mpitrain.checks import ConfigError
+    from mpitrain.datasets.h5format import FormatError
+    from mpitrain.preview import preview
+    from mpitrain.train import DEFAULTS
+    cfg = {**DEFAULTS, **{k: v for k, v in vars(args).items() if k in DEFAULTS}}
+    try:
+        preview(cfg, args.split, args.batch, args.out)
+    except (ConfigError, FormatError) as e:
+        args.command_parser.error(str(e))
+
+
+def add_preview(commands, D):
+    """`preview`: one batch as the loader gives it, as a PNG grid (mpitrain/preview.py)."""
+    preview = commands.add_parser(
+        "preview", help="write one batch as the loader gives it to the network, as a PNG grid",
+        description="Read one batch of --data as `train` would (the same image size, "
+                    "augmentation and crop options, the same seed), undo the normalisation "
+                    "and write the images in a grid with their labels, so that what the "
+                    "network sees can be looked at. One process.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    preview.add_argument("--data", default=D["data"],
+                         help="a training file made by `convert`, or 'digits' or "
+                              "'fashion-mnist'")
+    preview.add_argument("--val-data", help="validation file (default: DATA's FILE_val.h5)")
+    preview.add_argument("--data-dir", default=D["data_dir"],
+                         help="where named data sets are converted to")
+    preview.add_argument("--image-size", type=positive_int, help=DATA_IMAGE_SIZE)
+    add_augment_options(preview, D)
+    preview.add_argument("--split", choices=["train", "val"], default="train",
+                         help="the training batches (augmented) or the validation ones")
+    preview.add_argument("--batch", type=positive_int, default=16, help="images in the grid")
+    preview.add_argument("--seed", type=nonnegative_int, default=D["seed"],
+                         help="the run's seed (the shuffle and the crops follow it)")
+    preview.add_argument("--out", default="batch.png", help="the PNG file to write")
+    preview.set_defaults(command_parser=preview)
 
 
 def add_study(commands, D):
@@ -861,6 +937,28 @@ def run_eval(args):
         sys.exit(1)
 
 
+def run_predict(args):
+    """`predict` of a checkpoint (mpitrain/predict.py), or of an exported ONNX file,
+    compared with the checkpoint when both are given (mpitrain/onnx_predict.py)."""
+    if args.checkpoint is None and args.onnx is None:
+        args.command_parser.error("give --checkpoint (a checkpoint or run directory), "
+                                  "--onnx FILE (an exported model), or both")
+    if args.tolerance is not None and None in (args.onnx, args.checkpoint):
+        args.command_parser.error("--tolerance is for the comparison of --onnx FILE with "
+                                  "--checkpoint: give both, or drop it")
+    if args.data is not None and args.checkpoint is None:
+        args.command_parser.error("--data stands in for the checkpoint's training file, and "
+                                  "the ONNX file carries its own preprocessing: add "
+                                  "--checkpoint, or drop --data")
+    if args.checkpoint is not None:
+        args.checkpoint = checkpoint_in(args)
+    if args.onnx is not None:
+        from mpitrain.onnx_predict import run
+    else:
+        from mpitrain.predict import run
+    run(args)
+
+
 def data_image_size(args):
     """--image-size, else the size of args.data (checks.describe_file), said unless --json."""
     if args.image_size:
@@ -931,12 +1029,8 @@ def main(argv=None):
     elif args.command == "plot":
         run_plot(args)
     elif args.command == "inspect":
-        from mpitrain.checks import ConfigError
-        from mpitrain.inspect import report
-        try:
-            print(report(args.model, image_size=args.image_size, num_classes=args.num_classes))
-        except ConfigError as e:
-            args.command_parser.error(str(e))
+        from mpitrain.inspect import run
+        run(args)
     elif args.command == "convert":
         run_convert(args)
     elif args.command == "export":
@@ -944,9 +1038,9 @@ def main(argv=None):
         args.checkpoint = checkpoint_in(args)
         run(args)
     elif args.command == "predict":
-        from mpitrain.predict import run
-        args.checkpoint = checkpoint_in(args)
-        run(args)
+        run_predict(args)
+    elif args.command == "preview":
+        run_preview(args)
     elif args.command == "study":
         run_study(args, argv)
     elif args.command == "simulate":

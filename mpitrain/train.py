@@ -6,7 +6,8 @@ Every rank holds a full replica of the model. One step, `train_step`:
                ahead of the step by the loader's workers (mpitrain.datasets.loader)
     forward    model.forward(x, train=True)
     loss       softmax cross-entropy in fp32 (optional label smoothing), its gradient
-               multiplied by the loss scale
+               multiplied by the loss scale; the top-1 hits counted on the device
+               (the training accuracy of each progress line)
     backward   model.backward(dlogits) writes every gradient into arena.grad; each
                layer says when a gradient is final (param.grad_ready())
     all-reduce the Reducer sums the gradient arena over the ranks in fusion buckets,
@@ -56,7 +57,8 @@ from .shard import ShardedOptimizer, ShardedReducer
 
 # The default job: resnet_small on the digits with 2 ranks reaches >= 95% validation top-1.
 DEFAULTS = dict(model="resnet_small", data="digits", val_data=None, data_dir="data",
-                image_size=None, augment=None, workers=2, prefetch=2, skip_bad_records=False,
+                image_size=None, augment=None, crop_scale=None, crop_ratio=None,
+                crop_fraction=None, workers=2, prefetch=2, skip_bad_records=False,
                 epochs=8, batch_size=32, lr=0.1, momentum=0.9, nesterov=False,
                 weight_decay=5e-4, label_smoothing=0.0, warmup_epochs=1.0, seed=0,
                 device="auto", eval_every=1,
@@ -170,7 +172,7 @@ def average_buffers(model, comm):
 
 # ----- one step -----
 def train_step(model, optimizer, reducer, x, y, lr, label_smoothing=0.0, scaler=None,
-               timeline=NO_TIMELINE, graph=None):
+               timeline=NO_TIMELINE, graph=None, correct=None):
     """Forward, loss, backward, gradient sum, overflow check, update.
 
     x: this rank's images (n, H, W, 3) in the model's working dtype, y: its labels (n,),
@@ -184,8 +186,11 @@ def train_step(model, optimizer, reducer, x, y, lr, label_smoothing=0.0, scaler=
     timeline (mpitrain.metrics.Timeline) times each phase.
     graph: an mpitrain.graph.StepGraph of this model, which replays forward, loss and
     backward from CUDA graphs (with label_smoothing its own); None: they run eagerly.
+    correct: None, or an int64 array of one element on the model's device, to which the
+    step adds how many of its images have their label as the top logit (training top-1),
+    without reading it back; only eager steps count (a graph keeps its logits to itself).
     """
-    from mpitrain.nets.losses import softmax_cross_entropy
+    from mpitrain.nets.losses import accuracy_counts, softmax_cross_entropy
     scaler = scaler or LossScaler(1.0)
     # running statistics may move only on a step that is applied: keep them to put back
     saved_stats = model.buffer_arena.data.copy() if scaler.check else None
@@ -198,6 +203,8 @@ def train_step(model, optimizer, reducer, x, y, lr, label_smoothing=0.0, scaler=
                 logits = model.forward(x, train=True)
                 loss, dlogits = softmax_cross_entropy(logits, y, label_smoothing=label_smoothing,
                                                       scale=scaler.scale)
+                if correct is not None:
+                    correct += accuracy_counts(logits, y, topk=(1,))
             else:
                 loss = graph.forward(x, y, scaler.scale)
         with timeline.span("backward", "backward"):
@@ -225,26 +232,33 @@ def train_step(model, optimizer, reducer, x, y, lr, label_smoothing=0.0, scaler=
 
 
 def evaluate(model, comm, loader, topk=(1, 5)):
-    """Top-k accuracy of the whole validation set: each rank scores its shard of every
-    (padded) step and the counts are summed over the ranks. Returns {"top1": fraction,
-    ..., "nonfinite": images whose logits held an inf or a NaN (counted wrong),
-    "bad_records": records skipped by --skip-bad-records}."""
-    from mpitrain.nets.losses import accuracy_counts, nonfinite_rows
+    """Top-k accuracy and loss of the whole validation set: each rank scores its shard of
+    every (padded) step and the counts and loss sums are summed over the ranks. Returns
+    {"top1": fraction, ..., "loss": mean cross-entropy (without label smoothing; None
+    when some logits were not finite), "nonfinite": images whose logits held an inf or a
+    NaN (counted wrong), "bad_records": records skipped by --skip-bad-records}."""
+    from mpitrain.nets.losses import accuracy_counts, nonfinite_rows, softmax_cross_entropy
     xp = backend.xp
-    counts = xp.zeros(len(topk) + 1, np.int64)  # correct at each k, non-finite rows: on the
-    scored, skipped = 0, loader.skipped         # device until the end
+    counts = xp.zeros(len(topk) + 1, np.int64)  # correct at each k, non-finite rows, and the
+    loss_sum = xp.zeros((), np.float64)         # summed loss: on the device until the end
+    scored, skipped = 0, loader.skipped
     for x, y in loader:
         n = loader.last_valid                   # the rest of the batch pads the last step
         if n:
             logits = model.forward(xp.asarray(x[:n]), train=False)
-            counts[:-1] += accuracy_counts(logits, xp.asarray(y[:n]), topk=topk)
+            labels = xp.asarray(y[:n])
+            counts[:-1] += accuracy_counts(logits, labels, topk=topk)
             counts[-1] += nonfinite_rows(logits)
+            loss_sum += softmax_cross_entropy(logits, labels)[0] * n
             scored += n
-    counts = np.append(backend.to_numpy(counts), (loader.skipped - skipped, scored))
-    counts = counts.astype(np.float64)
+    counts = np.append(backend.to_numpy(counts).astype(np.float64),
+                       (float(loss_sum), loader.skipped - skipped, scored))
     comm.allreduce(counts, "flat")
     result = {f"top{k}": float(counts[i] / counts[-1]) for i, k in enumerate(topk)}
-    result.update(nonfinite=int(counts[-3]), bad_records=int(counts[-2]))
+    nonfinite = int(counts[-4])
+    loss = counts[-3] / counts[-1]
+    result.update(loss=float(loss) if not nonfinite and math.isfinite(loss) else None,
+                  nonfinite=nonfinite, bad_records=int(counts[-2]))
     return result
 
 
@@ -390,6 +404,10 @@ class Run:
                           "image_size": size_px, **normalise}
         self.loss_sum = np.zeros(2)             # the ranks' summed losses, and steps, since
         self.loss_watch = LossWatch()           # the last log line
+        # this rank's top-1 hits on the device and images counted since the last log line
+        # (None under CUDA graphs: a replayed step's logits stay inside the graph)
+        self.correct = backend.xp.zeros(1, np.int64) if self.graph is None else None
+        self.counted = 0
         self.saved_step = None                  # global step of the newest checkpoint written
         self.skipped = 0                        # bad training records skipped by all ranks
         self.skipped_logged = 0                 # of them, counted in earlier log lines
@@ -496,7 +514,8 @@ class Run:
             started = time.perf_counter()
             loss = train_step(self.model, self.optimizer, self.reducer, backend.xp.asarray(x),
                               backend.xp.asarray(y), lr, cfg["label_smoothing"], self.scaler,
-                              self.timeline, self.graph)
+                              self.timeline, self.graph, self.correct)
+            self.counted += len(y)
             global_step = epoch * steps + s + 1
             if self.tuner:
                 self.tune_fusion(time.perf_counter() - started, global_step)
@@ -548,9 +567,11 @@ class Run:
                                         **self.tuner.state_dict()))
 
     def log_step(self, epoch, s, lr, global_step):
-        """The mean loss over the ranks and the steps since the last log: the progress text
-        and a metrics.jsonl record."""
+        """The mean loss over the ranks and the steps since the last log, and the top-1
+        accuracy of the images they trained on (None under CUDA graphs): the progress text
+        and a metrics.jsonl record. Collective."""
         self.result["loss"] = loss = float(self.loss_sum[0] / self.loss_sum[1])
+        top1 = self.training_accuracy()
         now = time.perf_counter()
         images_per_s = self.loss_sum[1] / self.comm.size * self.batch / (now - self.last_log)
         steps = self.loss_sum[1] / self.comm.size
@@ -559,16 +580,29 @@ class Run:
         skipped = self.skipped - self.skipped_logged     # by every rank since the last log line
         self.skipped_logged = self.skipped
         self.line = (f"epoch {epoch + 1}/{self.epochs}  step {s + 1}/{self.steps}  loss {loss:.4f}"
-                     f"  lr {lr:.4f}  {images_per_s:,.0f} images/s  data wait {wait:.0%}"
+                     + (f"  top1 {top1:.1%}" if top1 is not None else "")
+                     + f"  lr {lr:.4f}  {images_per_s:,.0f} images/s  data wait {wait:.0%}"
                      + (f"  {skipped} bad record(s) skipped" if skipped else ""))
         if self.metrics:
             self.metrics.write(dict(kind="step", epoch=epoch + 1, step=s + 1,
-                                    global_step=global_step, loss=loss, lr=lr,
+                                    global_step=global_step, loss=loss, top1=top1, lr=lr,
                                     loss_scale=self.scaler.scale if self.scaler.check else None,
                                     images_per_s=images_per_s, skipped_records=skipped,
                                     time=phases))
         self.loss_sum[:] = 0
         self.last_log = now
+
+    def training_accuracy(self):
+        """Collective: the fraction of the images trained on since the last call, over
+        all ranks, whose label was the top logit (None under CUDA graphs, or when none
+        were counted); the counts start again from zero."""
+        if self.correct is None:
+            return None
+        tally = np.array([float(backend.to_numpy(self.correct)[0]), self.counted])
+        self.comm.allreduce(tally, "flat")
+        self.correct[...] = 0
+        self.counted = 0
+        return float(tally[0] / tally[1]) if tally[1] else None
 
     def end_of_epoch(self, epoch):
         """BatchNorm statistics averaged and the validation set scored (every --eval-every
@@ -579,6 +613,8 @@ class Run:
             with self.timeline.span("evaluate", "evaluate"):
                 accuracy = self.evaluate()
             self.beat(f"evaluation after epoch {epoch + 1}")
+            if accuracy["loss"] is not None:
+                line += f"  val loss {accuracy['loss']:.4f}"
             line += "".join(f"  val top{k} {accuracy[f'top{k}']:.2%}" for k in self.topk)
             if accuracy["nonfinite"]:
                 line += f"  {accuracy['nonfinite']} non-finite"
@@ -599,7 +635,9 @@ class Run:
     def evaluate(self):
         average_buffers(self.model, self.comm)
         accuracy = evaluate(self.model, self.comm, self.val_data, self.topk)
-        self.result.update(accuracy)
+        # result["loss"] stays the training loss
+        self.result.update({k: v for k, v in accuracy.items() if k != "loss"},
+                           val_loss=accuracy["loss"])
         return accuracy
 
     def save_checkpoint(self):
@@ -717,12 +755,13 @@ def train(comm=None, log=print, **options):
     """Train with `options` (keys of DEFAULTS) on `comm` (an mpi4py communicator,
     MPI.COMM_WORLD by default).
 
-    Returns a dict with the final validation accuracy ("top1", "top5"), the mean
-    training loss since the last progress line ("loss"), the number of steps and the
-    seconds taken, the run directory, the last checkpoint, the number of bad records
-    skipped by all ranks, the validation images whose logits were not finite in the last
-    evaluation ("nonfinite", counted wrong; the command fails when there are any), and
-    the stop signal's name ("stopped") when a signal ended the run early.
+    Returns a dict with the final validation accuracy ("top1", "top5") and loss
+    ("val_loss"), the mean training loss since the last progress line ("loss"), the
+    number of steps and the seconds taken, the run directory, the last checkpoint, the
+    number of bad records skipped by all ranks, the validation images whose logits were
+    not finite in the last evaluation ("nonfinite", counted wrong; the command fails
+    when there are any), and the stop signal's name ("stopped") when a signal ended the
+    run early.
     """
     from mpi4py import MPI
     cfg = {**DEFAULTS, **options}

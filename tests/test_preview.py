@@ -1,0 +1,108 @@
+"""Augmentation's options (--crop-scale, --crop-ratio, --crop-fraction) and `preview`, which
+writes one batch as the loader gives it: its tiles are the loader's own pixels, the
+options reach the loader, bad values are refused with nothing written, and `train`
+takes the same options."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from launcher import environment
+from mpitrain.datasets.convert import convert_synthetic
+from mpitrain.datasets.loader import Loader
+from mpitrain.preview import LABEL_HEIGHT, MIN_TILE
+
+
+def mpitrain(*args, cwd=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "mpitrain", *args], capture_output=True,
+                          text=True, timeout=timeout, env=environment(1), cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def square(tmp_path_factory):
+    """12 square 48x48 JPEGs of 3 classes."""
+    path = tmp_path_factory.mktemp("square") / "sq.h5"
+    convert_synthetic(str(path), 12, (48, 48), classes=3)
+    return path
+
+
+def tiles(png, n, size):
+    """The n tiles (size x size, enlarged to MIN_TILE) of a preview grid, as uint8 arrays."""
+    zoom = max(1, -(-MIN_TILE // size))
+    t = size * zoom
+    sheet = np.asarray(Image.open(png).convert("RGB"))
+    cols = min(n, 8)
+    out = []
+    for i in range(n):
+        left, top = (i % cols) * (t + 2) + 1, (i // cols) * (t + LABEL_HEIGHT + 2) + 1
+        out.append(sheet[top:top + t:zoom, left:left + t:zoom])
+    return out
+
+
+def test_the_preview_shows_the_loaders_first_batch_pixel_for_pixel(square, tmp_path):
+    out = tmp_path / "b.png"
+    r = mpitrain("preview", "--data", str(square), "--image-size", "32", "--batch", "5",
+                 "--crop-scale", "0.3", "0.6", "--seed", "4", "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "5 train images" in r.stdout and "crops of 0.3-0.6 of the area" in r.stdout
+    with Loader(str(square), 5, train=True, image_size=32, workers=0, seed=4,
+                scale=(0.3, 0.6)) as loader:
+        x, _ = next(iter(loader))
+        want = np.round(np.clip((x * loader.std + loader.mean) / 255, 0, 1) * 255)
+    for got, expect in zip(tiles(out, 5, 32), want):
+        np.testing.assert_array_equal(got, expect.astype(np.uint8))
+
+
+def test_a_whole_square_crop_is_the_validation_image_or_its_mirror(square, tmp_path):
+    """--crop-scale 1 1 --crop-ratio 1 1 of a square image keeps all of it: each training
+    tile is the validation tile at --crop-fraction 1, or that flipped."""
+    common = ("--data", str(square), "--val-data", str(square), "--image-size", "24",
+              "--batch", "12")
+    train, val = tmp_path / "t.png", tmp_path / "v.png"
+    r = mpitrain("preview", *common, "--crop-scale", "1", "1", "--crop-ratio", "1", "1",
+                 "--out", str(train))
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = mpitrain("preview", *common, "--split", "val", "--crop-fraction", "1", "--out", str(val))
+    assert r.returncode == 0, r.stdout + r.stderr
+    # the training batch is shuffled: match each tile to one of the validation tiles
+    val_tiles = [v.astype(int) for v in tiles(val, 12, 24)]
+    flips = 0
+    for t in tiles(train, 12, 24):
+        t = t.astype(int)
+        same = min(np.abs(t - v).max() for v in val_tiles)
+        mirror = min(np.abs(t[:, ::-1] - v).max() for v in val_tiles)
+        # training decodes with libjpeg-turbo's fast IDCT: a few grey levels off
+        assert min(same, mirror) <= 4, (same, mirror)
+        flips += mirror < same
+    assert 0 < flips < 12
+
+
+@pytest.mark.parametrize("option,values,message", [
+    ("--crop-scale", ("0.5", "2"), "0 < MIN <= MAX <= 1"),
+    ("--crop-scale", ("0.6", "0.3"), "0 < MIN <= MAX <= 1"),
+    ("--crop-ratio", ("0", "1"), "0 < MIN <= MAX"),
+    ("--crop-fraction", ("1.5",), "in (0, 1]"),
+])
+def test_bad_crop_options_are_refused_by_name_with_nothing_written(square, tmp_path, option,
+                                                                   values, message):
+    out = tmp_path / "b.png"
+    r = mpitrain("preview", "--data", str(square), option, *values, "--out", str(out))
+    assert r.returncode == 2 and message in r.stderr and option in r.stderr, r.stderr
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_train_takes_the_crop_options_and_records_them(square, tmp_path):
+    run_dir = tmp_path / "run"
+    r = mpitrain("train", "--data", str(square), "--val-data", str(square), "--batch-size", "4",
+                 "--epochs", "1", "--crop-scale", "0.5", "1", "--crop-fraction", "0.9",
+                 "--run-dir", str(run_dir))
+    assert r.returncode == 0, r.stdout + r.stderr
+    cfg = json.loads((run_dir / "config.json").read_text())
+    assert cfg["crop_scale"] == [0.5, 1.0] and cfg["crop_fraction"] == 0.9
+    assert cfg["crop_ratio"] is None                    # the loader's own, 3/4 to 4/3
+    r = mpitrain("train", "--data", str(square), "--val-data", str(square), "--crop-ratio",
+                 "2", "1", "--run-dir", str(tmp_path / "bad"))
+    assert r.returncode == 2 and "--crop-ratio MIN MAX" in r.stderr, r.stderr
