@@ -23,6 +23,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["mpitrain", "mpitrain.*"]) + list(mapped),
     package_dir=mapped,
+    package_data={"mpitrain.kernels": ["gpu.cu"]},     # the CUDA C++ that kernels/gpu.py compiles
     ext_modules=cythonize(extensions, language_level=3,
                           compiler_directives={"boundscheck": False, "wraparound": False}),
     install_requires=["numpy>=1.26", "numba>=0.60", "h5py>=3.8", "pillow>=10", "simplejpeg>=1.7",
@@ -34,9 +35,10 @@ setup(
         # serves both. "gpu" is kept as another name for gpu-cu12.
         **dict.fromkeys(("gpu-cu12", "gpu"), [
             "cupy-cuda12x[ctk]>=14", "numba-cuda[cu12]>=0.30", "nvidia-nccl-cu12",
-            "nvidia-cudnn-cu12", "nvidia-cudnn-frontend"]),
+            "nvidia-cudnn-cu12", "nvidia-cudnn-frontend", "nvidia-nvimgcodec-cu12[nvjpeg]"]),
         "gpu-cu13": ["cupy-cuda13x[ctk]>=14", "numba-cuda[cu13]>=0.30", "nvidia-nccl-cu13",
-                     "nvidia-cudnn-cu13", "nvidia-cudnn-frontend"],
+                     "nvidia-cudnn-cu13", "nvidia-cudnn-frontend",
+                     "nvidia-nvimgcodec-cu13[nvjpeg]"],
         "test": ["pytest>=7", "matplotlib",
                  "safetensors>=0.4", "onnx>=1.14", "onnxruntime>=1.16"],   # export's tests
         "plot": ["matplotlib"],

@@ -125,14 +125,19 @@ class Augment:
             return random_resized_crop_box(width, height, rng, self.scale, self.ratio)
         return center_crop_box(width, height, self.crop_fraction)
 
+    def draw(self, width, height, rng):
+        """(flip, (x0, y0, w, h)) of a width x height image: the random draws from rng,
+        in their order (batch_augment.py draws the same)."""
+        flip = self.train and self.flip and rng.random() < 0.5
+        return flip, self.box(width, height, rng)
+
     def __call__(self, record, out, rng=None):
         """record: uint8 bytes of a JPEG/PNG (1-D array or bytes) or an (H, W, 3)
         pixel array of any integer dtype; out: (size, size, 3) float view to fill.
         rng: a NumPy Generator (training only)."""
-        flip = self.train and self.flip and rng.random() < 0.5
         encoded = not (isinstance(record, np.ndarray) and record.ndim == 3)
         width, height = image_size(record, self.turbo) if encoded else record.shape[1::-1]
-        x0, y0, w, h = self.box(width, height, rng)
+        flip, (x0, y0, w, h) = self.draw(width, height, rng)
         pixels = record
         if encoded:
             reduce = draft_factor(w, h, self.size)

@@ -23,6 +23,14 @@ in the consumer: the pipeline never hangs on a bad record.
 Augmentation is drawn from a generator seeded by (seed, epoch, index), so the
 data of a step does not depend on the number of workers or on timing, and a
 resumed run sees the same images as an uninterrupted one.
+
+Decoding on the GPU (decode="gpu"). The ring's batches are device arrays; a worker
+reads its chunk's records on the host, then decodes them together with nvImageCodec
+and crops, resizes and normalises them in one kernel (batch_augment.py), all on a
+CUDA stream of its own, and records an event. The consumer's stream waits for the
+events of a batch before the step reads it, and a worker waits, on its stream, for
+the event the consumer recorded when it handed the slot back, so a slot is not
+overwritten while a step still reads it. The host never waits for the device.
 """
 import threading
 import time
@@ -30,6 +38,7 @@ import time
 import numpy as np
 
 from .augment import RATIO, SCALE, Augment
+from .batch_augment import BatchAugment
 from .h5format import Reader
 
 
@@ -117,13 +126,16 @@ class Loader:
     total time the consumer has waited for data (with workers=0: spent loading
     it), `last_wait` that of the last batch. Call `close()` (or use `with`) to
     stop the workers. `pinned=True` allocates the ring in page-locked host memory (CuPy), so
-    the trainer can copy it to the GPU asynchronously.
+    the trainer can copy it to the GPU asynchronously. decode="gpu": the ring is on the
+    current GPU and the workers decode there (see the module docstring); a record that
+    fails to decode then always raises.
     """
 
     def __init__(self, path, global_batch, rank=0, size=1, train=True, image_size=224,
                  workers=2, prefetch=2, dtype=np.float32, seed=0, skip_bad_records=False,
                  num_classes=None, augment=None, shuffle=None, drop_last=None,
-                 scale=SCALE, ratio=RATIO, crop_fraction=0.875, flip=True, pinned=False):
+                 scale=SCALE, ratio=RATIO, crop_fraction=0.875, flip=True, pinned=False,
+                 decode="cpu"):
         with Reader(path, num_classes) as reader:
             self.labels = reader.labels
             self.class_names = reader.class_names
@@ -141,7 +153,16 @@ class Loader:
         self.seed, self.workers, self.skip_bad_records = seed, workers, skip_bad_records
         self.ring = prefetch + 1
         shape = (self.ring, self.local_batch, image_size, image_size, 3)
-        self.x = _empty(shape, dtype, pinned)
+        self.device = None
+        if decode == "gpu":
+            import cupy
+            self.device = cupy.cuda.Device()
+            self.x = cupy.empty(shape, dtype)
+            self._freed = [None] * self.ring      # the event of each slot's hand-back
+            self._filled = [[] for _ in range(self.ring)]   # each chunk's event
+            self._local = threading.local()      # each worker's stream and batch decoder
+        else:
+            self.x = _empty(shape, dtype, pinned)
         self.y = np.zeros((self.ring, self.local_batch), np.int64)
         self.chunk = -(-self.local_batch // max(workers, 1))
         self.chunks = -(-self.local_batch // self.chunk)
@@ -182,6 +203,7 @@ class Loader:
             with Reader(self.path, check=False) as reader:
                 while self._next < end:
                     a = self._next
+                    self._release_device(a)
                     start = time.perf_counter()
                     self._slot_bad[a % self.ring] = 0
                     self._fill(reader, a, 0, self.local_batch)
@@ -190,6 +212,7 @@ class Loader:
                     self._next = a + 1
                     self.last_valid = self._valid(a)
                     self.skipped += self._slot_bad[a % self.ring]
+                    self._hand_over_device(a % self.ring)
                     yield self.x[a % self.ring], self.y[a % self.ring]
             return
         while self._next < end:
@@ -197,6 +220,7 @@ class Loader:
             a = self._next
             k = a % self.ring
             start = time.perf_counter()
+            self._release_device(a)
             with self._cond:
                 self._held = a                  # hands the previous batch's slot back
                 self._cond.notify_all()
@@ -211,7 +235,26 @@ class Loader:
             self._next = a + 1
             self.last_valid = self._valid(a)
             self.skipped += self._slot_bad[k]
+            self._hand_over_device(k)
             yield self.x[k], self.y[k]
+
+    def _release_device(self, a):
+        """Before batch a is asked for: the slot of batch a - 1 is free once the work the
+        consumer has queued so far (the step that read it) is done."""
+        if self.device is not None:
+            import cupy
+            with self._lock:
+                self._freed[(a - 1) % self.ring] = cupy.cuda.get_current_stream().record()
+
+    def _hand_over_device(self, k):
+        """The consumer's stream waits for the chunks of slot k."""
+        if self.device is not None:
+            import cupy
+            with self._lock:
+                events, self._filled[k] = self._filled[k], []
+            stream = cupy.cuda.get_current_stream()
+            for event in events:
+                stream.wait_event(event)
 
     def _valid(self, a):
         """How many leading entries of batch a are real samples, not padding."""
@@ -308,9 +351,41 @@ class Loader:
         epoch, step = divmod(a, self.steps_per_epoch)
         k = a % self.ring
         indices = self._indices(epoch)[step]
+        if self.device is not None:
+            self._fill_device(reader, epoch, indices[lo:hi], k, lo, hi)
+            return
         for j in range(lo, hi):
             i = int(indices[j])
             self.y[k, j] = self._load(reader, i, epoch, self.x[k, j], k)
+
+    def _fill_device(self, reader, epoch, indices, k, lo, hi):
+        """The records of `indices` decoded and augmented together on this worker's
+        stream into rows lo..hi-1 of slot k, after the slot's previous batch was read."""
+        import cupy
+        local = self._local
+        if not hasattr(local, "stream"):
+            self.device.use()                   # CuPy's current device is per thread
+            local.stream = cupy.cuda.Stream(non_blocking=True)
+            local.batch = BatchAugment(self.augment)
+        records, rngs = [], []
+        for i in indices:
+            r = int(i)
+            records.append(reader.record(r))
+            rngs.append(np.random.default_rng([self.seed, epoch, r]))
+            self.y[k, lo + len(records) - 1] = self.labels[r]
+        with self._lock:
+            freed = self._freed[k]
+        with local.stream:
+            if freed is not None:
+                local.stream.wait_event(freed)
+            try:
+                local.batch(records, rngs, self.x[k, lo:hi])
+            except Exception as e:
+                raise DataError(f"{self.path}: records {[int(i) for i in indices]} cannot be "
+                                f"decoded on the GPU ({type(e).__name__}: {e})") from e
+            event = local.stream.record()
+        with self._lock:
+            self._filled[k].append(event)
 
     def _load(self, reader, i, epoch, out, slot):
         """Decode and augment record i into out (in ring slot `slot`); returns its label."""

@@ -20,7 +20,8 @@ File layout (no pickle anywhere; format_version 1):
     attributes of /:   format_version, epoch, step (the loader position of the next batch),
                        global_step, world_size, config (JSON), scaler (JSON), rng (JSON:
                        a list per rank of the bit-generator states of Dropout layers),
-                       progress (JSON: the loss summed since the last log line),
+                       progress (JSON: the loss, and the training top-1 hits and
+                       images, summed since the last log line),
                        complete = True (written last)
 
 Writing: a temporary file `.NAME.tmp` in the same directory is written, flushed

@@ -128,6 +128,34 @@ def resolve_data(cfg, comm):
     return train_file, val_file, {**transform, **augment_options(cfg)}
 
 
+def check_decode(cfg, device):
+    """cfg's --decode ("cpu" or "gpu"), refused where it cannot work on `device`."""
+    if cfg["decode"] == "cpu":
+        return "cpu"
+    if device == "cpu":
+        raise ConfigError("--decode gpu decodes on the GPU, and this run is on the CPU: add "
+                          "--device gpu, or drop --decode gpu")
+    if cfg["skip_bad_records"]:
+        raise ConfigError("--decode gpu decodes a batch's records together and cannot skip "
+                          "one: drop --skip-bad-records, or decode on the CPU")
+    try:
+        from nvidia import nvimgcodec  # noqa: F401
+    except ImportError:
+        raise ConfigError("--decode gpu needs nvImageCodec: pip install "
+                          "'nvidia-nvimgcodec-cu13[nvjpeg]' (or -cu12), or the gpu-cu13 "
+                          "extra") from None
+    return "gpu"
+
+
+def crop_fraction(cfg):
+    """The validation crop of the checkpoint's run, as its loader took it
+    (checks.resolve_data): its --crop-fraction, else its data preset's, else the default."""
+    if cfg.get("crop_fraction") is not None:
+        return cfg["crop_fraction"]
+    preset = PRESETS.get(cfg.get("data"))
+    return (preset["transform"] if preset else TRANSFORM)["crop_fraction"]
+
+
 def augment_options(cfg):
     """The loader's scale, ratio (training crops) and crop_fraction (validation) from
     --crop-scale, --crop-ratio and --crop-fraction (None: the data's own), checked."""

@@ -106,6 +106,9 @@ fusion_threshold.__name__ = "bytes"
 # the checkpoint of eval, predict and export
 CHECKPOINT = "a checkpoint-*.h5 file, or a run directory (its newest complete checkpoint)"
 
+# predict --tolerance: mpitrain.onnx_predict.TOLERANCE, which is not imported (NumPy would be)
+ONNX_TOLERANCE = 1e-3
+
 # --image-size of the commands that read a data file
 DATA_IMAGE_SIZE = ("square side of the images the network takes (default: the data's, the "
                    "short side of its median image as `convert` recorded it, at most 224; "
@@ -129,15 +132,12 @@ def build_parser():
                     "are summed with one all-reduce per step. Run under mpirun -np N or srun.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     train.add_argument("--model", choices=models, default=D["model"])
-    train.add_argument("--data", default=D["data"],
-                       help="a training file made by `convert`, or 'digits': scikit-learn's "
-                            "bundled handwritten digits at 32x32, or 'fashion-mnist' (28x28), "
-                            "converted into --data-dir on first use")
-    train.add_argument("--val-data", help="validation file (default: DATA's FILE_val.h5)")
-    train.add_argument("--data-dir", default=D["data_dir"],
-                       help="where named data sets (digits, fashion-mnist) are converted to")
-    train.add_argument("--image-size", type=positive_int, help=DATA_IMAGE_SIZE)
+    add_data_options(train, D)
     add_augment_options(train, D)
+    train.add_argument("--decode", choices=["cpu", "gpu"], default=D["decode"],
+                       help="where JPEGs are decoded and augmented: by the --workers threads "
+                            "on the host, or on the GPU (nvImageCodec, then one kernel per "
+                            "chunk of a batch, on the workers' own CUDA streams)")
     train.add_argument("--workers", type=workers, default=D["workers"],
                        help="loader threads reading, decoding and augmenting ahead of the step "
                             "(at most the cores this process may run on)")
@@ -529,8 +529,9 @@ def build_parser():
                          help="a file of `export --format onnx`, run by onnxruntime "
                               "(pip install onnxruntime)")
     predict.add_argument("--tolerance", type=positive_float, metavar="P",
+                         default=ONNX_TOLERANCE,
                          help="with --onnx and --checkpoint: the largest difference of "
-                              "probabilities that agrees (default: 1e-3)")
+                              "probabilities that agrees")
     predict.add_argument("images", nargs="+", metavar="IMAGE",
                          help="image files (JPEG, PNG, anything Pillow reads; 16-bit "
                               "greyscale PNGs are taken in a 16-bit data file's units)")
@@ -545,6 +546,18 @@ def build_parser():
     add_study(commands, D)
     add_simulate(commands, models, D)
     return parser
+
+
+def add_data_options(parser, D):
+    """The data a run reads: train, preview and study alike."""
+    parser.add_argument("--data", default=D["data"],
+                        help="a training file made by `convert` (with its FILE_val.h5), or "
+                             "'digits': scikit-learn's bundled handwritten digits at 32x32, or "
+                             "'fashion-mnist' (28x28), converted into --data-dir on first use")
+    parser.add_argument("--val-data", help="validation file (default: DATA's FILE_val.h5)")
+    parser.add_argument("--data-dir", default=D["data_dir"],
+                        help="where named data sets (digits, fashion-mnist) are converted to")
+    parser.add_argument("--image-size", type=positive_int, help=DATA_IMAGE_SIZE)
 
 
 def add_augment_options(parser, D):
@@ -589,13 +602,7 @@ def add_preview(commands, D):
                     "and write the images in a grid with their labels, so that what the "
                     "network sees can be looked at. One process.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    preview.add_argument("--data", default=D["data"],
-                         help="a training file made by `convert`, or 'digits' or "
-                              "'fashion-mnist'")
-    preview.add_argument("--val-data", help="validation file (default: DATA's FILE_val.h5)")
-    preview.add_argument("--data-dir", default=D["data_dir"],
-                         help="where named data sets are converted to")
-    preview.add_argument("--image-size", type=positive_int, help=DATA_IMAGE_SIZE)
+    add_data_options(preview, D)
     add_augment_options(preview, D)
     preview.add_argument("--split", choices=["train", "val"], default="train",
                          help="the training batches (augmented) or the validation ones")
@@ -621,20 +628,13 @@ def add_study(commands, D):
                     "--ranks / --ranks-per-run run at once. Writes results.md, results.csv, "
                     "accuracy.png and commands.sh (every run's command) into --out, once "
                     "every run is done. Needs matplotlib. With --data fashion-mnist: "
-                    "batches 128, 1024 and 4096 (7.6%% of its 54,000 training images), "
+                    "batches 128, 1024 and 4096 (7.6% of its 54,000 training images), "
                     "Nesterov momentum, Neumann and NLCG too, each recipe's peak learning "
                     "rate chosen by a sweep of 0.5, 1 and 2 times its rule at every batch "
                     "(sweep.csv), then 3 seeds at the best of the smallest and largest "
                     "batch, 3 epochs.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    large.add_argument("--data", default=D["data"],
-                       help="a training file made by `convert` (with its FILE_val.h5), or "
-                            "'digits' or 'fashion-mnist' (converted into --data-dir on first "
-                            "use)")
-    large.add_argument("--val-data", help="validation file (default: DATA's FILE_val.h5)")
-    large.add_argument("--data-dir", default=D["data_dir"],
-                       help="where named data sets (digits, fashion-mnist) are converted to")
-    large.add_argument("--image-size", type=positive_int, help=DATA_IMAGE_SIZE)
+    add_data_options(large, D)
     large.add_argument("--augment", action=argparse.BooleanOptionalAction,
                        help="random-resized-crop and flip (default: the data's own: off for "
                             "digits, on for a file)")
@@ -943,7 +943,8 @@ def run_predict(args):
     if args.checkpoint is None and args.onnx is None:
         args.command_parser.error("give --checkpoint (a checkpoint or run directory), "
                                   "--onnx FILE (an exported model), or both")
-    if args.tolerance is not None and None in (args.onnx, args.checkpoint):
+    # a tolerance set, where nothing is compared (the default's value is taken as unset)
+    if args.tolerance != ONNX_TOLERANCE and None in (args.onnx, args.checkpoint):
         args.command_parser.error("--tolerance is for the comparison of --onnx FILE with "
                                   "--checkpoint: give both, or drop it")
     if args.data is not None and args.checkpoint is None:

@@ -17,8 +17,9 @@ class EvalError(ValueError):
 
 def evaluate_checkpoint(path, data, batch_size=None, workers=2, device="auto", comm=None,
                         image_size=None):
-    """{"top1", "top5" (5 classes or more), "images", "image_size"} of checkpoint `path` on
-    file `data`, at `image_size` (None: the checkpoint's)."""
+    """{"top1", "top5" (5 classes or more), "loss" (mean cross-entropy), "images",
+    "image_size", ...} of checkpoint `path` on file `data`, at `image_size` (None: the
+    checkpoint's); mpitrain.train.evaluate says the rest."""
     from mpi4py import MPI
     from mpitrain.comm import Communicator
     comm = Communicator(comm or MPI.COMM_WORLD)
@@ -33,7 +34,7 @@ def _evaluate(comm, path, data, batch_size, workers, device, image_size):
     from mpitrain.nets import build_model
 
     from . import checkpoint
-    from .checks import PRESETS, TRANSFORM, ConfigError, check_batch, describe_file
+    from .checks import ConfigError, check_batch, crop_fraction, describe_file
     from .train import average_buffers, evaluate
     info = None
     if comm.rank == 0:
@@ -73,8 +74,7 @@ def _evaluate(comm, path, data, batch_size, workers, device, image_size):
     except checkpoint.CheckpointError as e:
         raise EvalError(str(e)) from None
     average_buffers(model, comm)
-    preset = PRESETS.get(cfg.get("data"))
-    crop = (preset["transform"] if preset else TRANSFORM)["crop_fraction"]
+    crop = crop_fraction(cfg)
     size_px = image_size or cfg.get("image_size") or stored_size
     with Loader(data, batch, rank=comm.rank, size=comm.size, train=False, image_size=size_px,
                 workers=workers, dtype=np.float32, num_classes=classes, crop_fraction=crop,

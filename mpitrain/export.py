@@ -4,7 +4,9 @@ Both files hold the eval-mode network of the checkpoint (fp32 master weights,
 BatchNorm running statistics averaged over the ranks that wrote it; see
 mpitrain.predict.load_model) in torchvision's layout, and the run's preprocessing
 (image size, crop fraction, mean and std, class names: mpitrain.predict.Preprocessing)
-as metadata. Neither needs torch.
+as metadata. Neither needs torch. Images are prepared for either file exactly as
+`predict` prepares them by Preprocessing.from_metadata(the file's metadata).inputs(paths,
+"NCHW"); `predict --onnx FILE --checkpoint CHECKPOINT` checks an ONNX file so.
 
 safetensors (package `safetensors`)
     torchvision's state_dict: its names (mpitrain's parameter names already are) and
@@ -221,7 +223,8 @@ def onnx_model(model, image_size, metadata, batches_tracked=0):
             [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", shape[0]])]),
         opset_imports=[helper.make_opsetid("", OPSET)], producer_name="mpitrain",
         doc_string="mpitrain network in eval mode; input: images, NCHW float32, "
-                   "preprocessed as the metadata says")
+                   "prepared as the metadata says: mpitrain.predict.Preprocessing."
+                   "from_metadata(metadata).inputs(paths, 'NCHW')")
     proto.graph.initializer.extend(graph.initializers)   # once: make_model copies its graph
     proto.ir_version = IR_VERSION
     helper.set_model_props(proto, metadata)
@@ -305,5 +308,5 @@ def run(args):
     except ExportError as e:
         args.command_parser.error(str(e))
     size, classes = result["metadata"]["image_size"], result["metadata"]["num_classes"]
-    print(f"{result['out']}: {result['model']} ({result['parameters']:,} parameters, "
-          f"{classes} classes, input {size}x{size}) as {args.format}")
+    print(f"{result['out']}: {result['model']}, {result['parameters']:,} parameters "
+          f"({classes} classes), input {size}x{size}, as {args.format}")

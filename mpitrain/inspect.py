@@ -4,10 +4,25 @@ One forward pass of a zero batch of one image in eval mode, with each leaf
 layer's `forward` wrapped on the instance, records every leaf's input and
 output shape; each leaf then reports its parameters and forward multiply-adds
 (`Module.macs`). The wrapping lives only here and only on the inspected model.
+
+A model's size depends on its number of classes (the last layer's outputs):
+`describe_parameters` says both, and every command that prints a parameter count
+(train, inspect, export, simulate, bench update) prints it that way. With --data,
+inspect takes the classes (and the image size) from the data as train does.
 """
+import os
+
 import numpy as np
 
 from mpitrain.nets import build_model
+
+DEFAULT_CLASSES = 1000      # inspect without --data or --num-classes: ImageNet's
+
+
+def describe_parameters(model):
+    """'N parameters (K classes)': the model's trainable parameters (BatchNorm's running
+    statistics and the arena's padding are not parameters) and its number of classes."""
+    return f"{model.num_params():,} parameters ({model.num_classes} classes)"
 
 
 def layer_table(model_name, image_size=224, num_classes=1000):
@@ -37,8 +52,9 @@ def _record_forward(module, name, rows):
     module.forward = recording_forward
 
 
-def report(model_name, image_size=224, num_classes=1000):
-    """The table as text, with totals: parameters and multiply-adds of one image's forward pass."""
+def report(model_name, image_size=224, num_classes=1000, classes_from=None):
+    """The table as text, with totals: parameters and multiply-adds of one image's forward
+    pass. classes_from: where the number of classes came from, for the first line."""
     rows, model = layer_table(model_name, image_size, num_classes)
     total_macs = sum(r[4] for r in rows)
     header = ("layer", "type", "output (H, W, C)", "parameters", "multiply-adds")
@@ -49,10 +65,11 @@ def report(model_name, image_size=224, num_classes=1000):
         return "  ".join(c[i].ljust(widths[i]) if i < 3 else c[i].rjust(widths[i])
                          for i in range(len(header)))
 
-    out = [f"{model_name}: input ({image_size}, {image_size}, 3), {num_classes} classes", "",
+    out = [f"{model_name}: input ({image_size}, {image_size}, 3), {num_classes} classes"
+           + (f" ({classes_from})" if classes_from else ""), "",
            line(header), "  ".join("-" * w for w in widths)]
     out += [line(c) for c in cells[1:]]
-    out += ["", f"total parameters:    {model.num_params():,}",
+    out += ["", f"total parameters:    {describe_parameters(model)}",
             f"total multiply-adds: {total_macs:,} ({_si(total_macs)}) per image, forward",
             f"leaf layers:         {len(rows)}"]
     return "\n".join(out)
@@ -60,3 +77,41 @@ def report(model_name, image_size=224, num_classes=1000):
 
 def _si(n):
     return f"{n / 1e9:.2f} G" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+def data_shape(data, data_dir):
+    """(number of classes, image size, file) of --data as train reads it: a named data
+    set (digits, fashion-mnist) is its training file under data_dir, anything else a
+    data file. ConfigError when there is no such file."""
+    from mpitrain.checks import PRESETS, ConfigError, describe_file
+    preset = PRESETS.get(data)
+    path = os.path.join(data_dir, preset["train"]) if preset else data
+    if not os.path.exists(path):
+        make = (f"`python -m mpitrain convert {data} {data_dir}` makes it (train converts it "
+                f"on first use)" if preset else "make it with `python -m mpitrain convert ...`")
+        raise ConfigError(f"data file {path} does not exist; {make}")
+    _, names, size = describe_file(path)
+    return len(names), size, path
+
+
+def run(args):
+    """The `inspect` command: the model's classes from --data (as train builds it), else
+    --num-classes, else DEFAULT_CLASSES; the image size from --image-size, else the data,
+    else 224. Errors exit with status 2 and the message, as argparse's."""
+    from mpitrain.checks import ConfigError
+    from mpitrain.datasets.h5format import FormatError
+    try:
+        classes, size, source = args.num_classes, args.image_size, None
+        if args.data:
+            found, stored, path = data_shape(args.data, args.data_dir)
+            if classes is not None and classes != found:
+                raise ConfigError(f"--num-classes {classes} but --data {args.data} has {found} "
+                                  f"classes ({path}); give one or the other")
+            classes, size, source = found, size or stored, f"from {path}"
+        elif classes is None:
+            classes, source = DEFAULT_CLASSES, ("by default; --data or --num-classes for "
+                                                "another count")
+        print(report(args.model, image_size=size or 224, num_classes=classes,
+                     classes_from=source))
+    except (ConfigError, FormatError) as e:
+        args.command_parser.error(str(e))

@@ -201,11 +201,15 @@ class MetricsLog:
     """metrics.jsonl: one JSON object per line, appended and flushed as it happens, so a
     resumed run continues the same file and a crash loses nothing written before it.
 
-    Step records: {"kind": "step", "epoch", "step", "global_step", "loss", "lr",
-    "loss_scale" (if any), "images_per_s", "time": {phase: seconds per step}}.
+    Step records: {"kind": "step", "epoch", "step", "global_step", "loss", "top1" (the
+    training top-1 of the images trained on since the previous record, over all ranks;
+    null when the steps ran from CUDA graphs), "lr", "loss_scale" (if any),
+    "images_per_s", "skipped_records", "time": {phase: seconds per step}}.
     Evaluation records: {"kind": "eval", "epoch", "global_step", "skipped_steps" (skipped
-    on overflow under loss scaling, so far), "top1", "top5", "nonfinite" (images whose
-    logits were not finite), "bad_records" (validation records skipped)}.
+    on overflow under loss scaling, so far), "top1", "top5", "loss" (the validation
+    set's mean cross-entropy, without label smoothing; null when some logits were not
+    finite), "nonfinite" (images whose logits were not finite), "bad_records"
+    (validation records skipped)}.
 
     A record that the file system has no room for is left out whole (the file is cut
     back to its last complete line) and said once on `stream`: the run goes on, and the

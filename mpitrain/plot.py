@@ -1,7 +1,9 @@
 """`python -m mpitrain plot RUN_DIR`: PNG curves of a run from its metrics.jsonl.
 
-    loss.png        training loss per logged step (x: epochs)
-    accuracy.png    validation top-1 / top-5 per evaluation
+    loss.png        training loss per logged step (x: epochs), validation loss per evaluation
+    accuracy.png    training top-1 per logged step (of the images trained on since the
+                    previous record; not recorded when the steps ran from CUDA graphs),
+                    validation top-1 / top-5 per evaluation
     lr.png          learning rate (and the loss scale, when there is one)
     throughput.png  images/s, and the time per step of each phase stacked (the
                     all-reduce's own time drawn beside them: it runs behind backward,
@@ -72,16 +74,31 @@ def plot_run(run_dir, out=None):
         plt.close(fig)
         written.append(target)
 
-    figure("loss.png", "training loss", "loss",
-           lambda ax: ax.plot(x, [r["loss"] for r in steps], marker=".", label="train loss"))
+    def loss(ax):
+        ax.plot(x, [r["loss"] for r in steps], marker=".", label="train loss")
+        scored = [r for r in evals if r.get("loss") is not None]
+        if scored:
+            ax.plot([r["epoch"] for r in scored], [r["loss"] for r in scored], marker="o",
+                    label="val loss")
+        elif evals:
+            missing(ax, "validation loss " + ("not finite" if any("loss" in r for r in evals)
+                                              else "not in this metrics.jsonl (an older run)"))
+    figure("loss.png", "training and validation loss", "loss", loss)
 
     def accuracy(ax):
+        counted = [(xi, r["top1"]) for xi, r in zip(x, steps) if r.get("top1") is not None]
+        if counted:
+            ax.plot(*zip(*[(xi, 100 * a) for xi, a in counted]), marker=".", label="train top1")
+        else:
+            missing(ax, "training accuracy not recorded: " + (
+                "the steps ran from CUDA graphs (--cuda-graph)" if any("top1" in r for r in steps)
+                else "not in this metrics.jsonl (an older run)"))
         ex = [r["epoch"] for r in evals]
         for key in ("top1", "top5"):
             if evals and key in evals[0]:
                 ax.plot(ex, [100 * r[key] for r in evals], marker="o", label=f"val {key}")
         ax.set_ylim(0, 100)
-    figure("accuracy.png", "validation accuracy", "accuracy (%)", accuracy)
+    figure("accuracy.png", "training and validation accuracy", "accuracy (%)", accuracy)
 
     def lr(ax):
         ax.plot(x, [r["lr"] for r in steps], label="learning rate")
@@ -110,6 +127,12 @@ def plot_run(run_dir, out=None):
             twin.legend(loc="lower right", fontsize="small")
     figure("throughput.png", "throughput", "images/s", throughput)
     return written
+
+
+def missing(ax, text):
+    """Say on the axes that a curve is not drawn, and why."""
+    ax.text(0.5, 0.04, text, transform=ax.transAxes, ha="center", va="bottom",
+            fontsize="small", color="dimgray")
 
 
 def _steps_per_epoch(steps):

@@ -27,6 +27,11 @@ file of 8-bit images stores those units; a 16-bit pixel file stores its own
 image is scaled to the file's white level (its largest stored value: 1024 for
 the digits) and a 16-bit greyscale PNG is taken in the file's stored units as
 it is (the pixels of a record of that file, written out, come back exactly).
+
+Exported files carry this preprocessing as metadata (`Preprocessing.metadata`), and
+`Preprocessing.from_metadata` rebuilds it from them, so that an exported model's
+inputs are made by this very code (`Preprocessing.inputs`); `predict --onnx FILE`
+(mpitrain/onnx_predict.py) runs an ONNX file so and checks it against the checkpoint.
 """
 import io
 import json
@@ -96,14 +101,53 @@ class Preprocessing:
     source: str             # where mean and std came from
 
     def metadata(self):
-        """The string metadata that export writes into its files."""
+        """The string metadata that export writes into its files; from_metadata reads it."""
         return {"image_size": str(self.image_size), "crop_fraction": repr(self.crop_fraction),
                 "mean": json.dumps(self.mean), "std": json.dumps(self.std),
-                "pixel_max": repr(self.white), "class_names": json.dumps(self.class_names),
-                "preprocessing": "RGB; resize the short side to image_size / crop_fraction "
-                                 "(bilinear, antialiased), centre crop image_size x image_size; "
-                                 "(pixel - mean) / std per channel, pixels in units where "
-                                 "pixel_max is full intensity (8-bit images: x pixel_max / 255)"}
+                "pixel_max": repr(self.white), "pixel_bits": str(self.bits),
+                "class_names": json.dumps(self.class_names),
+                "preprocessing": "RGB; the centred square of side crop_fraction x the short "
+                                 "side (fractional, not rounded), resized in one pass to "
+                                 "image_size x image_size (Pillow's antialiased bilinear, on "
+                                 "unrounded values); (pixel - mean) / std per channel, pixels "
+                                 "in units where pixel_max is full intensity (8-bit images: "
+                                 "x pixel_max / 255). Exactly: mpitrain.predict.Preprocessing"
+                                 ".from_metadata(these).inputs(paths, 'NCHW')"}
+
+    @classmethod
+    def from_metadata(cls, meta, source="the file"):
+        """The Preprocessing that an exported file's metadata records (`metadata`'s
+        inverse; `source` names the file in errors and in .source). With it, another
+        program prepares images exactly as predict does:
+
+            session = onnxruntime.InferenceSession("model.onnx",
+                                                   providers=["CPUExecutionProvider"])
+            prep = Preprocessing.from_metadata(session.get_modelmeta().custom_metadata_map)
+            logits = session.run(["logits"], {"images": prep.inputs(paths, "NCHW")})[0]
+        """
+        try:
+            white = float(meta["pixel_max"])
+            prep = cls(int(meta["image_size"]), float(meta["crop_fraction"]),
+                       json.loads(meta["mean"]), json.loads(meta["std"]), white,
+                       # files exported before pixel_bits was recorded: the config's rule
+                       int(meta.get("pixel_bits", stored_bits(white))),
+                       json.loads(meta["class_names"]), source)
+        except KeyError as e:
+            raise PredictError(f"{source} has no {e.args[0]!r} in its metadata: not a file of "
+                               f"mpitrain's export; export the checkpoint again") from None
+        except (ValueError, TypeError) as e:
+            raise PredictError(f"{source}: unreadable preprocessing metadata ({e}); export "
+                               f"the checkpoint again") from None
+        mean, std = np.asarray(prep.mean, np.float64), np.asarray(prep.std, np.float64)
+        if not (prep.image_size > 0 and 0 < prep.crop_fraction <= 1 and prep.bits in (8, 16)
+                and mean.shape == std.shape == (3,) and np.isfinite(mean).all()
+                and np.isfinite(std).all() and (std > 0).all() and white > 0):
+            raise PredictError(f"{source}: its preprocessing metadata cannot prepare an image "
+                               f"(image_size {prep.image_size}, crop_fraction "
+                               f"{prep.crop_fraction}, mean {prep.mean}, std {prep.std}, "
+                               f"pixel_max {white}, pixel_bits {prep.bits}); export the "
+                               f"checkpoint again")
+        return prep
 
     def augment(self, bits):
         """The validation transform for images of `bits` bits per channel: mean and std
@@ -127,6 +171,17 @@ class Preprocessing:
         except (OSError, ValueError) as e:
             raise PredictError(f"{path}: cannot be decoded ({e})") from None
 
+    def inputs(self, paths, layout="NHWC"):
+        """The model's input for image files `paths`, each prepared by `load`: float32
+        (N, size, size, 3), mpitrain's layout; layout "NCHW" gives (N, 3, size, size),
+        the exported ONNX graph's input `images` (and torch's layout)."""
+        if layout not in ("NHWC", "NCHW"):
+            raise ValueError(f"layout {layout!r}: choose NHWC or NCHW")
+        x = np.empty((len(paths), self.image_size, self.image_size, 3), np.float32)
+        for i, path in enumerate(paths):
+            self.load(path, x[i])
+        return x if layout == "NHWC" else np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+
 
 def read_image(path):
     """(record, bits) of image file `path`: the encoded bytes of an 8-bit image (decoded
@@ -146,13 +201,6 @@ def read_image(path):
         grey = np.clip(np.asarray(image), 0, 65535).astype(np.uint16)
         return np.repeat(grey[..., None], 3, axis=2), 16
     return np.frombuffer(data, np.uint8), 8
-
-
-def crop_fraction(cfg):
-    """The validation crop of the checkpoint's run: its data preset's, else the default."""
-    from .checks import PRESETS, TRANSFORM
-    preset = PRESETS.get(cfg.get("data"))
-    return (preset["transform"] if preset else TRANSFORM)["crop_fraction"]
 
 
 def training_file(cfg):
@@ -178,9 +226,16 @@ def check_normalisation(cfg):
                                f"the normalisation from there")
 
 
+def stored_bits(white):
+    """Bits per stored pixel of data whose full intensity is `white`, where nothing records
+    them: 8 up to 255, else 16."""
+    return 8 if white <= 255 else 16
+
+
 def preprocessing(cfg, data=None):
     """The Preprocessing of a checkpoint's config; `data` (a data file of the same
     training split) stands in for a training file that is not where the config says."""
+    from .checks import crop_fraction
     classes = cfg["num_classes"]
     size, crop = cfg.get("image_size") or 224, crop_fraction(cfg)
     names = cfg.get("class_names")
@@ -188,7 +243,7 @@ def preprocessing(cfg, data=None):
         white = float(cfg.get("pixel_max", 255))
         check_normalisation(cfg)
         return Preprocessing(size, crop, list(cfg["mean"]), list(cfg["std"]), white,
-                             8 if white <= 255 else 16,
+                             stored_bits(white),
                              names or [str(i) for i in range(classes)], "checkpoint")
     path = data or training_file(cfg)
     if not path or not os.path.exists(path):
@@ -224,32 +279,48 @@ def softmax(logits):
     return z / z.sum(axis=1, keepdims=True)
 
 
+def probabilities(forward, prep, images, batch_size=32, layout="NHWC"):
+    """(len(images), classes) float64 softmax of forward(x) over the image files, x being
+    `batch_size` of them at a time as prep.inputs(paths, layout)."""
+    return np.concatenate([softmax(forward(prep.inputs(images[start:start + batch_size],
+                                                        layout)))
+                           for start in range(0, len(images), batch_size)])
+
+
+def checkpoint_probabilities(path, images, data=None, batch_size=32):
+    """(probabilities, config, Preprocessing) of the image files under checkpoint `path`'s
+    eval-mode model, each image prepared as the checkpoint's run prepared validation images."""
+    model, cfg, _ = load_model(path)
+    prep = preprocessing(cfg, data)
+    return (probabilities(lambda x: model.forward(x, train=False), prep, images, batch_size),
+            cfg, prep)
+
+
+def top_classes(images, probs, class_names, top=5):
+    """predict's "predictions": per image its `top` most probable classes, most probable
+    first (ties: the lower index, as argmax); "top": None and "error" where its
+    probabilities are not finite."""
+    predictions = []
+    for image, p in zip(images, probs):
+        if not np.isfinite(p).all():        # no class is more probable than another
+            predictions.append({"image": image, "top": None, "error": NONFINITE})
+            continue
+        best = np.argsort(-p, kind="stable")[:min(top, len(p))]
+        predictions.append({"image": image, "top": [
+            {"class": class_names[c], "index": int(c), "probability": float(p[c])}
+            for c in best]})
+    return predictions
+
+
 def predict(path, images, data=None, top=5, batch_size=32):
     """The `top` most probable classes of each image file under checkpoint `path`:
     {"checkpoint", "model", "normalisation" (the file mean and std came from),
     "predictions": [{"image", "top": [{"class", "index", "probability"}]}]}, most
     probable first (ties: the lower index, as argmax). An image whose logits are not
     finite has "top": None and "error" saying so."""
-    model, cfg, _ = load_model(path)
-    prep = preprocessing(cfg, data)
-    k = min(top, cfg["num_classes"])
-    predictions = []
-    for start in range(0, len(images), batch_size):
-        paths = images[start:start + batch_size]
-        x = np.empty((len(paths), prep.image_size, prep.image_size, 3), np.float32)
-        for i, image in enumerate(paths):
-            prep.load(image, x[i])
-        probs = softmax(model.forward(x, train=False))
-        for image, p in zip(paths, probs):
-            if not np.isfinite(p).all():        # no class is more probable than another
-                predictions.append({"image": image, "top": None, "error": NONFINITE})
-                continue
-            best = np.argsort(-p, kind="stable")[:k]
-            predictions.append({"image": image, "top": [
-                {"class": prep.class_names[c], "index": int(c), "probability": float(p[c])}
-                for c in best]})
+    probs, cfg, prep = checkpoint_probabilities(path, images, data, batch_size)
     return {"checkpoint": path, "model": cfg["model"], "normalisation": prep.source,
-            "predictions": predictions}
+            "predictions": top_classes(images, probs, prep.class_names, top)}
 
 
 def format_text(result):

@@ -417,13 +417,15 @@ def run(args):
                          "(choose flat, hierarchical, 2d, hybrid or all)")
     image_size = args.image_size or 224
     batch = args.batch_per_rank or 32
-    work = gradient_buckets(args.model, args.fusion_threshold, image_size)
+    classes = 1000                      # ImageNet's: the scale this model predicts
+    work = gradient_buckets(args.model, args.fusion_threshold, image_size, classes)
     wire = 2 if args.comm_dtype == "fp16" else 4
     rank_counts = sweep_ranks(k) if args.sweep else [args.ranks]
     rows = [predict(work, Cluster(device, p, k, net, calibration, args.across), a, batch, wire,
                     args.overlap)
             for p in rank_counts for a in algorithms]
     result = dict(model=args.model, image_size=image_size, parameters=int(work.params.sum()),
+                  num_classes=classes,
                   tensors=work.tensors, buckets=len(work.bounds), threshold=args.fusion_threshold,
                   comm_dtype=args.comm_dtype, overlap=args.overlap, device=args.device,
                   device_name=device.name, device_source=device.source,
@@ -441,7 +443,8 @@ def run(args):
 def _header(r):
     cal = f", calibration {r['calibration']}" if r["calibration"] else ""
     return [f"simulate: {r['model']} at {r['image_size']}x{r['image_size']}, "
-            f"{r['parameters']:,} parameters in {r['tensors']} tensors, {r['buckets']} buckets "
+            f"{r['parameters']:,} parameters ({r['num_classes']} classes) in {r['tensors']} "
+            f"tensors, {r['buckets']} buckets "
             f"of >= {r['threshold']:,} bytes, {r['comm_dtype']} on the wire, "
             f"{'overlapped with' if r['overlap'] else 'after'} backward",
             f"device {r['device']}: {r['device_name']}{cal}; {r['ranks_per_node']} ranks per "

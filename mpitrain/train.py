@@ -46,9 +46,9 @@ import time
 import numpy as np
 
 from . import backend, checkpoint
-from .checks import (ConfigError, check_batch, check_free_space, check_image_size, check_launch,
-                     check_threads, comm_options, describe_data, find_resume, free_space,
-                     prepare_run_dir, resolve_data)
+from .checks import (ConfigError, check_batch, check_decode, check_free_space, check_image_size,
+                     check_launch, check_threads, comm_options, describe_data, find_resume,
+                     free_space, prepare_run_dir, resolve_data)
 from .control import Heartbeats, LauncherWatch, LossWatch, StopSignals, Watchdog, stop_signal
 from .metrics import MetricsLog, StepProgress, Timeline
 from .optim import learning_rate, make_optimizer, scaled_lr
@@ -58,7 +58,7 @@ from .shard import ShardedOptimizer, ShardedReducer
 # The default job: resnet_small on the digits with 2 ranks reaches >= 95% validation top-1.
 DEFAULTS = dict(model="resnet_small", data="digits", val_data=None, data_dir="data",
                 image_size=None, augment=None, crop_scale=None, crop_ratio=None,
-                crop_fraction=None, workers=2, prefetch=2, skip_bad_records=False,
+                crop_fraction=None, decode="cpu", workers=2, prefetch=2, skip_bad_records=False,
                 epochs=8, batch_size=32, lr=0.1, momentum=0.9, nesterov=False,
                 weight_decay=5e-4, label_smoothing=0.0, warmup_epochs=1.0, seed=0,
                 device="auto", eval_every=1,
@@ -249,7 +249,8 @@ def evaluate(model, comm, loader, topk=(1, 5)):
             labels = xp.asarray(y[:n])
             counts[:-1] += accuracy_counts(logits, labels, topk=topk)
             counts[-1] += nonfinite_rows(logits)
-            loss_sum += softmax_cross_entropy(logits, labels)[0] * n
+            with np.errstate(all="ignore"):     # non-finite logits: counted above
+                loss_sum += softmax_cross_entropy(logits, labels)[0] * n
             scored += n
     counts = np.append(backend.to_numpy(counts).astype(np.float64),
                        (float(loss_sum), loader.skipped - skipped, scored))
@@ -319,6 +320,7 @@ class Run:
         from mpitrain.comm.autotune import FusionTuner
         from mpitrain.comm.buckets import Reducer, share_gradients
         from mpitrain.datasets.loader import Loader
+        from mpitrain.inspect import describe_parameters
         from mpitrain.nets import build_model
         self.cfg = cfg
         self.reducer = self.signals = self.watchdog = self.heartbeats = None
@@ -345,6 +347,7 @@ class Run:
             raise ConfigError(str(e)) from None
         limit_threads(comm)
         train_file, val_file, transform = resolve_data(cfg, comm)
+        decode = check_decode(cfg, backend.device)
         working = np.float16 if cfg["precision"] == "fp16" else None
         num_train, class_names, size_px, normalise = describe_data(
             train_file, val_file, cfg["image_size"], cfg["batch_size"] // size, cfg["workers"],
@@ -363,7 +366,8 @@ class Run:
         data = dict(rank=rank, size=size, image_size=size_px, workers=cfg["workers"],
                     prefetch=cfg["prefetch"], dtype=model.dtype, seed=cfg["seed"],
                     num_classes=len(class_names), skip_bad_records=cfg["skip_bad_records"],
-                    pinned=backend.xp is not np)
+                    pinned=backend.xp is not np and cfg["decode"] == "cpu",
+                    decode=decode)
         self.train_data = Loader(train_file, batch, train=True, **transform, **data)
         self.val_data = Loader(val_file, batch, train=False,
                                crop_fraction=transform["crop_fraction"], **data)
@@ -379,7 +383,7 @@ class Run:
         self.base_lr = scaled_lr(cfg["lr"], batch, cfg["lr_ref_batch"])
         self.steps = steps = self.train_data.steps_per_epoch
         chosen = "" if cfg["image_size"] else " from the data"
-        say(f"mpitrain: {cfg['model']} ({model.num_params():,} parameters) on {train_file} "
+        say(f"mpitrain: {cfg['model']}, {describe_parameters(model)}, on {train_file} "
             f"({len(self.train_data.labels)} train / {len(self.val_data.labels)} val images, "
             f"{size_px}x{size_px}{chosen}), {size} rank(s) on {backend.device}{sharing(cfg)}, "
             f"global batch {batch} ({batch // size} per rank), {steps} steps/epoch, "
@@ -481,6 +485,10 @@ class Run:
             raise ConfigError(str(e)) from None
         self.train_data.load_state_dict({"epoch": meta["epoch"], "step": meta["step"]})
         self.loss_sum[:] = meta["progress"].get("loss_sum", (0.0, 0.0))
+        counts = meta["progress"].get("top1_counts")
+        if counts and self.correct is not None and self.comm.rank == 0:   # all ranks' sums
+            self.correct[...] = int(counts[0])
+            self.counted = int(counts[1])
         self.loss_watch.load_state_dict(meta["progress"])
         if self.tuner and "fusion" in meta["progress"]:
             self.tuner.load_state_dict(meta["progress"]["fusion"])
@@ -598,11 +606,16 @@ class Run:
         were counted); the counts start again from zero."""
         if self.correct is None:
             return None
-        tally = np.array([float(backend.to_numpy(self.correct)[0]), self.counted])
-        self.comm.allreduce(tally, "flat")
+        hits, images = self.top1_counts()
         self.correct[...] = 0
         self.counted = 0
-        return float(tally[0] / tally[1]) if tally[1] else None
+        return float(hits / images) if images else None
+
+    def top1_counts(self):
+        """Collective: (top-1 hits, images) of all ranks since the last log line."""
+        tally = np.array([float(backend.to_numpy(self.correct)[0]), self.counted])
+        self.comm.allreduce(tally, "flat")
+        return tally
 
     def end_of_epoch(self, epoch):
         """BatchNorm statistics averaged and the validation set scored (every --eval-every
@@ -649,6 +662,8 @@ class Run:
         if global_step == self.saved_step:
             return
         progress = {"loss_sum": self.loss_sum.tolist(), **self.loss_watch.state_dict()}
+        if self.correct is not None:
+            progress["top1_counts"] = self.top1_counts().tolist()
         if self.tuner:
             progress["fusion"] = self.tuner.state_dict()
         residual = self.reducer.topk.residual if self.reducer.topk else None

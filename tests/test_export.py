@@ -119,6 +119,7 @@ def test_safetensors_loads_strictly_into_the_torch_twin_with_the_same_logits(tra
     assert json.loads(meta["class_names"]) == CLASSES
     assert json.loads(meta["mean"]) == [120.0, 110.0, 100.0]
     assert json.loads(meta["std"]) == [60.0, 55.0, 50.0]
+    assert meta["pixel_max"] == "255.0" and meta["pixel_bits"] == "8"
 
 
 # ----- ONNX -> onnxruntime -----
@@ -330,3 +331,173 @@ def test_an_unreadable_image_exits_2_naming_it(small, tmp_path, capsys):
             main(["predict", "--checkpoint", small, good, image])
         assert exit_.value.code == 2
         assert f"{image}: not" in capsys.readouterr().err
+
+
+# ----- the ONNX file with its preprocessing: README's recipe, predict --onnx -----
+README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
+
+
+def readme_recipe():
+    """The Python block of README's "Getting the model out", as written there."""
+    with open(README) as f:
+        text = f.read()
+    start = text.index("```python\n", text.index("## Getting the model out")) + len("```python\n")
+    return text[start:text.index("```", start)]
+
+
+def odd_sized_images(folder, data_dir=None):
+    """cat.jpg (8-bit RGB) and dog.png, 20 x 13 pixels, not the model's square: with
+    data_dir, the first two validation digits stretched (dog.png 16-bit grey, in the
+    digits' units), else colour gradients (dog.png 8-bit RGB)."""
+    from PIL import Image
+    rows, cols = np.arange(13) * 8 // 13, np.arange(20) * 8 // 20
+    if data_dir is not None:
+        with Reader(str(data_dir / "digits_val.h5")) as reader:
+            a, b = (reader.record(i)[..., 0][rows][:, cols] for i in (0, 1))
+        cat = np.repeat(np.rint(a * (255 / 1024)).astype(np.uint8)[..., None], 3, axis=2)
+        dog = b.astype(np.uint16)
+    else:
+        y, x = np.mgrid[0:13, 0:20]
+        cat = np.stack([x * 12, y * 19, (x + y) * 7], axis=2).astype(np.uint8)
+        dog = np.stack([255 - x * 12, (x * y) % 256, y * 19], axis=2).astype(np.uint8)
+    Image.fromarray(cat).save(folder / "cat.jpg", quality=95)
+    Image.fromarray(dog).save(folder / "dog.png")
+    return [str(folder / "cat.jpg"), str(folder / "dog.png")]
+
+
+def all_probabilities(result, classes):
+    """(images, classes) probabilities of predict's JSON result (its top covering all)."""
+    p = np.full((len(result["predictions"]), classes), np.nan)
+    for i, item in enumerate(result["predictions"]):
+        for t in item["top"]:
+            p[i, t["index"]] = t["probability"]
+    return p
+
+
+@pytest.mark.parametrize("which", ["digits", "small"])
+def test_readme_onnx_recipe_gives_predicts_probabilities(which, request, tmp_path, monkeypatch,
+                                                         capsys):
+    """Digits: crop fraction 1, a 16-bit training file; small: 0.875, 8-bit."""
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    if which == "digits":
+        data_dir, path = request.getfixturevalue("digits_run")
+        classes = 10
+    else:
+        data_dir, path, classes = None, request.getfixturevalue("small"), len(CLASSES)
+    images = odd_sized_images(tmp_path, data_dir)
+    export(path, "--format", "onnx", tmp_path / "model.onnx")
+    capsys.readouterr()
+    main(["predict", "--checkpoint", path, *images, "--top", str(classes), "--json"])
+    theirs = all_probabilities(json.loads(capsys.readouterr().out), classes)
+
+    monkeypatch.chdir(tmp_path)                 # the recipe names model.onnx, cat.jpg, dog.png
+    scope = {}
+    exec(readme_recipe(), scope)
+    assert scope["probabilities"].shape == theirs.shape
+    assert np.abs(scope["probabilities"] - theirs).max() < 1e-3
+
+
+def test_predict_onnx_compares_the_file_with_its_checkpoint(digits_run, tmp_path, capsys):
+    onnx = pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    data_dir, path = digits_run
+    images = odd_sized_images(tmp_path, data_dir)
+    model = str(tmp_path / "model.onnx")
+    export(path, "--format", "onnx", model)
+    capsys.readouterr()
+    main(["predict", "--checkpoint", path, *images, "--json"])
+    mine = json.loads(capsys.readouterr().out)["predictions"]
+
+    main(["predict", "--onnx", model, "--checkpoint", path, *images, "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["onnx"] == model and result["model"] == "resnet_small"
+    assert result["comparison"]["max_difference"] < 1e-3
+    assert result["comparison"] == {**result["comparison"], "checkpoint": path,
+                                    "tolerance": 1e-3, "agree": True, "differing_metadata": []}
+    for ours, theirs in zip(result["predictions"], mine):
+        assert [t["class"] for t in ours["top"]] == [t["class"] for t in theirs["top"]]
+        assert max(abs(a["probability"] - b["probability"])
+                   for a, b in zip(ours["top"], theirs["top"])) < 1e-3
+
+    main(["predict", "--onnx", model, "--checkpoint", path, *images, "--top", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == images[0] and len(lines) == 7
+    assert lines[-1].startswith(f"ONNX vs checkpoint {path}: max |p_onnx - p_checkpoint| = ")
+    assert lines[-1].endswith("(tolerance 0.001): agree")
+    main(["predict", "--onnx", model, *images, "--top", "2"])      # the file alone
+    assert capsys.readouterr().out.splitlines() == lines[:-1]
+    # a file whose preprocessing is not the checkpoint's: status 1, naming the field
+    proto = onnx.load(model)
+    next(p for p in proto.metadata_props if p.key == "crop_fraction").value = "0.5"
+    wrong = str(tmp_path / "wrong.onnx")
+    onnx.save(proto, wrong)
+    with pytest.raises(SystemExit) as exit_:
+        main(["predict", "--onnx", wrong, "--checkpoint", path, *images])
+    assert exit_.value.code == 1
+    assert capsys.readouterr().out.splitlines()[-1].endswith(
+        ": DISAGREE; the file's preprocessing differs from the checkpoint's in crop_fraction")
+    main(["predict", "--onnx", wrong, "--checkpoint", path, *images, "--tolerance", "1"])
+    assert capsys.readouterr().out.splitlines()[-1].endswith("(tolerance 1): agree")
+
+
+def test_preprocessing_round_trips_through_the_metadata(small):
+    from mpitrain.predict import PredictError, Preprocessing, load_model, preprocessing
+    cfg = load_model(small)[1]
+    assert preprocessing({**cfg, "crop_fraction": 0.5}).crop_fraction == 0.5   # train's option
+    prep = preprocessing(cfg)
+    assert prep.crop_fraction == 0.875
+    meta = prep.metadata()
+    assert Preprocessing.from_metadata(meta, prep.source) == prep
+    # a file exported before pixel_bits was recorded: the config's rule (8 bits to 255)
+    older = {k: v for k, v in meta.items() if k != "pixel_bits"}
+    assert Preprocessing.from_metadata(older, prep.source) == prep
+    with pytest.raises(PredictError, match="cannot prepare an image"):
+        Preprocessing.from_metadata({**meta, "std": "[1, 0, 1]"})
+    with pytest.raises(PredictError, match="has no 'mean' in its metadata"):
+        Preprocessing.from_metadata({k: v for k, v in meta.items() if k != "mean"})
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["{image}"], "give --checkpoint (a checkpoint or run directory), --onnx FILE"),
+    (["--onnx", "{tmp}/none.onnx", "{image}"], "ONNX file {tmp}/none.onnx does not exist"),
+    (["--checkpoint", "{small}", "--tolerance", "0.1", "{image}"],
+     "--tolerance is for the comparison of --onnx FILE with --checkpoint"),
+    (["--onnx", "{text}", "--data", "{text}", "{image}"], "--data stands in for the checkpoint"),
+    (["--onnx", "{text}", "--checkpoint", "{small}", "--tolerance", "-1", "{image}"],
+     "argument --tolerance: -1 must be > 0.0"),
+])
+def test_predict_onnx_refuses_with_exit_2_naming_the_problem(argv, message, small, tmp_path,
+                                                             capsys):
+    text = tmp_path / "notes.onnx"
+    text.write_text("not a model")
+    fill = {"tmp": tmp_path, "small": small, "text": text, "image": tmp_path / "i.png"}
+    with pytest.raises(SystemExit) as exit_:
+        main(["predict", *[a.format(**fill) for a in argv]])
+    assert exit_.value.code == 2
+    assert message.format(**fill) in capsys.readouterr().err
+
+
+def test_predict_onnx_names_a_missing_onnxruntime_and_a_file_not_exported(small, tmp_path,
+                                                                          capsys, monkeypatch):
+    text = tmp_path / "notes.onnx"
+    text.write_text("not a model")
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "onnxruntime", None)       # import fails as if not installed
+        with pytest.raises(SystemExit) as exit_:
+            main(["predict", "--onnx", str(text), str(tmp_path / "i.png")])
+    assert exit_.value.code == 2 and "pip install onnxruntime" in capsys.readouterr().err
+
+    onnx = pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    model = tmp_path / "model.onnx"
+    export(small, "--format", "onnx", model)
+    proto = onnx.load(str(model))
+    del proto.metadata_props[:]                           # a graph without the preprocessing
+    bare = tmp_path / "bare.onnx"
+    onnx.save(proto, str(bare))
+    for path, said in ((text, f"{text}: onnxruntime cannot load it"),
+                       (bare, f"{bare} has no 'pixel_max' in its metadata")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["predict", "--onnx", str(path), str(tmp_path / "i.png")])
+        assert exit_.value.code == 2 and said in capsys.readouterr().err

@@ -2,13 +2,19 @@
 the progress display, the YAML configuration, and `plot`."""
 import io
 import json
+import math
 import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
+from launcher import BackgroundJob, environment
 from mpitrain.cli import apply_config_file, build_parser
 from mpitrain.metrics import MetricsLog, StepProgress, Timeline, read_metrics, trace_path
 
@@ -160,6 +166,31 @@ def test_plot_draws_the_curves(tmp_path):
         plot_run(str(tmp_path / "png"))
 
 
+def test_plot_says_which_curves_a_run_did_not_record(tmp_path, monkeypatch):
+    """Steps replayed from CUDA graphs record no training accuracy (null), an older
+    metrics.jsonl no field at all: the plot draws the rest and says why on the axes."""
+    pytest.importorskip("matplotlib")
+    from mpitrain import plot
+    said = []
+    monkeypatch.setattr(plot, "missing", lambda ax, text: said.append(text))
+    for name, top1 in (("graphs", dict(top1=None)), ("older", {})):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        log = MetricsLog(str(run_dir / "metrics.jsonl"))
+        for g in (5, 10):
+            log.write(dict(kind="step", epoch=1, step=g, global_step=g, loss=1.0 / g, lr=0.1,
+                           images_per_s=100.0, time={}, **top1))
+        log.write(dict(kind="eval", epoch=1, global_step=10, top1=0.5, top5=0.9,
+                       **({"loss": None} if top1 else {})))
+        log.close()
+        assert len(plot.plot_run(str(run_dir))) == 4
+    assert said == ["validation loss not finite",
+                    "training accuracy not recorded: the steps ran from CUDA graphs "
+                    "(--cuda-graph)",
+                    "validation loss not in this metrics.jsonl (an older run)",
+                    "training accuracy not recorded: not in this metrics.jsonl (an older run)"]
+
+
 def test_throughput_stacks_the_phases_that_add_up_to_the_step():
     """The all-reduce's own time ("bucket") runs behind backward; the step's wait for it
     is "comm": stacking both would count the communication twice."""
@@ -182,3 +213,137 @@ def test_progress_bar_redraws_in_place_on_a_terminal():
     p.line("epoch 1/2 done")
     assert "epoch 1/2 done\n" in out.getvalue()[len(drawn):]
     p.close()
+
+
+# ----- a real run: training accuracy, validation loss, the parameter count -----
+def test_train_step_counts_the_top1_hits_of_the_logits_it_trains_on():
+    """`correct` gains, step after step, the images whose label is the top logit of the
+    forward pass the step trains on (train mode: the batch's own statistics)."""
+    from mpi4py import MPI
+
+    from mpitrain.comm import Communicator
+    from mpitrain.comm.buckets import Reducer
+    from mpitrain.nets import build_model
+    from mpitrain.nets.losses import accuracy_counts
+    from mpitrain.optim import make_optimizer
+    from mpitrain.train import train_step
+    model = build_model("resnet_small", num_classes=10)
+    opt = make_optimizer("sgd", model.arena, momentum=0.9)
+    reducer = Reducer(model.arena, Communicator(MPI.COMM_SELF))
+    x = np.random.default_rng(0).standard_normal((8, 32, 32, 3)).astype(np.float32)
+    correct, expected = np.zeros(1, np.int64), 0
+    for step in range(2):
+        y = model.forward(x, train=True).argmax(axis=1)
+        y[::2] = (y[::2] + 1) % 10                       # half of them wrong
+        if step:
+            y[1] = (y[1] + 1) % 10                       # and one more
+        expected += int(accuracy_counts(model.forward(x, train=True), y, topk=(1,))[0])
+        train_step(model, opt, reducer, x, y, lr=0.1, correct=correct)
+        assert correct[0] == expected == (4, 7)[step]
+    reducer.close()
+
+
+def mpitrain_quick(*args):
+    """`python -m mpitrain ARGS`: one process, no mpiexec (MPI starts as a singleton)."""
+    return subprocess.run([sys.executable, "-m", "mpitrain", *args], capture_output=True,
+                          text=True, timeout=300, env=environment(1))
+
+
+@pytest.fixture(scope="module")
+def digits_run(digits, tmp_path_factory):
+    """A two-epoch resnet_small run on the digits: its directory and its output."""
+    run_dir = tmp_path_factory.mktemp("digits-run") / "run"
+    r = mpitrain_quick("train", "--batch-size", "64", "--seed", "5", "--epochs", "2",
+                       "--data-dir", str(digits), "--run-dir", str(run_dir))
+    assert r.returncode == 0, r.stdout + r.stderr
+    return run_dir, r.stdout
+
+
+def test_a_run_records_and_plots_validation_loss_and_training_accuracy(digits_run, digits,
+                                                                        tmp_path):
+    run_dir, out = digits_run
+    records = read_metrics(str(run_dir / "metrics.jsonl"))
+    steps = [r for r in records if r["kind"] == "step"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["epoch"] for r in steps] == [r["epoch"] for r in evals] == [1, 2]
+    # the training top-1 of the 22 x 64 images of each epoch, which the model learns
+    assert all(0 < r["top1"] <= 1 and (r["top1"] * 22 * 64).is_integer() for r in steps)
+    assert steps[1]["top1"] > steps[0]["top1"] + 0.2
+    # the validation set's mean cross-entropy, which falls as the top-1 rises
+    assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in evals)
+    assert evals[1]["loss"] < evals[0]["loss"] and evals[1]["top1"] > evals[0]["top1"]
+    # eval of the last checkpoint scores the same set with the same model
+    r = mpitrain_quick("eval", "--checkpoint", str(run_dir), "--data",
+                       str(digits / "digits_val.h5"), "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout)["loss"] == pytest.approx(evals[1]["loss"], rel=1e-5)
+    # the progress and epoch lines say both
+    assert f"top1 {steps[1]['top1']:.1%}" in out and f"val loss {evals[1]['loss']:.4f}" in out
+    pytest.importorskip("matplotlib")
+    from mpitrain.plot import plot_run
+    paths = plot_run(str(run_dir), str(tmp_path / "png"))
+    assert [os.path.basename(p) for p in paths] == ["loss.png", "accuracy.png", "lr.png",
+                                                    "throughput.png"]
+    for p in paths:
+        assert os.path.getsize(p) > 0 and open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_inspect_and_export_print_one_parameter_count(digits_run, digits, tmp_path):
+    """resnet_small on the digits: 10 classes wherever its size is printed; inspect
+    takes them from --data as train does (without --data it says it assumed 1000)."""
+    run_dir, out = digits_run
+    count = "78,042 parameters (10 classes)"
+    assert f"mpitrain: resnet_small, {count}, on " in out
+    r = mpitrain_quick("inspect", "--model", "resnet_small", "--data", "digits", "--data-dir",
+                       str(digits))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"total parameters:    {count}\n" in r.stdout
+    assert r.stdout.startswith("resnet_small: input (32, 32, 3), 10 classes (from ")
+    r = mpitrain_quick("inspect", "--model", "resnet_small", "--image-size", "32")
+    assert "1000 classes (by default; --data or --num-classes" in r.stdout
+    assert "142,392 parameters (1000 classes)" in r.stdout
+    r = mpitrain_quick("export", str(run_dir), "--format", "safetensors",
+                       str(tmp_path / "m.safetensors"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"resnet_small, {count}, input 32x32" in r.stdout
+
+
+def test_a_stop_between_two_log_lines_resumes_with_the_same_training_accuracy(digits,
+                                                                                tmp_path):
+    """The top-1 hits and images counted since the last log line travel in the
+    checkpoint, as the loss does: a run stopped in the middle of an interval and resumed
+    writes the uninterrupted run's records, timings aside."""
+    job = ("train", "--batch-size", "64", "--seed", "5", "--epochs", "1", "--log-every", "5",
+           "--data-dir", str(digits))
+    straight = tmp_path / "straight"
+    r = mpitrain_quick(*job, "--run-dir", str(straight))
+    assert r.returncode == 0, r.stdout + r.stderr
+    for attempt in range(3):                            # a step may slip past the stop
+        run_dir = tmp_path / f"stopped{attempt}" / "run"
+        j = BackgroundJob([sys.executable, "-m", "mpitrain", *job, "--run-dir", str(run_dir)],
+                          run_dir, tmp_path / f"log{attempt}", ranks=1)
+        try:
+            # stopped as it starts step 13, it takes the signal in that step and stops after
+            # it: steps 11 to 13 are counted, not yet logged
+            j.wait_for(lambda b: b[0]["where"] == "in 'forward' after step 12", "step 13")
+            os.kill(j.pid(0), signal.SIGSTOP)
+            os.kill(j.pid(0), signal.SIGUSR1)
+            os.kill(j.pid(0), signal.SIGCONT)
+            status, _, out = j.finish(timeout=60)
+        finally:
+            j.cleanup()
+        assert status == 0, out
+        if re.search(r"SIGUSR1: stopped at epoch 1, step 1[1-4];", out):
+            break
+    else:
+        pytest.fail("the signal never landed between two log lines")
+    r = mpitrain_quick(*job, "--run-dir", str(run_dir), "--resume", "auto")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+    def records(run_dir):
+        return [{k: v for k, v in rec.items() if k not in ("time", "images_per_s")}
+                for rec in read_metrics(str(run_dir / "metrics.jsonl"))]
+    assert records(run_dir) == records(straight)
+    steps = [rec for rec in records(straight) if rec["kind"] == "step"]
+    assert [rec["step"] for rec in steps] == [5, 10, 15, 20, 22]
+    assert all(0 < rec["top1"] <= 1 for rec in steps)

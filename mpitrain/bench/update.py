@@ -157,7 +157,8 @@ def run(model="resnet50", repeats=7, json_out=False):
     for impl, r in results.items():
         r["max_diff_vs_numpy"] = diffs[impl]
 
-    report = {"model": model, "params": int(n), "segments": int(len(arena.segments)),
+    report = {"model": model, "params": int(net.num_params()), "num_classes": net.num_classes,
+              "arena_elements": int(n), "segments": int(len(arena.segments)),
               "step": "LARS (norms + fused update), fp32 master, fp16 working",
               "bytes_per_step": int(step_bytes), "bytes_per_param": BYTES_PER_PARAM,
               "repeats": repeats, "cpu_count": os.cpu_count(),
@@ -185,8 +186,9 @@ def _gpu_run(arrays, segments, repeats):
 def _table(r):
     bw = r["bandwidth_gbs"]
     lines = [
-        f"bench update: {r['model']}, {r['params']:,} parameters in {r['segments']} segments; "
-        f"{r['step']}",
+        f"bench update: {r['model']}, {r['params']:,} parameters ({r['num_classes']} classes) "
+        f"in {r['segments']} segments, {r['arena_elements']:,} arena elements with their "
+        f"padding; {r['step']}",
         f"bytes per step: {r['bytes_per_step'] / 1e6:.1f} MB ({r['bytes_per_param']} B/param: "
         f"norms read 8, update reads 12 and writes 10)",
         f"memory bandwidth (medians of {r['repeats']}): numpy copy {bw['numpy_copy']:.1f} GB/s, "

@@ -1,0 +1,141 @@
+"""A batch of images decoded together (on the GPU by nvImageCodec), then cropped, resized,
+flipped and normalised by one kernel into the step's (N, S, S, 3) input.
+
+The transform is augment.py's, image by image: the same random draws from the same
+generator (Augment.draw: the flip, then the box), the same antialiased bilinear taps
+(augment.filter_taps), the same normalisation. With the taps of image n,
+
+    out[n, i, j', c] = (sum_a sum_b wy[n, i, a] wx[n, j, b] p_n[yf[n, i] + a, xf[n, j] + b, c]
+                        - mean[c]) * inv_std[c],        j' = S - 1 - j where image n is flipped
+
+summed in fp32 and stored in out's dtype. Only the pixels differ from the CPU
+loader's: it decodes a large JPEG at 1/2, 1/4 or 1/8 scale where the box allows and,
+in training, with libjpeg-turbo's fast IDCT, where here every image is decoded whole
+and exactly. The decoded images of a batch are laid end to end in one uint8 buffer
+(`offset` of each), so one kernel reads them all.
+
+One scalar body (`crop_pixel`), compiled for the CPU (`_crop_cpu`, the reference the
+tests hold the CUDA kernel to) and for CUDA (`_crop_cuda`, a thread per output pixel).
+"""
+import numpy as np
+from numba import cuda, njit, prange
+from numba.extending import register_jitable
+
+from mpitrain.backend import array_module
+from mpitrain.kernels.segments import cuda_shape, launch
+
+from .augment import Augment, decode, filter_taps, image_size
+
+
+@register_jitable
+def crop_pixel(pixels, offset, width, yf, yc, yw, xf, xc, xw, n, i, j, c):
+    """sum_a sum_b yw[n, i, a] xw[n, j, b] pixels[offset + ((yf[n, i] + a) * width + xf[n, j]
+    + b) * 3 + c]: channel c of output pixel (i, j) of image n, before normalisation."""
+    total = np.float32(0.0)
+    for a in range(yc[n, i]):
+        base = offset + ((yf[n, i] + a) * width + xf[n, j]) * 3 + c
+        row = np.float32(0.0)
+        for b in range(xc[n, j]):
+            row += xw[n, j, b] * np.float32(pixels[base + b * 3])
+        total += yw[n, i, a] * row
+    return total
+
+
+@njit(parallel=True, cache=True)
+def _crop_cpu(pixels, offsets, widths, yf, yc, yw, xf, xc, xw, flips, mean, inv_std, out):
+    """out (N, S, S, 3) float32: every output pixel (see the module docstring)."""
+    N, S = out.shape[0], out.shape[1]
+    for t in prange(N * S):
+        n, i = t // S, t % S
+        for j in range(S):
+            jo = S - 1 - j if flips[n] else j
+            for c in range(3):
+                value = crop_pixel(pixels, offsets[n], widths[n], yf, yc, yw, xf, xc, xw,
+                                   n, i, j, c)
+                out[n, i, jo, c] = (value - mean[c]) * inv_std[c]
+
+
+@cuda.jit
+def _crop_cuda(pixels, offsets, widths, yf, yc, yw, xf, xc, xw, flips, mean, inv_std, out):
+    """A thread per output pixel (n, i, j), its three channels (grid-stride loop)."""
+    N, S = out.shape[0], out.shape[1]
+    for t in range(cuda.grid(1), N * S * S, cuda.gridsize(1)):
+        n, rest = t // (S * S), t % (S * S)
+        i, j = rest // S, rest % S
+        jo = S - 1 - j if flips[n] else j
+        for c in range(3):
+            value = crop_pixel(pixels, offsets[n], widths[n], yf, yc, yw, xf, xc, xw, n, i, j, c)
+            out[n, i, jo, c] = (value - mean[c]) * inv_std[c]
+
+
+def taps(boxes, sizes, S):
+    """Each image's filter taps (filter_taps) along y and x, padded to one width:
+    ((yf, yc, yw), (xf, xc, xw)), yf and yc (N, S) int32, yw (N, S, K) float32."""
+    out = []
+    for axis in (1, 0):                     # y: the box's top and height; x: left and width
+        per_image = [filter_taps(float(box[axis]), float(box[axis] + box[axis + 2]),
+                                 size[axis], S) for box, size in zip(boxes, sizes)]
+        K = max(w.shape[1] for _, _, w in per_image)
+        first = np.stack([f for f, _, _ in per_image]).astype(np.int32)
+        count = np.stack([c for _, c, _ in per_image]).astype(np.int32)
+        weights = np.zeros((len(per_image), S, K), np.float32)
+        for n, (_, _, w) in enumerate(per_image):
+            weights[n, :, :w.shape[1]] = w
+        out.append((first, count, weights))
+    return out
+
+
+class BatchAugment:
+    """Augment's transform (the same options, draws and taps) over a batch of records
+    decoded together: on the GPU by nvImageCodec when `out` is a CuPy array, else on the
+    host by augment.decode (whole and exact), which is the reference."""
+
+    def __init__(self, augment: Augment):
+        self.augment = augment
+        self._decoder = None
+
+    def __call__(self, records, rngs, out):
+        """Write the records (encoded bytes, each with its generator in `rngs`; training
+        draws from it as Augment does) into out (N, S, S, 3), float32 or (on a GPU)
+        float16. Returns out."""
+        xp = array_module(out)
+        args = self.arguments(records, rngs, out.shape[1], xp)
+        if xp is np:
+            _crop_cpu(*args, out)
+        else:
+            threads, _ = cuda_shape()
+            launch(_crop_cuda, min(-(-out.size // 3 // threads), 65535), threads, *args, out)
+        return out
+
+    def arguments(self, records, rngs, S, xp):
+        """The kernels' arguments but `out`, in xp's memory: the decoded pixels end to end
+        and each image's offset, width, taps and flip, and the normalisation."""
+        a = self.augment
+        sizes, boxes, flips = [], [], []
+        for record, rng in zip(records, rngs):
+            width, height = image_size(record, a.turbo)
+            flip, box = a.draw(width, height, rng)
+            sizes.append((width, height))
+            boxes.append(box)
+            flips.append(flip)
+        images = self.decode(records, xp)
+        offsets = np.cumsum([0] + [im.size for im in images[:-1]]).astype(np.int64)
+        (yf, yc, yw), (xf, xc, xw) = taps(boxes, sizes, S)
+        pixels = xp.concatenate([im.reshape(-1) for im in images])
+        return [pixels] + [xp.asarray(v) for v in (
+            offsets, np.array([w for w, _ in sizes], np.int64), yf, yc, yw, xf, xc, xw,
+            np.array(flips, np.uint8), a.mean.astype(np.float32), a.inv_std.astype(np.float32))]
+
+    def decode(self, records, xp):
+        """(H, W, 3) uint8 pixels of each record: nvImageCodec's batch decode on the GPU,
+        augment.decode on the host."""
+        if xp is np:
+            return [decode(r, turbo=self.augment.turbo) for r in records]
+        if self._decoder is None:
+            from nvidia import nvimgcodec
+            self._decoder = nvimgcodec.Decoder()
+        images = self._decoder.decode([bytes(r) for r in records])
+        bad = [i for i, im in enumerate(images) if im is None]
+        if bad:
+            raise ValueError(f"nvImageCodec could not decode records at batch positions {bad}")
+        return [xp.asarray(im) for im in images]

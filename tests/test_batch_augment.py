@@ -1,0 +1,150 @@
+"""datasets/batch_augment.py: a batch decoded together, then cropped, resized, flipped and
+normalised by one kernel, against the CPU loader's transform (augment.py) on the same
+pixels, against the CPU loader itself (whose decode differs), and its CUDA kernel under
+the numba-cuda simulator against its CPU form."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpitrain.datasets.augment import Augment, decode, resize_normalise
+from mpitrain.datasets.batch_augment import BatchAugment, _crop_cpu, _crop_cuda
+from mpitrain.datasets.convert import convert_synthetic
+from mpitrain.datasets.h5format import Reader
+from mpitrain.datasets.loader import Loader
+
+MEAN, STD = np.array([120.0, 110.0, 100.0]), np.array([60.0, 55.0, 50.0])
+
+
+def records(n, size, seed=0):
+    """n synthetic JPEGs of size (width, height), as bytes."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "r.h5")
+        convert_synthetic(path, n, size, classes=2, seed=seed)
+        with Reader(path) as r:
+            return [bytes(r.record(i)) for i in range(n)]
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_the_kernel_is_the_cpu_transform_on_the_same_pixels(train):
+    """Each image: augment.resize_normalise of its whole decode with the box and flip that
+    Augment draws from the same generator, within fp32 rounding."""
+    recs = records(6, (150, 100))
+    augment = Augment(40, MEAN, STD, train=train, scale=(0.2, 1.0))
+    out = np.empty((6, 40, 40, 3), np.float32)
+    BatchAugment(augment)(recs, [np.random.default_rng([3, i]) for i in range(6)], out)
+    flips = 0
+    for i, rec in enumerate(recs):
+        rng = np.random.default_rng([3, i])
+        flip, (x0, y0, w, h) = augment.draw(150, 100, rng)
+        flips += flip
+        want = np.empty((40, 40, 3), np.float32)
+        resize_normalise(decode(rec), (x0, y0, x0 + w, y0 + h), flip,
+                         augment.mean.astype(np.float32), augment.inv_std.astype(np.float32),
+                         want)
+        np.testing.assert_allclose(out[i], want, rtol=1e-5, atol=2e-5)
+    assert (0 < flips < 6) if train else flips == 0
+
+
+def test_a_batch_against_the_cpu_loader_within_the_decoders_rounding(tmp_path):
+    """The same records, shuffle and draws as Loader's first training batch: the CPU
+    loader decodes at reduced scale with the fast IDCT, so pixels differ by the
+    decoders' rounding: on average under 1.5 grey levels, nowhere by 12 (measured: 0.8 and 5.4)."""
+    path = str(tmp_path / "s.h5")
+    convert_synthetic(path, 16, (500, 375), classes=4)
+    with Loader(path, 8, train=True, image_size=64, workers=0, seed=5) as loader:
+        x, _ = next(iter(loader))
+        indices = loader.sampler.epoch_indices(0)[0]
+        with Reader(path) as r:
+            recs = [bytes(r.record(int(i))) for i in indices]
+        out = np.empty_like(x)
+        BatchAugment(loader.augment)(recs, [np.random.default_rng([5, 0, int(i)])
+                                            for i in indices], out)
+        grey = np.abs(out - x) * loader.std     # in stored pixel units
+    assert grey.mean() < 1.5 and grey.max() < 12, (grey.mean(), grey.max())
+
+
+def simulated_kernel():
+    """_crop_cuda under the simulator equals _crop_cpu (run in a child: the simulator is
+    chosen when numba is imported)."""
+    recs = records(2, (40, 30))
+    batch = BatchAugment(Augment(6, MEAN, STD, train=True, scale=(0.3, 1.0)))
+    rngs = lambda: [np.random.default_rng([1, i]) for i in range(2)]   # noqa: E731
+    args = batch.arguments(recs, rngs(), 6, np)
+    want, got = np.empty((2, 6, 6, 3), np.float32), np.empty((2, 6, 6, 3), np.float32)
+    _crop_cpu(*args, want)
+    _crop_cuda[2, 32](*args, got)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_cuda_kernel_under_the_simulator():
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+            f"import test_batch_augment as t; t.simulated_kernel()")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.gpu
+def test_nvimagecodec_batches_on_the_gpu_against_the_host_decode():
+    """The same batch decoded by nvImageCodec and transformed on the GPU in fp16, and on
+    the host: within the decoders' rounding and fp16's."""
+    import cupy
+    recs = records(8, (500, 375))
+    batch = BatchAugment(Augment(96, MEAN, STD, train=True))
+    rngs = lambda: [np.random.default_rng([2, i]) for i in range(8)]   # noqa: E731
+    host = batch(recs, rngs(), np.empty((8, 96, 96, 3), np.float32))
+    device = batch(recs, rngs(), cupy.empty((8, 96, 96, 3), cupy.float16))
+    grey = np.abs(cupy.asnumpy(device).astype(np.float32) - host) * STD
+    assert grey.mean() < 1 and grey.max() < 16, (grey.mean(), grey.max())
+
+
+@pytest.mark.parametrize("device,options,message", [
+    ("cpu", {}, "this run is on the CPU: add --device gpu"),
+    ("cuda:0", {"skip_bad_records": True}, "cannot skip one: drop --skip-bad-records"),
+])
+def test_decoding_on_the_gpu_is_refused_where_it_cannot_work(device, options, message):
+    from mpitrain.checks import ConfigError, check_decode
+    cfg = {"decode": "gpu", "skip_bad_records": False, **options}
+    with pytest.raises(ConfigError, match=message):
+        check_decode(cfg, device)
+    assert check_decode({**cfg, "decode": "cpu"}, device) == "cpu"
+
+
+def test_train_with_decode_gpu_on_the_cpu_exits_2_with_nothing_written(tmp_path):
+    from launcher import environment
+    r = subprocess.run([sys.executable, "-m", "mpitrain", "train", "--data-dir",
+                        str(tmp_path / "data"), "--epochs", "1", "--decode", "gpu",
+                        "--device", "cpu", "--run-dir", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=300, env=environment(1))
+    assert r.returncode == 2 and "--decode gpu decodes on the GPU" in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("train", [True, False])
+def test_the_loader_decoding_on_the_gpu_against_the_cpu_loader(tmp_path, train):
+    """Three epochs' first batches from Loader(decode="gpu") (the ring on the device, two
+    workers on their own streams) against the CPU loader's: the same labels, pixels within
+    the decoders' rounding."""
+    import cupy
+
+    from mpitrain import backend
+    path = str(tmp_path / "s.h5")
+    convert_synthetic(path, 48, (500, 375), classes=4)
+    common = dict(train=train, image_size=64, workers=2, seed=7)
+    try:
+        backend.use_device("gpu")
+        with Loader(path, 16, decode="gpu", **common) as gpu_loader, \
+                Loader(path, 16, **common) as cpu_loader:
+            for _ in range(3):
+                (xg, yg), (xc, yc) = next(iter(gpu_loader)), next(iter(cpu_loader))
+                np.testing.assert_array_equal(yg, yc)
+                grey = np.abs(cupy.asnumpy(xg) - xc) * cpu_loader.std
+                assert grey.mean() < 1.5 and grey.max() < 12, (grey.mean(), grey.max())
+    finally:
+        backend.use_device("cpu")
