@@ -287,6 +287,9 @@ check_emulated_hosts() {   # hosts, ranks
 mpiexec_words() {   # ranks, [hosts]
     local names=({A..Z}) list="" i
     echo "$MPI_EXEC"
+    # Open MPI: no help messages after a rank's exit, so that a refused job's last line
+    # is its own reason and fix
+    [[ $MPI_IMPL != openmpi ]] || echo --quiet
     if [[ -n "${2:-}" ]]; then
         for ((i = 0; i < $2; i++)); do list+=${list:+,}node${names[i]}:$(( $1 / $2 )); done
         if [[ $MPI_IMPL == openmpi ]]; then
@@ -400,7 +403,7 @@ run_mpi() {
 # python -m mpitrain's commands. Those that are MPI jobs (a command and its first word)
 # run under run_mpi; the others in one process, as their --help says (study and simulate
 # --calibrate start MPI jobs of their own, with the venv's mpiexec).
-COMMANDS=(train eval predict export plot inspect convert bench study simulate check-gpu)
+COMMANDS=(train eval predict export plot inspect preview convert bench study simulate check-gpu)
 is_mpi_job() {   # command, its arguments...
     case "$1 ${2:-}" in
         "train "*|"eval "*|"convert imagefolder"|"bench step"|"bench comm") return 0 ;;

@@ -124,11 +124,12 @@ def cores():
 
 
 def launch_options(ranks, family):
-    """mpiexec's options for `ranks` ranks on this host. Open MPI: no binding (each
-    rank's threads share the cores, as under MPICH) and more ranks than cores allowed."""
+    """mpiexec's options for `ranks` ranks on this host. Open MPI: no help messages after
+    a rank's exit (a refused job's last line is its own reason), no binding (each rank's
+    threads share the cores, as under MPICH) and more ranks than cores allowed."""
     if family != "openmpi":
         return []
-    return ["--bind-to", "none"] + (["--oversubscribe"] if ranks > cores() else [])
+    return ["--quiet", "--bind-to", "none"] + (["--oversubscribe"] if ranks > cores() else [])
 
 
 def job_environment(family, threads=None):

@@ -155,6 +155,9 @@ def test_argument_errors_are_said_once_per_job(digits):
                        timeout=120, env=environment(2))
     assert r.returncode != 0
     assert r.stderr.count("argument --lr") == 1, r.stderr
+    # the reason is the last thing printed: no launcher's help text after it (Open MPI
+    # runs with --quiet)
+    assert "argument --lr" in r.stderr.strip().splitlines()[-1], r.stderr
 
 
 def test_a_run_directory_that_is_a_file_or_read_only(digits, tmp_path):

@@ -33,7 +33,7 @@ def launch(tmp_path, impl, *args, **extra):
     return r, log, venv
 
 
-@pytest.mark.parametrize("impl, options", [("mpich", ""), ("openmpi", "--bind-to none ")])
+@pytest.mark.parametrize("impl, options", [("mpich", ""), ("openmpi", "--quiet --bind-to none ")])
 @pytest.mark.parametrize("args", [("eval", "--checkpoint", "runs/latest", "--data", "v.h5"),
                                   ("bench", "comm", "--model", "resnet_small"),
                                   ("convert", "imagefolder", "src", "dst.h5")])
