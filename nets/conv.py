@@ -15,6 +15,9 @@ On a GPU with the cuDNN frontend, forward and both gradients go to cuDNN instead
 dW lands in the fp32 gradient arena (from fp16 x and dy: cuDNN's fp16 result,
 widened; where cuDNN cannot build a geometry, dW alone takes the GEMM above with
 fp32 output).
+
+Its plain counterpart, im2col plus one product and nothing else, is nets/plain.py's
+Conv2d (tests/test_plain_layers.py checks one against the other on each CPU path above).
 """
 import time
 

@@ -607,7 +607,10 @@ def test_pinned_ring_gives_the_same_batches(tmp_path):
 def test_loader_reports_waiting_and_reuses_its_buffers(tmp_path):
     path = jpeg_file(str(tmp_path / "data.h5"), n=16)
     loader = Loader(path, 4, train=False, image_size=16, workers=1, prefetch=1)
-    buffers = {x.__array_interface__["data"][0] for x, _ in loader}
+    buffers, waits = set(), []
+    for x, _ in loader:
+        buffers.add(x.__array_interface__["data"][0])
+        waits.append(loader.last_wait)
     assert len(buffers) == 2                              # double-buffered
-    assert loader.wait_time > 0 and loader.last_wait >= 0
+    assert loader.wait_time == pytest.approx(sum(waits)) and loader.wait_time > 0
     loader.close()

@@ -193,9 +193,16 @@ def test_calibrate_measures_fits_and_feeds_the_model(tmp_path):
                        capture_output=True, text=True, timeout=300, env=launcher.environment())
     assert r.returncode == 0, r.stderr
     cal = json.loads((out / "calibration.json").read_text())
+    # each algorithm's fit predicts the sums it was fitted to (bench comm's medians at the
+    # buckets' sizes) within a factor of 2, in the median
+    from mpitrain.simulate import FIT_RANGE, coefficients
+    sweep = json.loads((out / "comm-2ranks.json").read_text())["sweep"]
+    rows = [s for s in sweep if s["bytes"] >= (4 << 20) // FIT_RANGE]
     for algorithm in ("flat", "hierarchical", "2d", "shm"):
         fit = cal["links"][algorithm]["2"]
-        assert fit["alpha"] >= 0 and fit["beta"] >= 0 and fit["alpha"] + fit["beta"] > 0
+        errors = [abs((fit["alpha"] * ca + fit["beta"] * cb) / (s["median"][algorithm] * 1e-3)
+                      - 1) for s in rows for ca, cb in [coefficients(algorithm, s["bytes"], 2)]]
+        assert np.median(errors) < 1.0, (algorithm, fit, errors)
     assert cal["compute"]["macs_per_s"]["1"] > 0
     # measured sharing: 1 process with all the cores, 2 processes at once
     assert set(cal["compute"]["shared_macs_per_s"]) == {"1", "2"}
