@@ -29,6 +29,7 @@ import numpy as np
 from PIL import Image
 
 from .h5format import Writer
+from .split import stratified_val
 
 ROUND = 64          # images per rank between two gathers under MPI
 
@@ -158,16 +159,6 @@ def _plan(src, val_fraction, seed):
                            f"{len(classes)} class(es) rounds to no validation image in any "
                            f"class; give a larger --val-fraction")
     return classes, items, is_val, skipped
-
-
-def stratified_val(labels, val_fraction, rng):
-    """Boolean mask: round(val_fraction * n_c) members of each class c, drawn with rng."""
-    labels = np.asarray(labels)
-    val = np.zeros(len(labels), bool)
-    for c in np.unique(labels):
-        members = rng.permutation(np.flatnonzero(labels == c))
-        val[members[:int(round(val_fraction * len(members)))]] = True
-    return val
 
 
 def convert_imagefolder(src, dst, val_fraction=0.0, resize_short=None, seed=0, progress=None,

@@ -47,7 +47,7 @@ def load_digits_split(seed=0, val_fraction=0.2):
         raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
     from sklearn.datasets import load_digits
 
-    from .convert import stratified_val
+    from .split import stratified_val
     digits = load_digits()
     images = digits.images.astype(np.float64)          # (1797, 8, 8), values 0..16
     labels = digits.target.astype(np.int64)

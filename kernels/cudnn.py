@@ -325,7 +325,7 @@ def save_plan(key, name, path=None):
     path = PLAN_CACHE if path is None else path
     if not path:
         return
-    from mpitrain.config import write_atomic
+    from mpitrain.files import write_atomic
     plans = load_plans(path)
     plans[key] = name
 

@@ -81,7 +81,7 @@ class CheckError(Exception):
 
 def add_arguments(parser):
     """The options of check-gpu (shared by the CLI and `python -m mpitrain.check_gpu`)."""
-    from mpitrain.cli import nonnegative_int, positive_int
+    from mpitrain.argtypes import nonnegative_int, positive_int
     parser.add_argument("--wheels", metavar="DIR", default=os.environ.get("WHEELS") or None,
                         help="install from this folder of wheels first, without network "
                              "(default: $WHEELS)")

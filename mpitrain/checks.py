@@ -195,8 +195,14 @@ def check_not_empty(reader, what):
 
 
 def check_threads():
-    """The communication thread and the watchers call MPI while the main thread does."""
+    """The communication thread and the watchers call MPI while the main thread does; the
+    kernels' GEMMs need the BLAS that MPITRAIN_BLAS names."""
     from mpi4py import MPI
+
+    from mpitrain.kernels.gemm import blas_choice_problem
+    problem = blas_choice_problem()
+    if problem:
+        raise ConfigError(problem)
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED",
                  MPI.THREAD_SERIALIZED: "SERIALIZED"}

@@ -7,10 +7,12 @@ imported only by the command that needs them, so `--help` is quick and `bench
 step --native-openblas` can re-run itself with a changed environment.
 """
 import argparse
-import math
 import os
 import sys
 import traceback
+
+from .argtypes import (density, fraction, nonnegative_float, nonnegative_int, number,
+                       positive_float, positive_int)
 
 
 class Parser(argparse.ArgumentParser):
@@ -51,30 +53,8 @@ class Parser(argparse.ArgumentParser):
         return f"unrecognized arguments: {' '.join(extras)} (--help lists the options)"
 
 
-# ----- argument types: each returns the value or raises ArgumentTypeError -----
-def _number(kind, low=None, high=None, low_open=False, high_open=False):
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {kind.__name__}") from None
-        if kind is float and not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
-        if low is not None and (value < low or (low_open and value == low)):
-            raise argparse.ArgumentTypeError(f"{text} must be {'>' if low_open else '>='} {low}")
-        if high is not None and (value > high or (high_open and value == high)):
-            raise argparse.ArgumentTypeError(f"{text} must be {'<' if high_open else '<='} {high}")
-        return value
-    parse.__name__ = kind.__name__          # argparse names the type in its messages
-    return parse
-
-
-positive_int = _number(int, 1)
-nonnegative_int = _number(int, 0)
-positive_float = _number(float, 0.0, low_open=True)
-density = _number(float, 0.0, 1.0, low_open=True)
-nonnegative_float = _number(float, 0.0)
-fraction = _number(float, 0.0, 1.0, high_open=True)     # [0, 1)
+# ----- argument types: each returns the value or raises ArgumentTypeError (the numbers'
+# in mpitrain/argtypes.py) -----
 
 
 def workers(text):
@@ -728,7 +708,7 @@ def add_simulate(commands, models, D):
                           "measured and save the fit in --out")
     cal.add_argument("--out", default="runs/calibration", metavar="DIR",
                      help="where --calibrate writes calibration.json and the benchmarks' output")
-    cal.add_argument("--max-ranks", type=_number(int, 2, 16), default=4,
+    cal.add_argument("--max-ranks", type=number(int, 2, 16), default=4,
                      help="largest rank count measured")
     cal.add_argument("--steps", type=positive_int, default=5, help="timed bench steps per run")
     cal.add_argument("--warmup", type=positive_int, default=2,

@@ -10,6 +10,8 @@ import os
 import platform
 import time
 
+from .files import write_atomic
+
 
 RUNS = "runs"        # where runs go without --run-dir: runs/<timestamp>
 
@@ -186,23 +188,6 @@ def mpi_library():
     """The first line of the MPI library's version string (Open MPI's ends in a NUL byte)."""
     from mpi4py import MPI
     return MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
-
-
-def write_atomic(out, write):
-    """Run write(tmp) for a temporary path beside `out`, fsync it and rename it over `out`;
-    on any failure remove the temporary file and leave `out` as it was (a full disk leaves
-    the old file or none, never a truncated one)."""
-    directory = os.path.dirname(os.path.abspath(out))
-    tmp = os.path.join(directory, f".{os.path.basename(out)}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def save_json(path, data):

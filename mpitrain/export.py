@@ -33,7 +33,7 @@ import os
 import numpy as np
 
 from .backend import to_numpy
-from .config import write_atomic
+from .files import write_atomic
 from .predict import PredictError, load_model, preprocessing, read_config
 
 FORMATS = ("safetensors", "onnx")

@@ -27,7 +27,7 @@ def preview(cfg, split, batch, out, say=print):
     from mpi4py import MPI
 
     from mpitrain.checks import ConfigError, describe_file, resolve_data
-    from mpitrain.config import write_atomic
+    from mpitrain.files import write_atomic
     from mpitrain.datasets.h5format import Reader, white_level
     from mpitrain.datasets.loader import Loader
     if split == "train" and not cfg["val_data"]:     # a training file needs no validation file

@@ -9,10 +9,10 @@ from PIL import Image
 
 from mpitrain.datasets.augment import (Augment, decode, draft_factor, filter_taps,
                                        random_resized_crop_box, resize_normalise, simplejpeg)
-from mpitrain.datasets.convert import (convert_digits, convert_imagefolder, stratified_val,
-                                       val_path)
+from mpitrain.datasets.convert import convert_digits, convert_imagefolder, val_path
 from mpitrain.datasets.h5format import FormatError, Reader, Writer
 from mpitrain.datasets.loader import DataError, Loader, ShardedSampler
+from mpitrain.datasets.split import stratified_val
 
 
 # -- fixtures -------------------------------------------------------------------

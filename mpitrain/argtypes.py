@@ -1,0 +1,31 @@
+"""Numbers on the command line: each type returns the value or raises
+argparse.ArgumentTypeError naming what is wrong (the CLI's commands and check-gpu share
+them)."""
+import argparse
+import math
+
+
+def number(kind, low=None, high=None, low_open=False, high_open=False):
+    """A `kind` (int or float) within [low, high] (an end left open where *_open)."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {kind.__name__}") from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+        if low is not None and (value < low or (low_open and value == low)):
+            raise argparse.ArgumentTypeError(f"{text} must be {'>' if low_open else '>='} {low}")
+        if high is not None and (value > high or (high_open and value == high)):
+            raise argparse.ArgumentTypeError(f"{text} must be {'<' if high_open else '<='} {high}")
+        return value
+    parse.__name__ = kind.__name__          # argparse names the type in its messages
+    return parse
+
+
+positive_int = number(int, 1)
+nonnegative_int = number(int, 0)
+positive_float = number(float, 0.0, low_open=True)
+density = number(float, 0.0, 1.0, low_open=True)
+nonnegative_float = number(float, 0.0)
+fraction = number(float, 0.0, 1.0, high_open=True)     # [0, 1)

@@ -1,0 +1,21 @@
+"""Files written whole: what every writer of the project's outputs (run reports, exports,
+images, cuDNN's plan cache) goes through. Standard library only, so that any module,
+the kernels' too, may use it."""
+import os
+
+
+def write_atomic(out, write):
+    """Run write(tmp) for a temporary path beside `out`, fsync it and rename it over `out`;
+    on any failure remove the temporary file and leave `out` as it was (a full disk leaves
+    the old file or none, never a truncated one)."""
+    directory = os.path.dirname(os.path.abspath(out))
+    tmp = os.path.join(directory, f".{os.path.basename(out)}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
