@@ -17,7 +17,7 @@
 #   ./launch.sh setup           set up only: the venv, editable install, Cython kernels
 #   ./launch.sh gpu-check       on a GPU machine without network: prove the GPU path and
 #                               write a JSON report (WHEELS=DIR installs from a folder of
-#                               wheels first; README: On a GPU)
+#                               wheels first; docs/gpu.md)
 #
 # The venv is .venv (MPITRAIN_VENV=DIR for another); its MPI is chosen once, when it is
 # made: the system's when `mpicc` and `mpiexec` are on PATH, else the `mpich` wheel

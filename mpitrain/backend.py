@@ -24,7 +24,7 @@ xp = numpy          # where new arrays are allocated; numpy until use_device() s
 device = "cpu"      # "cpu" or "cuda:<id>"
 gpu_collectives = "nccl"   # how device arrays are summed: NCCL where installed, or "mpi"
 
-GPU_EXTRAS = "pip install 'mpitrain[gpu-cu12]' or 'mpitrain[gpu-cu13]' (README: On a GPU)"
+GPU_EXTRAS = "pip install 'mpitrain[gpu-cu12]' or 'mpitrain[gpu-cu13]' (docs/gpu.md)"
 
 
 class DeviceError(RuntimeError):

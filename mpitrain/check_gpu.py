@@ -215,7 +215,7 @@ def _wheel_files(folder):
         raise CheckError(f"--wheels / WHEELS={folder}: no such folder")
     files = sorted(glob.glob(os.path.join(folder, "*.whl")))
     if not files:
-        raise CheckError(f"--wheels / WHEELS={folder}: no .whl file in it (README, On a GPU, "
+        raise CheckError(f"--wheels / WHEELS={folder}: no .whl file in it (docs/gpu.md "
                          f"says how to fetch them)")
     return folder, files
 

@@ -5,7 +5,7 @@ checkpoint it was exported from.
 The file's metadata (export writes Preprocessing.metadata) rebuilds the checkpoint's
 Preprocessing (Preprocessing.from_metadata), so each image goes through the code that
 `predict` runs, the loader's validation transform, before the graph sees it: this is
-the README's recipe for running the file in another program, done here.
+docs/export.md's recipe for running the file in another program, done here.
 
 The check runs the same images through the checkpoint's model as `predict` does and
 reports

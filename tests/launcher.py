@@ -16,8 +16,8 @@ it needs, in an environment without the launch variables of any job around the t
 Tests that start MPI jobs are marked `launches` (CI runs them again under a second MPI).
 Find a rank's pid in its run directory's heartbeat files
 (mpitrain.control.read_heartbeats), never in a launcher's process tree; assert the
-statuses mpitrain promises, and what the launchers report for them only as README's
-"On a cluster" documents it.
+statuses mpitrain promises, and what the launchers report for them only as docs/cluster.md
+documents it.
 """
 import functools
 import os

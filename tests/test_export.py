@@ -333,15 +333,17 @@ def test_an_unreadable_image_exits_2_naming_it(small, tmp_path, capsys):
         assert f"{image}: not" in capsys.readouterr().err
 
 
-# ----- the ONNX file with its preprocessing: README's recipe, predict --onnx -----
-README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
+# ----- the ONNX file with its preprocessing: docs/export.md's recipe, predict --onnx -----
+EXPORT_DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "export.md")
 
 
-def readme_recipe():
-    """The Python block of README's "Getting the model out", as written there."""
-    with open(README) as f:
+def onnx_recipe():
+    """The Python block of docs/export.md's "The ONNX file in another program", as written
+    there."""
+    with open(EXPORT_DOC) as f:
         text = f.read()
-    start = text.index("```python\n", text.index("## Getting the model out")) + len("```python\n")
+    start = (text.index("```python\n", text.index("## The ONNX file in another program"))
+             + len("```python\n"))
     return text[start:text.index("```", start)]
 
 
@@ -375,8 +377,8 @@ def all_probabilities(result, classes):
 
 
 @pytest.mark.parametrize("which", ["digits", "small"])
-def test_readme_onnx_recipe_gives_predicts_probabilities(which, request, tmp_path, monkeypatch,
-                                                         capsys):
+def test_the_documented_onnx_recipe_gives_predicts_probabilities(which, request, tmp_path,
+                                                                  monkeypatch, capsys):
     """Digits: crop fraction 1, a 16-bit training file; small: 0.875, 8-bit."""
     pytest.importorskip("onnx")
     pytest.importorskip("onnxruntime")
@@ -393,7 +395,7 @@ def test_readme_onnx_recipe_gives_predicts_probabilities(which, request, tmp_pat
 
     monkeypatch.chdir(tmp_path)                 # the recipe names model.onnx, cat.jpg, dog.png
     scope = {}
-    exec(readme_recipe(), scope)
+    exec(onnx_recipe(), scope)
     assert scope["probabilities"].shape == theirs.shape
     assert np.abs(scope["probabilities"] - theirs).max() < 1e-3
 
