@@ -43,7 +43,8 @@ def preview(cfg, split, batch, out, say=print):
     with Loader(path, batch, train=split == "train", image_size=size, workers=0, prefetch=1,
                 seed=cfg["seed"], **options) as loader:
         x, y = next(iter(loader))
-        pixels = np.clip((x * loader.std + loader.mean) / white, 0.0, 1.0)    # (batch, size, size, 3)
+        # (batch, size, size, 3) in [0, 1]
+        pixels = np.clip((x * loader.std + loader.mean) / white, 0.0, 1.0)
         names = [loader.class_names[i] for i in y]
     image = grid(pixels, names)
     if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
