@@ -3,7 +3,7 @@ cannot work is refused at once (ConfigError: exit status 2, a message that names
 problem and the fix), with nothing written and no rank left waiting.
 
     options       the global batch against the ranks (check_batch), the communication
-                  options (comm_options)
+                  options (comm_options), what --layers plain cannot run (check_layers)
     MPI           the thread level the run's threads need (check_threads), a world the
                   size the launcher started (check_launch)
     data          the named data sets and files (resolve_data), both files readable, of
@@ -91,6 +91,29 @@ def comm_options(cfg, world_size):
                 raise ConfigError(f"--shard-update sums fp32 gradients with one reduce-scatter "
                                   f"after backward, so --{key.replace('_', '-')} {cfg[key]} "
                                   f"does not apply: {fix}")
+
+
+def check_layers(cfg):
+    """Refuse what --layers plain cannot run: the plain layers (nets/plain.py) compute in
+    NumPy in the master dtype on the CPU, one eager step at a time, and each rank's
+    BatchNorm normalises its own batch."""
+    if cfg["layers"] not in ("fast", "plain"):
+        raise ConfigError(f"unknown --layers {cfg['layers']!r}; choose fast or plain")
+    if cfg["layers"] == "fast":
+        return
+    for refused, option, why in (
+            (cfg["precision"] != "fp32", f"--precision {cfg['precision']}",
+             "the plain layers compute in fp32"),
+            (cfg["device"] not in ("cpu", "auto"), f"--device {cfg['device']}",
+             "the plain layers are NumPy, on the CPU (--device auto runs them there)"),
+            (cfg["decode"] != "cpu", f"--decode {cfg['decode']}",
+             "the plain layers run on the CPU, with no GPU to decode on"),
+            (cfg["cuda_graph"], "--cuda-graph", "the plain layers run eagerly, on the CPU"),
+            (cfg["bn_group"] > 1, f"--bn-group {cfg['bn_group']}",
+             "the plain BatchNorm normalises each rank's batch alone")):
+        if refused:
+            raise ConfigError(f"--layers plain cannot run with {option}: {why}; drop "
+                              f"{option.split()[0]} or use --layers fast")
 
 
 def resolve_data(cfg, comm):

@@ -175,6 +175,12 @@ def build_parser():
                             "CUDA graphs captured after 2 eager steps (mpitrain/graph.py); the "
                             "run says when a model cannot be captured (fp32, dropout) and "
                             "runs it eagerly")
+    train.add_argument("--layers", choices=["fast", "plain"], default=D["layers"],
+                       help="the layers forward and backward run on: fast (nets/: Numba and "
+                            "GEMM kernels, cuDNN on a GPU) or plain (their NumPy twins in "
+                            "nets/plain.py, the formulas written out: slower, on the CPU in "
+                            "fp32, without --cuda-graph or --bn-group); either way the same "
+                            "arena, optimizer, all-reduce and checkpoints")
     # the run around the loop
     train.add_argument("--config", metavar="YAML",
                        help="a YAML file of train options (keys as the flags, dashes or "

@@ -4,7 +4,8 @@ Every rank holds a full replica of the model. One step, `train_step`:
 
     batch      this rank's shard of the global batch, read, decoded and augmented
                ahead of the step by the loader's workers (mpitrain.datasets.loader)
-    forward    model.forward(x, train=True)
+    forward    model.forward(x, train=True) (--layers plain: forward and backward are
+               nets/plain.py's plain NumPy layers, in the model's own arena and buffers)
     loss       softmax cross-entropy in fp32 (optional label smoothing), its gradient
                multiplied by the loss scale; the top-1 hits counted on the device
                (the training accuracy of each progress line)
@@ -47,8 +48,8 @@ import numpy as np
 
 from . import backend, checkpoint
 from .checks import (ConfigError, check_batch, check_decode, check_free_space, check_image_size,
-                     check_launch, check_threads, comm_options, describe_data, find_resume,
-                     free_space, prepare_run_dir, resolve_data)
+                     check_launch, check_layers, check_threads, comm_options, describe_data,
+                     find_resume, free_space, prepare_run_dir, resolve_data)
 from .control import Heartbeats, LauncherWatch, LossWatch, StopSignals, Watchdog, stop_signal
 from .metrics import MetricsLog, StepProgress, Timeline
 from .optim import learning_rate, make_optimizer, scaled_lr
@@ -65,7 +66,10 @@ DEFAULTS = dict(model="resnet_small", data="digits", val_data=None, data_dir="da
                 # optimizer and precision; loss_scale None: dynamic under fp16, 1 under fp32
                 optimizer="sgd", lr_ref_batch=None, lars_eta=0.001, lars_eps=1e-9,
                 schedule="cosine", milestones=(), precision="fp32", loss_scale=None,
-                cuda_graph=False)
+                cuda_graph=False,
+                # forward and backward on the layers of nets/ ("fast") or on their plain
+                # NumPy twins (nets/plain.py), in the same arena ("plain")
+                layers="fast")
 
 # The run around the loop: run directory, checkpoints, logging, failure handling.
 DEFAULTS.update(run_dir=None, checkpoint_every=1, keep_checkpoints=3, resume=None, trace=None,
@@ -322,6 +326,7 @@ class Run:
         from mpitrain.datasets.loader import Loader
         from mpitrain.inspect import describe_parameters
         from mpitrain.nets import build_model
+        from mpitrain.nets.plain import PlainNetwork
         self.cfg = cfg
         self.reducer = self.signals = self.watchdog = self.heartbeats = None
         self.metrics = self.progress = self.train_data = self.val_data = self.comm = None
@@ -331,6 +336,7 @@ class Run:
         # ----- options that cannot work are refused before any work -----
         check_threads()
         check_launch(mpi_comm.size)
+        check_layers(cfg)           # first: --layers plain refuses any --bn-group above 1
         comm_options(cfg, mpi_comm.size)
         check_batch(cfg["batch_size"], mpi_comm.size)
         if cfg["precision"] not in ("fp32", "fp16"):
@@ -341,8 +347,8 @@ class Run:
         rank, size = comm.rank, comm.size
         self.say = say = log if rank == 0 else (lambda *a, **k: None)
         try:
-            backend.use_device(cfg["device"], comm.host_rank, comm.host_size,
-                               cfg["ranks_per_gpu"])
+            backend.use_device("cpu" if cfg["layers"] == "plain" else cfg["device"],
+                               comm.host_rank, comm.host_size, cfg["ranks_per_gpu"])
         except backend.DeviceError as e:
             raise ConfigError(str(e)) from None
         limit_threads(comm)
@@ -357,6 +363,15 @@ class Run:
         self.model = model = build_model(cfg["model"], num_classes=len(class_names),
                                          seed=cfg["seed"], rank=rank, working_dtype=working)
         check_image_size(model, cfg["model"], size_px)
+        # what the steps and the evaluations run forward and backward: the model's own
+        # layers, or their plain twins computing in the model's arena and buffers
+        self.net = model
+        if cfg["layers"] == "plain":
+            try:
+                self.net = PlainNetwork(model)
+            except TypeError as e:
+                raise ConfigError(f"--layers plain cannot run {cfg['model']}: {e}; use "
+                                  f"--layers fast") from None
         run_dir, self.lock = prepare_run_dir(cfg, comm)
         self.run_dir = run_dir
         # master, momentum, the optimizer's further state, each rank's top-k residual
@@ -383,7 +398,8 @@ class Run:
         self.base_lr = scaled_lr(cfg["lr"], batch, cfg["lr_ref_batch"])
         self.steps = steps = self.train_data.steps_per_epoch
         chosen = "" if cfg["image_size"] else " from the data"
-        say(f"mpitrain: {cfg['model']}, {describe_parameters(model)}, on {train_file} "
+        plain = " on the plain layers of nets/plain.py" if self.net is not model else ""
+        say(f"mpitrain: {cfg['model']}{plain}, {describe_parameters(model)}, on {train_file} "
             f"({len(self.train_data.labels)} train / {len(self.val_data.labels)} val images, "
             f"{size_px}x{size_px}{chosen}), {size} rank(s) on {backend.device}{sharing(cfg)}, "
             f"global batch {batch} ({batch // size} per rank), {steps} steps/epoch, "
@@ -520,7 +536,7 @@ class Run:
             lr = learning_rate(epoch + (s + 1) / steps, self.base_lr, self.epochs,
                                cfg["warmup_epochs"], cfg["schedule"], cfg["milestones"])
             started = time.perf_counter()
-            loss = train_step(self.model, self.optimizer, self.reducer, backend.xp.asarray(x),
+            loss = train_step(self.net, self.optimizer, self.reducer, backend.xp.asarray(x),
                               backend.xp.asarray(y), lr, cfg["label_smoothing"], self.scaler,
                               self.timeline, self.graph, self.correct)
             self.counted += len(y)
@@ -647,7 +663,7 @@ class Run:
 
     def evaluate(self):
         average_buffers(self.model, self.comm)
-        accuracy = evaluate(self.model, self.comm, self.val_data, self.topk)
+        accuracy = evaluate(self.net, self.comm, self.val_data, self.topk)
         # result["loss"] stays the training loss
         self.result.update({k: v for k, v in accuracy.items() if k != "loss"},
                            val_loss=accuracy["loss"])

@@ -12,8 +12,26 @@ The contract is the fast layers' (nets/module.py) without the arena: activations
 NHWC (N, H, W, C), `forward(x, train=True)` returns y and caches what backward needs,
 `backward(dy)` returns dx. Parameters are plain arrays on the layer (W, b, gamma, beta)
 and backward leaves their gradients beside them (dW, db, dgamma, dbeta).
+
+The end of the file mirrors a fast network into these layers: `twins(model)` pairs each
+fast layer with its plain twin, and `PlainNetwork(model)` runs a bound network's forward
+and backward on the plain twins, in the network's own arena: `python -m mpitrain train
+--layers plain` trains on it.
 """
+import copy
+
 import numpy as np
+
+# the fast layers, only to mirror them (the last section)
+from .activation import Dropout as FastDropout, ReLU as FastReLU
+from .alexnet import AlexNet as FastAlexNet
+from .batchnorm import BatchNorm2d as FastBatchNorm2d
+from .conv import Conv2d as FastConv2d
+from .linear import Flatten as FastFlatten, Linear as FastLinear
+from .module import Sequential as FastSequential
+from .pool import (AdaptiveAvgPool2d as FastAdaptiveAvgPool2d, AvgPool2d as FastAvgPool2d,
+                   GlobalAvgPool2d as FastGlobalAvgPool2d, MaxPool2d as FastMaxPool2d)
+from .resnet import BasicBlock, Bottleneck, ResNet
 
 
 def output_size(size, k, s, p):
@@ -62,11 +80,13 @@ class Conv2d:
         dx = col2im(dy . W).
     Reshaped to matrices, cols (N*Ho*Wo, k*k*C) and W (O, k*k*C): y = cols W^T,
     dW = dy^T cols, dcols = dy W: the three GEMMs of nets/conv.py's im2col path.
+    input_grad=False: backward computes dW and db only and returns None (a network's
+    first layer: the images need no gradient).
     """
 
-    def __init__(self, W, b=None, stride=1, padding=0):
+    def __init__(self, W, b=None, stride=1, padding=0, input_grad=True):
         self.W, self.b, self.stride, self.padding = W, b, stride, padding
-        self.k = W.shape[1]
+        self.k, self.input_grad = W.shape[1], input_grad
 
     def forward(self, x, train=True):
         self.x_shape = x.shape
@@ -77,6 +97,8 @@ class Conv2d:
     def backward(self, dy):                                            # dy: (N, Ho, Wo, O)
         self.dW = np.tensordot(dy, self.cols, axes=([0, 1, 2], [0, 1, 2]))  # (O, k, k, C)
         self.db = None if self.b is None else dy.sum(axis=(0, 1, 2))   # (O,)
+        if not self.input_grad:
+            return None
         dcols = np.tensordot(dy, self.W, axes=([3], [0]))              # (N, Ho, Wo, k, k, C)
         return col2im(dcols, self.x_shape, self.k, self.stride, self.padding)
 
@@ -89,6 +111,8 @@ class BatchNorm2d:
         running_mean <- (1 - momentum) running_mean + momentum mean
         running_var  <- (1 - momentum) running_var  + momentum var M / (M - 1)  (unbiased)
     Eval: mean and var are the running statistics, which stay as they are.
+    The running statistics are updated in place ([...] =), so that arrays shared with a
+    fast layer's buffers (PlainNetwork below) see the new values.
     Backward:
         dbeta = sum dy,   dgamma = sum dy * xhat   (sums over n, h, w)
         train: dx = gamma / sqrt(var + eps) * (dy - dbeta / M - xhat * dgamma / M)
@@ -105,8 +129,8 @@ class BatchNorm2d:
             M = x.size // x.shape[3]
             mean, var = x.mean(axis=(0, 1, 2)), x.var(axis=(0, 1, 2))      # (C,) each
             m = self.momentum
-            self.running_mean = (1 - m) * self.running_mean + m * mean
-            self.running_var = (1 - m) * self.running_var + m * var * M / (M - 1)
+            self.running_mean[...] = (1 - m) * self.running_mean + m * mean
+            self.running_var[...] = (1 - m) * self.running_var + m * var * M / (M - 1)
         else:
             mean, var = self.running_mean, self.running_var
         self.invstd = 1 / np.sqrt(var + self.eps)                          # (C,)
@@ -315,3 +339,126 @@ def softmax_cross_entropy(logits, labels, label_smoothing=0.0):
     log_p = z - np.log(np.exp(z).sum(axis=1, keepdims=True))     # (N, K)
     loss = -(t * log_p).sum() / N
     return loss, (np.exp(log_p) - t) / N
+
+
+# ----- a fast network mirrored into plain layers -----
+def twin(layer, share=False):
+    """The plain twin of one fast layer (not a block or a container: see twins).
+
+    share=False: its parameters and BatchNorm statistics are copies of the fast layer's
+    (a Dropout's generator too: the same masks from here on), so the two can be run side
+    by side and compared. share=True: they are the fast layer's own arrays (the working
+    weights param.data, the buffers' views, the generator itself): the twin computes with
+    whatever the optimizer, a checkpoint or an all-reduce put there, and its BatchNorm
+    moves the fast layer's running statistics.
+    A fused ReLU (BatchNorm2d(relu=True)) is left out: twins() adds a plain.ReLU after it.
+    """
+    own = (lambda a: a) if share else (lambda a: a.copy())
+    param = lambda p: None if p is None else own(p.data)
+    if isinstance(layer, FastConv2d):
+        return Conv2d(param(layer.weight), param(layer.bias), layer.stride, layer.padding,
+                      layer.input_grad)
+    if isinstance(layer, FastBatchNorm2d):
+        return BatchNorm2d(param(layer.weight), param(layer.bias), own(layer.running_mean.data),
+                           own(layer.running_var.data), layer.eps, layer.momentum)
+    if isinstance(layer, FastLinear):
+        return Linear(param(layer.weight), param(layer.bias))
+    if isinstance(layer, FastDropout):
+        plain = Dropout(layer.p)
+        plain.rng = layer.rng if share else copy.deepcopy(layer.rng)
+        return plain
+    if isinstance(layer, (FastMaxPool2d, FastAvgPool2d)):
+        cls = MaxPool2d if isinstance(layer, FastMaxPool2d) else AvgPool2d
+        return cls(layer.k, layer.stride, layer.padding)
+    if isinstance(layer, FastAdaptiveAvgPool2d):
+        return AdaptiveAvgPool2d(layer.output_size)
+    simple = {FastReLU: ReLU, FastFlatten: Flatten, FastGlobalAvgPool2d: GlobalAvgPool2d}
+    if type(layer) in simple:
+        return simple[type(layer)]()
+    raise TypeError(f"{type(layer).__name__} has no plain twin in nets/plain.py")
+
+
+def twins(layer, share=False):
+    """[(fast layer or None, plain layer)] in forward order: a fused ReLU made a layer of its
+    own (its fast layer None), a residual block one ResidualBlock (whose `pairs` are its
+    layers' own), a network or a Sequential the twins of what it runs in turn.
+    share: as twin's."""
+    if isinstance(layer, (ResNet, FastAlexNet, FastSequential)):
+        parts = (layer.sequence if isinstance(layer, ResNet) else
+                 layer.stages if isinstance(layer, FastAlexNet) else layer.layers)
+        return [t for sub in parts for t in twins(sub, share)]
+    if isinstance(layer, (BasicBlock, Bottleneck)):
+        main = [t for sub in layer.main for t in twins(sub, share)]
+        short = twins(layer.downsample, share) if layer.downsample is not None else []
+        block = ResidualBlock([p for _, p in main], [p for _, p in short])
+        block.pairs = main + short
+        return [(layer, block)]
+    pair = [(layer, twin(layer, share))]
+    return pair + [(None, ReLU())] if getattr(layer, "relu", False) else pair
+
+
+def gradients(pairs):
+    """[(fast Param, plain layer, name of its gradient there)] of every parameter below
+    `pairs` (from twins), in forward (registration) order: after the plain layer's
+    backward, getattr(plain layer, name) is the parameter's gradient."""
+    out = []
+    for fast, plain in pairs:
+        if isinstance(plain, ResidualBlock):
+            out += gradients(plain.pairs)
+            continue
+        if fast is None:
+            continue
+        names = ({"weight": "dgamma", "bias": "dbeta"} if isinstance(plain, BatchNorm2d)
+                 else {"weight": "dW", "bias": "db"})
+        out += [(param, plain, names[name]) for name, param in fast.named_params()]
+    return out
+
+
+class PlainNetwork:
+    """A bound fast network (nets/) whose forward and backward the plain layers compute,
+    in the fast network's own memory: `python -m mpitrain train --layers plain`.
+
+    The plain twins share the fast layers' arrays (twins(model, share=True)): their
+    weights are the arena's working views, which the optimizer updates in place; their
+    BatchNorm running statistics are the buffer arena's views, moved in place; a Dropout
+    draws from the fast layer's generator, which checkpoints save. So the arena, the
+    optimizer, the gradient Reducer, checkpoints, the averaging of the statistics over
+    the ranks and evaluation all work as with the fast layers: only the arithmetic of
+    forward and backward changes (NumPy, the float dtype of the arena, on the CPU).
+
+    backward hands each gradient over as the fast layers do: once a plain layer (a whole
+    residual block at a time) has run backward, each of its parameters' gradients is
+    written into the arena (param.grad[...] = ...) and announced (param.grad_ready(),
+    which counts it off its Reducer bucket), in arena order, the order of the fast
+    layers' backward.
+    """
+
+    def __init__(self, model):
+        arena = model.arena
+        if arena.xp is not np or arena.working_dtype != arena.dtype:
+            raise ValueError("the plain layers compute in NumPy in the master dtype: a model on "
+                             "a GPU or with fp16 working weights has no plain twin")
+        self.model = model
+        # what a training step reads of a network besides forward and backward: the model's
+        self.arena, self.buffer_arena, self.dtype = arena, model.buffer_arena, model.dtype
+        self.pairs = twins(model, share=True)        # [(fast layer or None, plain layer)]
+        self.layers = [plain for _, plain in self.pairs]
+        # each plain layer's gradients, in arena order (backward's: the last parameter first)
+        self.grads = [gradients([pair])[::-1] for pair in self.pairs]
+        handed = [param for grads in reversed(self.grads) for param, _, _ in grads]
+        if [id(p) for p in handed] != [id(p) for p in arena.params]:
+            raise TypeError(f"the plain twins of {type(model).__name__} do not compute the "
+                            f"gradients of its parameters in arena order")
+
+    def forward(self, x, train=True):
+        for layer in self.layers:
+            x = layer.forward(x, train)
+        return x
+
+    def backward(self, dy):
+        for layer, grads in zip(reversed(self.layers), reversed(self.grads)):
+            dy = layer.backward(dy)
+            for param, plain, name in grads:
+                param.grad[...] = getattr(plain, name)
+                param.grad_ready()
+        return dy

@@ -16,8 +16,9 @@ from mpitrain.nets.conv import Conv2d
 from mpitrain.nets.linear import Flatten, Linear
 from mpitrain.nets.losses import softmax_cross_entropy
 from mpitrain.nets.module import Sequential
+from mpitrain.nets.plain import twin, twins
 from mpitrain.nets.pool import AdaptiveAvgPool2d, AvgPool2d, GlobalAvgPool2d, MaxPool2d
-from mpitrain.nets.resnet import BasicBlock, Bottleneck, ResNet
+from mpitrain.nets.resnet import BasicBlock, Bottleneck
 
 DTYPES = [np.float64, np.float32]
 RTOL = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 1e-5}
@@ -36,58 +37,11 @@ def close(fast, plain_value, what, rtol=RTOL):
     assert_close(fast, plain_value, rtol[plain_value.dtype], 1e-12, what)
 
 
-# ----- the fast layer's twin, with copies of its parameters and buffers -----
-def twin(layer):
-    copy = lambda p: None if p is None else p.master.astype(p.data.dtype)
-    if isinstance(layer, Conv2d):
-        return plain.Conv2d(copy(layer.weight), copy(layer.bias), layer.stride, layer.padding)
-    if isinstance(layer, BatchNorm2d):    # its fused ReLU, if any, is a plain.ReLU after it
-        return plain.BatchNorm2d(copy(layer.weight), copy(layer.bias),
-                                 layer.running_mean.data.copy(), layer.running_var.data.copy(),
-                                 layer.eps, layer.momentum)
-    if isinstance(layer, Linear):
-        return plain.Linear(copy(layer.weight), copy(layer.bias))
-    simple = {ReLU: plain.ReLU, Flatten: plain.Flatten, GlobalAvgPool2d: plain.GlobalAvgPool2d}
-    if type(layer) in simple:
-        return simple[type(layer)]()
-    if isinstance(layer, (MaxPool2d, AvgPool2d)):
-        cls = plain.MaxPool2d if isinstance(layer, MaxPool2d) else plain.AvgPool2d
-        return cls(layer.k, layer.stride, layer.padding)
-    raise TypeError(f"no plain twin for {layer!r}")
-
-
-def twins(layer):
-    """[(fast layer or None, plain layer)] in forward order, a fused ReLU made its own layer,
-    a residual block one plain.ResidualBlock, and a ResNet its sequence."""
-    if isinstance(layer, ResNet):
-        return [t for sub in layer.sequence for t in twins(sub)]
-    if isinstance(layer, Sequential):
-        return [t for sub in layer.layers for t in twins(sub)]
-    if isinstance(layer, (BasicBlock, Bottleneck)):
-        main = [t for sub in layer.main for t in twins(sub)]
-        short = twins(layer.downsample) if layer.downsample is not None else []
-        block = plain.ResidualBlock([p for _, p in main], [p for _, p in short])
-        block.pairs = main + short
-        return [(layer, block)]
-    pair = [(layer, twin(layer))]
-    return pair + [(None, plain.ReLU())] if getattr(layer, "relu", False) else pair
-
-
+# ----- plain.twins(fast): the plain twins, with copies of the parameters and buffers -----
 def parameter_pairs(pairs):
     """[(name, fast gradient, plain gradient)] of every parameter below `pairs`."""
-    names = {"weight": "dW", "bias": "db"}
-    out = []
-    for fast, p in pairs:
-        if isinstance(p, plain.ResidualBlock):
-            out += parameter_pairs(p.pairs)
-            continue
-        if fast is None:
-            continue
-        for name, param in fast.named_params():
-            attr = ("dgamma" if name == "weight" else "dbeta") if isinstance(p, plain.BatchNorm2d) \
-                else names[name]
-            out.append((f"{type(fast).__name__}.{name}", param.grad, getattr(p, attr)))
-    return out
+    return [(param.name, param.grad, getattr(p, attr))
+            for param, p, attr in plain.gradients(pairs)]
 
 
 def run_both(fast, x, train=True, dy_seed=7, pairs=None, rtol=RTOL):
@@ -343,6 +297,17 @@ def test_resnet_small_through_the_loss(dtype):
     assert sum(g.size for _, g, _ in grads) == model.num_params() == 78042
     for name, g, g_plain in grads:
         close(g, g_plain, name, CHAIN_RTOL)
+
+
+def test_alexnet_bn_with_dropout_through_the_loss():
+    """AlexNet-BN at 63x63 (its feature maps 1x1 before the adaptive pool to 6x6) with
+    dropout: the twins copy the dropout generators, so they draw the masks the fast
+    layers draw. Its plain network takes every parameter's gradient in arena order."""
+    model = bound(build_model("alexnet_bn", num_classes=10, seed=5), np.float32, seed=5)
+    pairs = twins(model)
+    assert sum(isinstance(p, plain.Dropout) for _, p in pairs) == 2
+    run_both(model, rand((2, 63, 63, 3), np.float32, seed=1), pairs=pairs, rtol=CHAIN_RTOL)
+    assert len(plain.PlainNetwork(model).layers) == len(pairs)
 
 
 def test_the_comparisons_fail_on_a_wrong_plain_layer():
