@@ -1,4 +1,4 @@
-"""The training loop, readable top to bottom (DESIGN.md section 1).
+"""The training loop, readable top to bottom.
 
 Every rank holds a full replica of the model. One step, `train_step`:
 
@@ -25,8 +25,8 @@ Every rank holds a full replica of the model. One step, `train_step`:
                refreshes the (fp16) working weights (--shard-update: over this rank's
                shard, then the masters all-gathered)
 
-After the step the ranks agree on two flags in one all-reduce (MAX): a stop
-signal received, a non-finite loss.
+After the step the ranks agree, in one summed all-reduce (`agree`), on a stop
+signal received, a non-finite loss, the loss itself and the bad records skipped.
 
 The run around the steps (`Run`): set-up (options, Communicator, device, data,
 model, optimizer, run directory, resume), the epochs, and the end of each
@@ -43,6 +43,7 @@ import math
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -233,6 +234,26 @@ def train_step(model, optimizer, reducer, x, y, lr, label_smoothing=0.0, scaler=
     else:
         model.buffer_arena.data[...] = saved_stats
     return loss
+
+
+class Agreement(NamedTuple):
+    """What the ranks agree on after a step (agree)."""
+    stop: str | None        # the stop signal every rank acts on, or None
+    not_finite: int         # how many ranks' losses are inf or NaN
+    loss_sum: float         # the ranks' finite losses, summed
+    skipped: int            # bad records the ranks have skipped so far
+
+
+def agree(comm, pending, loss, skipped):
+    """The one agreement of a step, a single summed all-reduce (the same bits on every
+    rank, so every rank decides alike): this rank's stop signals (`pending`, in
+    STOP_SIGNALS order), whether its loss is not finite, the loss itself (0 when not), and
+    the bad records it has skipped so far."""
+    finite = math.isfinite(loss)
+    values = np.array([*pending, not finite, loss if finite else 0.0, skipped], np.float64)
+    comm.allreduce(values, "flat")
+    *signals, not_finite, loss_sum, skipped = values
+    return Agreement(stop_signal(signals), int(not_finite), float(loss_sum), int(skipped))
 
 
 def evaluate(model, comm, loader, topk=(1, 5)):
@@ -546,31 +567,24 @@ class Run:
             self.beat(f"step {global_step}")
             if cfg["check_replicas"] and global_step % cfg["check_replicas"] == 0:
                 self.check_replicas(global_step)
-            # the one agreement of a step: stop signals, non-finite losses, the loss itself,
-            # summed over the ranks (the same bits everywhere, so every rank decides alike),
-            # and the bad records the ranks have skipped so far, for the reports
-            finite = math.isfinite(loss)
-            agreed = np.array([*self.signals.pending(), not finite, loss if finite else 0.0,
-                               data.skipped])
-            comm.allreduce(agreed, "flat")
-            self.skipped = int(agreed[5])
+            agreed = agree(comm, self.signals.pending(), loss, data.skipped)
+            self.skipped = agreed.skipped
             self.signals.mark()
-            if self.stop_on_nan and agreed[3]:
+            if self.stop_on_nan and agreed.not_finite:
                 raise TrainingError(self.diverged(loss, epoch, s, "is not finite",
-                                                  not_finite=not finite))
-            mean_loss = agreed[4] / comm.size
-            if not agreed[3] and self.loss_watch.update(mean_loss, global_step):
+                                                  not_finite=not math.isfinite(loss)))
+            mean_loss = agreed.loss_sum / comm.size
+            if not agreed.not_finite and self.loss_watch.update(mean_loss, global_step):
                 raise TrainingError(self.diverged(mean_loss, epoch, s, "has exploded", False))
-            self.loss_sum += agreed[4], comm.size
+            self.loss_sum += agreed.loss_sum, comm.size
             if (s + 1) % self.log_every == 0 or s + 1 == steps:
                 self.log_step(epoch, s, lr, global_step)
             if self.progress:
                 self.progress.update(global_step, self.line if (s + 1) % self.log_every == 0
                                      and s + 1 < steps else None)
-            stop = stop_signal(agreed[:3])
-            if stop:
+            if agreed.stop:
                 self.signals.acted()
-                return stop
+                return agreed.stop
         return None
 
     def tune_fusion(self, seconds, global_step):
