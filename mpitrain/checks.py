@@ -116,8 +116,9 @@ def check_layers(cfg):
                               f"{option.split()[0]} or use --layers fast")
 
 
-def resolve_data(cfg, comm):
-    """(train file, validation file, loader transform options) for the run's --data.
+def resolve_data(cfg, comm, need_val=True):
+    """(train file, validation file, loader transform options) for the run's --data
+    (need_val=False: a missing validation file is not refused).
 
     A preset name (digits) means files under data_dir, converted by rank 0 when
     missing while the other ranks wait; anything else is a training file, with
@@ -142,7 +143,7 @@ def resolve_data(cfg, comm):
         train_file, transform = cfg["data"], dict(TRANSFORM)
         val_file = cfg["val_data"] or convert.val_path(train_file)
         for what, path in (("training", train_file), ("validation", val_file)):
-            if not os.path.exists(path):
+            if not os.path.exists(path) and (need_val or what == "training"):
                 raise ConfigError(f"{what} file {path} does not exist; make it with "
                                   f"`python -m mpitrain convert ...`"
                                   + (" or name it with --val-data" if what == "validation" else ""))

@@ -30,9 +30,7 @@ def preview(cfg, split, batch, out, say=print):
     from mpitrain.files import write_atomic
     from mpitrain.datasets.h5format import Reader, white_level
     from mpitrain.datasets.loader import Loader
-    if split == "train" and not cfg["val_data"]:     # a training file needs no validation file
-        cfg = {**cfg, "val_data": cfg["data"]}      # here (a named data set ignores this)
-    train_file, val_file, transform = resolve_data(cfg, MPI.COMM_SELF)
+    train_file, val_file, transform = resolve_data(cfg, MPI.COMM_SELF, need_val=split == "val")
     path = train_file if split == "train" else val_file
     count, _, stored_size = describe_file(path)
     size = cfg["image_size"] or stored_size

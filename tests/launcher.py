@@ -208,3 +208,24 @@ class BackgroundJob:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def under_cuda_simulator(module, check, timeout=600):
+    """Run `module.check()` (a test module in tests/) in a child under the numba-cuda
+    simulator, which numba chooses when it is imported; the child's assertions fail the
+    calling test, with its output."""
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+            f"import {module} as t; t.{check}()")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), timeout=timeout)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def signal_as_step_starts(job, step, sig=signal.SIGUSR1, timeout=60):
+    """Send rank 0 of a BackgroundJob `sig` as it starts `step` (stopped meanwhile, so the
+    step cannot slip past before the signal is in), and let the job end: its finish()."""
+    job.wait_for(lambda b: b[0]["where"] == f"in 'forward' after step {step - 1}", f"step {step}")
+    os.kill(job.pid(0), signal.SIGSTOP)
+    os.kill(job.pid(0), sig)
+    os.kill(job.pid(0), signal.SIGCONT)
+    return job.finish(timeout=timeout)

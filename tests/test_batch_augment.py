@@ -81,12 +81,8 @@ def simulated_kernel():
 
 
 def test_the_cuda_kernel_under_the_simulator():
-    code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
-            f"import test_batch_augment as t; t.simulated_kernel()")
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr
+    from launcher import under_cuda_simulator
+    under_cuda_simulator("test_batch_augment", "simulated_kernel")
 
 
 @pytest.mark.gpu

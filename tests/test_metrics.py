@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from launcher import BackgroundJob, environment
+from launcher import BackgroundJob, environment, signal_as_step_starts
 from mpitrain.cli import apply_config_file, build_parser
 from mpitrain.metrics import MetricsLog, StepProgress, Timeline, read_metrics, trace_path
 
@@ -323,13 +323,9 @@ def test_a_stop_between_two_log_lines_resumes_with_the_same_training_accuracy(di
         j = BackgroundJob([sys.executable, "-m", "mpitrain", *job, "--run-dir", str(run_dir)],
                           run_dir, tmp_path / f"log{attempt}", ranks=1)
         try:
-            # stopped as it starts step 13, it takes the signal in that step and stops after
-            # it: steps 11 to 13 are counted, not yet logged
-            j.wait_for(lambda b: b[0]["where"] == "in 'forward' after step 12", "step 13")
-            os.kill(j.pid(0), signal.SIGSTOP)
-            os.kill(j.pid(0), signal.SIGUSR1)
-            os.kill(j.pid(0), signal.SIGCONT)
-            status, _, out = j.finish(timeout=60)
+            # it takes the signal in step 13 and stops after it: steps 11 to 13 are counted,
+            # not yet logged
+            status, _, out = signal_as_step_starts(j, 13)
         finally:
             j.cleanup()
         assert status == 0, out

@@ -7,9 +7,6 @@ kernel may read into a sum or overwrite. The CUDA kernels run under the numba-cu
 simulator in a subprocess on an arena of about two hundred elements (as in
 test_update_kernels.py). Each run takes several steps through every phase.
 """
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -266,9 +263,5 @@ def sim_nlcg():
 
 @pytest.mark.parametrize("check", ["sim_neumann", "sim_nlcg"])
 def test_cuda_kernels_under_the_simulator(check):
-    code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
-            f"import test_neumann_nlcg_kernels as t; t.{check}()")
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
+    from launcher import under_cuda_simulator
+    under_cuda_simulator("test_neumann_nlcg_kernels", check, timeout=300)

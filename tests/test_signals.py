@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from mpitrain import checkpoint
-from launcher import BackgroundJob
+from launcher import BackgroundJob, signal_as_step_starts
 from test_checkpoint import command, run
 
 # every test here starts its own MPI job (CI runs them under MPICH and Open MPI)
@@ -123,12 +123,7 @@ def test_a_stop_on_an_epochs_last_step_resumes_bitwise_with_its_evaluation(job, 
         j = Job(tmp_path / f"stopped{attempt}", "--epochs", "2", "--log-every", "5",
                 "--data-dir", str(digits))
         try:
-            # rank 0 is stopped as it starts step 22 and then takes the signal in it
-            j.wait_for(lambda b: b[0]["where"] == "in 'forward' after step 21", "step 22")
-            os.kill(j.pid(0), signal.SIGSTOP)
-            os.kill(j.pid(0), signal.SIGUSR1)
-            os.kill(j.pid(0), signal.SIGCONT)
-            status, _, out = j.finish(timeout=60)
+            status, _, out = signal_as_step_starts(j, 22)    # rank 0 takes it in step 22
         finally:
             j.cleanup()
         assert status == 0, out

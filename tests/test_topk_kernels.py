@@ -3,9 +3,6 @@ sort of the definition: the numba CPU kernels here, the CUDA kernels under the n
 simulator in a subprocess (NUMBA_ENABLE_CUDASIM must be set before numba is imported) and,
 marked gpu, on a GPU's CuPy arrays (the simulator neither type-checks a kernel for the
 device nor runs buckets of more than a few hundred elements)."""
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -158,9 +155,5 @@ def sim_kernels():
 
 
 def test_cuda_kernels_under_the_simulator():
-    code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
-            f"import test_topk_kernels as t; t.sim_kernels()")
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr
+    from launcher import under_cuda_simulator
+    under_cuda_simulator("test_topk_kernels", "sim_kernels")

@@ -746,9 +746,5 @@ def sim_halves():
 @pytest.mark.parametrize("check", ["sim_norms", "sim_update", "sim_lamb", "sim_overflow_and_casts",
                                    "sim_padding", "sim_halves"])
 def test_cuda_kernels_under_the_simulator(check):
-    code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
-            f"import test_update_kernels as t; t.{check}()")
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
+    from launcher import under_cuda_simulator
+    under_cuda_simulator("test_update_kernels", check, timeout=300)
