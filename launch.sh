@@ -483,7 +483,7 @@ gpu_check() {
             > "$("$PY" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/python3-site.pth"
     fi
     local status=0
-    "$PY" -m mpitrain.check_gpu ${WHEELS:+--wheels "$WHEELS"} "$@" || status=$?
+    "$PY" -m mpitrain.tools.check_gpu ${WHEELS:+--wheels "$WHEELS"} "$@" || status=$?
     # Once the check has installed mpitrain and an MPI, the venv is set up: record it, so
     # that `./launch.sh train` on this machine without network uses it as it is.
     if [[ ! -f "$STAMP" ]] && "$PY" -c 'import mpitrain.kernels' 2>/dev/null && legacy_record; then

@@ -1,1 +1,1 @@
-"""Data: the bundled digits and (later) the HDF5 format, converters and loader."""
+"""Data: the bundled digits, the HDF5 image format, its converters and the loader."""

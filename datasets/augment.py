@@ -21,8 +21,8 @@ Pillow otherwise (and for PNG and the JPEGs simplejpeg cannot turn into RGB).
 Either way a JPEG is decoded at 1/2, 1/4 or 1/8 scale (libjpeg's DCT scaling,
 Pillow's draft mode) when the box still covers at least size x size pixels at
 that scale, so the decoder never produces pixels the resize would throw away.
-(libjpeg-turbo also scales by 3/8, 5/8, 6/8 and 7/8, through IDCTs without SIMD:
-3/8 decoded in the time of 1/2, 5/8 to 7/8 slower than the full size; not used.)
+(libjpeg-turbo also scales by 3/8, 5/8, 6/8 and 7/8, through IDCTs without SIMD, which
+save nothing over the scales above or the full size; not used.)
 With libjpeg-turbo, a sequential JPEG is decoded only down to the MCU row that
 holds the last row the resize reads (the exact decode one MCU row further, for its
 chroma upsampling): the height in its frame header is lowered, and the decoder
@@ -30,7 +30,7 @@ stops there; the rows it gives are those of the full decode, bit for bit.
 simplejpeg decodes into a buffer of each worker thread, which the resize reads.
 Training decodes with libjpeg-turbo's fast integer IDCT and plain chroma
 upsampling: within a few grey levels of the exact decode, and faster (the
-measurements: docs/benchmarks.md, "Data pipeline").
+measurements: docs/benchmarks-record.md, "Data pipeline").
 """
 import io
 import math

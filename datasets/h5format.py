@@ -18,12 +18,12 @@ behind it):
   storage "pixels":
     pixels       uint8 or uint16 (N, H, W, 3)   decoded images of one fixed size
     attrs    image_size = (height, width), the median of the stored images' sizes
-             (files written before it lack it: see default_image_size)
+             (optional: a file may lack it; see default_image_size)
 
 A record is read with one contiguous slice: the fastest layout at random
 access, as a variable-length dataset has HDF5 look each vlen element up in a
 heap and a chunked one goes through the chunk index (the measurements:
-docs/benchmarks.md, "Data pipeline").
+docs/benchmarks-record.md, "The file layout").
 
 Files are written to a temporary name in the destination's directory and
 renamed when complete, so an interrupted conversion never leaves a file that
@@ -324,7 +324,7 @@ class Reader:
     Attributes: path, storage, labels (int64 array), class_names, mean, std
     (float64 (3,)), image_shape ((H, W, 3) for pixel files, None otherwise),
     image_size ((height, width): the median stored image's, None for an encoded
-    file written before files recorded it).
+    file that does not record it).
     `record(i)` returns record i: the encoded bytes (a uint8 array) or the
     pixel array.
     """

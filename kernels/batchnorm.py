@@ -58,7 +58,7 @@ def acc_dtype(dtype):
 # ----- sums -----
 # The row helpers take the whole (M, C) array and a row index: a view per row (x[m])
 # would cost each row a view's set-up and its reference count, an atomic update of a
-# word the threads share; at C = 64 that took longer than the row's arithmetic.
+# word the threads share; at C = 64 that costs more than the row's arithmetic.
 @team.by_size
 @njit(parallel=True, cache=True)
 def _sums_forward(x, rows, part):

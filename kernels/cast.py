@@ -19,7 +19,7 @@ uint16 bit patterns and convert with LLVM's own fptrunc/fpext to `half`
 (`float_to_half_bits`, `half_bits_to_float`, exported for use inside other
 njit kernels, and `load` / `store`, which read and write an element of any
 float array, float16 bits included, so that one kernel body serves every
-dtype): on x86 with F16C (every x86-64 CPU since about 2012) and on
+dtype): on x86 with F16C (nearly every x86-64 CPU in use) and on
 ARMv8 these become the hardware conversion instructions, eight values at a
 time. The CUDA kernels store into fp16 arrays directly (cvt.rn.f16.f32, the
 same rounding).

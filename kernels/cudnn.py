@@ -1,6 +1,6 @@
 """The thin cuDNN adapter: NHWC convolutions on CuPy arrays through nvidia-cudnn-frontend.
 
-CuPy 14 no longer binds cuDNN, so the frontend's Python graph API (module
+CuPy does not bind cuDNN, so the frontend's Python graph API (module
 `cudnn`) is used directly, on the device pointers of CuPy arrays. cuDNN
 describes every tensor by NCHW-ordered dims; strides say the memory is NHWC
 (activations) or OHWI (filters, cuDNN's NHWC filter layout):
@@ -25,7 +25,7 @@ accumulating in fp32). Only float16 and float32 are routed here; float64 stays
 on the generic path. The weight gradient of fp16 activations is computed by
 cuDNN in fp16 (fp32 sums, rounded once) and widened into the fp32 gradient
 arena: cuDNN's engines that write fp32 from fp16 operands are many times
-slower (docs/benchmarks.md). An fp16 dW beyond 65504 becomes inf, which the
+slower (docs/benchmarks-record.md). An fp16 dW beyond 65504 becomes inf, which the
 step's overflow check sees (the dynamic loss scale then halves), as with
 PyTorch's AMP. A geometry cuDNN cannot build raises `Unsupported`, which is
 remembered, and the caller takes the generic im2col + GEMM path (nets/conv.py).

@@ -29,8 +29,8 @@ reads and writes each output element anyway: no pass of its own (and, with OpenB
 none of the zeroing pass over the output that beta = 0 costs). It goes to the BLAS on
 one thread too, so each output element is one call's over the whole inner dimension
 whatever the thread count, and has the same bits on any; with OpenBLAS they are those
-of a separate add where the inner dimension fits one of its blocks of it (448 in the
-SkylakeX build), and differ by a rounding beyond.
+of a separate add where the inner dimension fits one of its blocks of it, and differ
+by a rounding beyond.
 
 Without MKL, where the process has one thread, or the user gave OpenBLAS threads of
 its own (OPENBLAS_NUM_THREADS above 1), or NumPy's BLAS is not OpenBLAS, the products
@@ -54,14 +54,14 @@ stream. Each thread takes a few rows of the long operand at a time:
 Each output element is summed by one thread in a fixed order: the same inputs give
 the same bits at any thread count. `matmul` takes them where the shapes and layouts
 fit (FEW_ROWS, FEW_INNER); the limits are where they stop beating OpenBLAS on the
-development host (docs/benchmarks.md).
+development host (docs/benchmarks-record.md).
 
 Without MKL, on one thread, a stack of products goes to OpenBLAS's
-sgemm_batch_strided (OpenBLAS 0.3.30 and later) in one call, found in the OpenBLAS that
-NumPy loaded (threadpoolctl names its file); with another BLAS, or an older OpenBLAS, the products go to NumPy one
-by one. So do products of at most 100^3 multiply-adds: OpenBLAS sends those to its
-small-matrix kernels, which crash inside a batch in builds for several CPU types,
-NumPy's among them, up to 0.3.31 (OpenMathLib/OpenBLAS#5980).
+sgemm_batch_strided in one call, found in the OpenBLAS that NumPy loaded (threadpoolctl
+names its file); with another BLAS, or an OpenBLAS without that function, the products
+go to NumPy one by one. So do products of at most 100^3 multiply-adds: OpenBLAS sends
+those to its small-matrix kernels, which crash inside a batch in some of its builds
+(docs/design-notes.md).
 """
 import ctypes
 import functools
@@ -331,9 +331,9 @@ class _Blas:
 def team_blas():
     """The BLAS the team's products go to (_Blas): MKL where the mkl package is installed
     (`pip install mpitrain[mkl]`) and MPITRAIN_BLAS is not "openblas", else NumPy's
-    OpenBLAS; None where neither is found. On the development host MKL's products ran
-    17% faster than OpenBLAS's at the shapes of ResNet-50's step, and the step 9% faster
-    (docs/benchmarks.md)."""
+    OpenBLAS; None where neither is found. MKL is preferred because its beta = 0 kernel
+    writes the output without zeroing and re-reading it first, which makes the step's
+    products faster (docs/benchmarks-record.md)."""
     problem = blas_choice_problem()
     if problem:
         raise ValueError(problem)

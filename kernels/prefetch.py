@@ -6,7 +6,7 @@ out-of-order core keeps too few loads in flight, and the hardware prefetcher doe
 far enough ahead of them. Asking for the lines AHEAD bytes beyond the ones being read keeps
 more of them on their way. Passes that only stream their arrays (elementwise.py) keep the
 hardware prefetcher ahead on their own and gain nothing from it; nor do Winograd's
-transforms (docs/benchmarks.md).
+transforms (docs/benchmarks-record.md).
 
     prefetch(a, i)                   the cache line holding a's element i (a flat index)
     prefetch_ahead(a, lo, hi)        the lines AHEAD bytes beyond elements lo..hi of a

@@ -34,7 +34,7 @@ stream) Numba synchronises with the host before the launch, once per array
 argument, unless told not to; `launch` wraps each CuPy array with
 `cuda.as_cuda_array(a, sync=False)`, which is safe because the kernel is
 queued on that very stream, after the work that wrote the array. On NumPy
-arrays (the simulator, or host arrays copied by Numba) it launches as before.
+arrays (the simulator, or host arrays copied by Numba) it is Numba's ordinary launch.
 """
 import importlib
 from functools import lru_cache

@@ -1,12 +1,13 @@
 """Which threads run a parallel Numba kernel: the whole team, or the calling thread alone.
 
-Starting the team's threads on a kernel costs about 2 µs while they spin between kernels
-(GOMP_SPINCOUNT, mpitrain/__init__.py), and 50-90 µs once they have gone to sleep: about
-what one core takes to pass over 64 KiB and over a MiB. So a layer's kernel whose first
-array holds fewer than PARALLEL_MIN_BYTES runs on the calling thread alone. The Cython
-kernels follow the same rule with their own limit (kernels/_common.pxi). Either way a
-kernel gives the same bits: each element, and each block's partial sum, is computed by
-one thread in a fixed order.
+Starting the team's threads on a kernel costs about what one core takes to pass over
+PARALLEL_MIN_BYTES while they spin between kernels (GOMP_SPINCOUNT, mpitrain/__init__.py),
+and far more once they have gone to sleep (docs/design-notes.md). So a layer's kernel
+whose first array holds fewer than PARALLEL_MIN_BYTES runs on the calling thread alone,
+where starting the team would cost more than it saves. The Cython kernels follow the
+same rule with their own limit (kernels/_common.pxi). Either way a kernel gives the
+same bits: each element, and each block's partial sum, is computed by one thread in a
+fixed order.
 
     @team.by_size
     @njit(parallel=True, cache=True)

@@ -103,8 +103,8 @@ def count_chunk(bits, start, stop, threshold, counts, c):
 @register_jitable
 def chunk_end(c, chunk, n):
     """The end of chunk c of n elements: (c + 1) chunk, or n for the last chunk. (The bodies
-    use no builtin min or max: numba-cuda 0.30 under numba 0.68 types min(a, b) of two
-    integers as an overload that takes one argument, and the kernel does not compile.)"""
+    use no builtin min or max: numba-cuda can type min(a, b) of two integers as an
+    overload that takes one argument, and the kernel then does not compile.)"""
     end = (c + 1) * chunk
     return end if end < n else n
 

@@ -39,7 +39,7 @@ threads. The transforms that write all 16 positions of a tile (input_tiles,
 output_tiles_grad, and B in input_tiles_grad) take two passes through a small
 scratch per thread, down the tile's columns and then along its rows: each loop over
 the channels then reads and writes 4 positions, not 16 at once, which runs faster
-(docs/benchmarks.md) for the same arithmetic in the same order.
+(docs/benchmarks-record.md) for the same arithmetic in the same order.
 """
 import numpy as np
 from numba import njit, prange

@@ -7,7 +7,7 @@ import os
 # waking them and a pause in the work gives the cores back to the data loader, the
 # communication thread and the other MPI ranks of the node:
 #   GOMP_SPINCOUNT           libgomp's spins before a waiting thread sleeps: 30000, under a
-#                            millisecond (docs/benchmarks.md measured 3,000 to 100,000);
+#                            millisecond (docs/benchmarks-record.md measured 3,000 to 100,000);
 #                            left alone where the user set it or OMP_WAIT_POLICY (libgomp
 #                            reads both once, when the first kernel module loads)
 #   OPENBLAS_THREAD_TIMEOUT  where OpenBLAS keeps threads of its own (OPENBLAS_NUM_THREADS

@@ -1,6 +1,6 @@
-"""Numbers on the command line: each type returns the value or raises
-argparse.ArgumentTypeError naming what is wrong (the CLI's commands and check-gpu share
-them)."""
+"""The types of option values: each takes the text of a command-line value and returns
+the value or raises argparse.ArgumentTypeError naming what is wrong (the train options
+of mpitrain/options.py, the other commands and check-gpu share them)."""
 import argparse
 import math
 
@@ -29,3 +29,44 @@ positive_float = number(float, 0.0, low_open=True)
 density = number(float, 0.0, 1.0, low_open=True)
 nonnegative_float = number(float, 0.0)
 fraction = number(float, 0.0, 1.0, high_open=True)     # [0, 1)
+
+
+def workers(text):
+    """Loader threads: 0 up to the cores this process may run on."""
+    from .launcher import cores
+    value = nonnegative_int(text)
+    if value > cores():
+        raise argparse.ArgumentTypeError(
+            f"{value} exceeds the {cores()} core(s) this process may run on: loader threads "
+            f"beyond the cores only take turns, and take the cores from the training step; "
+            f"use at most {cores()}")
+    return value
+
+
+workers.__name__ = "int"
+
+
+def fusion_threshold(text):
+    """A bucket size in bytes, or "auto" (chosen by timing the first steps)."""
+    if text == "auto":
+        return text
+    if not text.strip().lstrip("+-").isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of bytes nor auto")
+    return positive_int(text)
+
+
+fusion_threshold.__name__ = "bytes"
+
+
+def loss_scale(text):
+    """'dynamic' or a positive number."""
+    if text == "dynamic":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a positive number nor 'dynamic'")
+    return value
+

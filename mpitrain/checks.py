@@ -2,8 +2,9 @@
 cannot work is refused at once (ConfigError: exit status 2, a message that names the
 problem and the fix), with nothing written and no rank left waiting.
 
-    options       the global batch against the ranks (check_batch), the communication
-                  options (comm_options), what --layers plain cannot run (check_layers)
+    options       (each value alone: mpitrain.options.Config) the global batch against
+                  the ranks (check_batch), the communication options together
+                  (comm_options), what --layers plain cannot run (check_layers)
     MPI           the thread level the run's threads need (check_threads), a world the
                   size the launcher started (check_launch)
     data          the named data sets and files (resolve_data), both files readable, of
@@ -17,12 +18,12 @@ problem and the fix), with nothing written and no rank left waiting.
 Checks that read files are made by every rank alike, or by rank 0 with the verdict
 broadcast, so every rank raises the same error.
 """
-import numbers
 import os
 
 import numpy as np
 
 from . import backend, checkpoint
+from .options import DEFAULTS
 
 # Data sets known by name: files under data_dir, made by `convert` on first use.
 # The digits are centred 32x32 glyphs: random crops and flips would only hurt.
@@ -54,62 +55,47 @@ def check_batch(global_batch, world_size, num_train=None):
 
 
 def comm_options(cfg, world_size):
-    """Refuse communication options that cannot work."""
-    from .comm import ALGORITHMS
-    if cfg["allreduce"] not in ALGORITHMS:
-        raise ConfigError(f"unknown all-reduce {cfg['allreduce']!r}; choose one of "
-                          f"{', '.join(ALGORITHMS)}")
-    if cfg["comm_dtype"] not in ("fp32", "fp16"):
-        raise ConfigError(f"unknown --comm-dtype {cfg['comm_dtype']!r}; choose fp32 or fp16")
-    if cfg["fusion_threshold"] != "auto" and not (
-            isinstance(cfg["fusion_threshold"], numbers.Integral) and cfg["fusion_threshold"] >= 1):
-        raise ConfigError(f"--fusion-threshold must be a positive number of bytes or auto, "
-                          f"got {cfg['fusion_threshold']!r}")
-    for key in ("bn_group", "ranks_per_node", "ranks_per_gpu"):
-        if cfg[key] is not None and cfg[key] < 1:
-            raise ConfigError(f"--{key.replace('_', '-')} must be positive, got {cfg[key]}")
-    if cfg["bn_group"] > world_size:
-        raise ConfigError(f"--bn-group {cfg['bn_group']} exceeds the {world_size} rank(s)")
-    if cfg["compress"] not in ("none", "topk"):
-        raise ConfigError(f"unknown --compress {cfg['compress']!r}; choose none or topk")
-    if not 0 < cfg["density"] <= 1:
-        raise ConfigError(f"--density must be in (0, 1], got {cfg['density']}")
-    if cfg["compress_warmup"] < 0:
-        raise ConfigError(f"--compress-warmup must be 0 or more epochs, got {cfg['compress_warmup']}")
-    if cfg["compress"] == "topk" and cfg["comm_dtype"] != "fp32":
+    """Refuse communication options that cannot work together (each value alone was
+    checked by mpitrain.options.Config)."""
+    if cfg.bn_group > world_size:
+        raise ConfigError(f"--bn-group {cfg.bn_group} exceeds the {world_size} rank(s)")
+    check_topk_wire(cfg.compress, cfg.comm_dtype)
+    if cfg.shard_update:
+        # the reduce-scatter replaces the bucketed all-reduce: its options cannot apply
+        for key, fix in (("comm_dtype", "drop --comm-dtype fp16"),
+                         ("allreduce", "drop --allreduce"),
+                         ("overlap", "drop --overlap / --no-overlap"),
+                         ("fusion_threshold", "drop --fusion-threshold"),
+                         ("compress", "drop --compress")):
+            if getattr(cfg, key) != DEFAULTS[key]:
+                raise ConfigError(f"--shard-update sums fp32 gradients with one reduce-scatter "
+                                  f"after backward, so --{key.replace('_', '-')} "
+                                  f"{getattr(cfg, key)} does not apply: {fix}")
+
+
+def check_topk_wire(compress, comm_dtype):
+    """--compress topk sends fp32 values (train and bench step alike)."""
+    if compress == "topk" and comm_dtype != "fp32":
         raise ConfigError("--compress topk sends its values in fp32 and cannot take --comm-dtype "
                           "fp16 (the indices would stay 4 bytes and the values' rounding would "
                           "escape the residual); drop --comm-dtype fp16")
-    if cfg["shard_update"]:
-        # the reduce-scatter replaces the bucketed all-reduce: its options cannot apply
-        for key, value, fix in (("comm_dtype", "fp32", "drop --comm-dtype fp16"),
-                                ("allreduce", "hybrid", "drop --allreduce"),
-                                ("overlap", "auto", "drop --overlap / --no-overlap"),
-                                ("fusion_threshold", 4 << 20, "drop --fusion-threshold"),
-                                ("compress", "none", "drop --compress")):
-            if cfg[key] != value:
-                raise ConfigError(f"--shard-update sums fp32 gradients with one reduce-scatter "
-                                  f"after backward, so --{key.replace('_', '-')} {cfg[key]} "
-                                  f"does not apply: {fix}")
 
 
 def check_layers(cfg):
     """Refuse what --layers plain cannot run: the plain layers (nets/plain.py) compute in
     NumPy in the master dtype on the CPU, one eager step at a time, and each rank's
     BatchNorm normalises its own batch."""
-    if cfg["layers"] not in ("fast", "plain"):
-        raise ConfigError(f"unknown --layers {cfg['layers']!r}; choose fast or plain")
-    if cfg["layers"] == "fast":
+    if cfg.layers == "fast":
         return
     for refused, option, why in (
-            (cfg["precision"] != "fp32", f"--precision {cfg['precision']}",
+            (cfg.precision != "fp32", f"--precision {cfg.precision}",
              "the plain layers compute in fp32"),
-            (cfg["device"] not in ("cpu", "auto"), f"--device {cfg['device']}",
+            (cfg.device not in ("cpu", "auto"), f"--device {cfg.device}",
              "the plain layers are NumPy, on the CPU (--device auto runs them there)"),
-            (cfg["decode"] != "cpu", f"--decode {cfg['decode']}",
+            (cfg.decode != "cpu", f"--decode {cfg.decode}",
              "the plain layers run on the CPU, with no GPU to decode on"),
-            (cfg["cuda_graph"], "--cuda-graph", "the plain layers run eagerly, on the CPU"),
-            (cfg["bn_group"] > 1, f"--bn-group {cfg['bn_group']}",
+            (cfg.cuda_graph, "--cuda-graph", "the plain layers run eagerly, on the CPU"),
+            (cfg.bn_group > 1, f"--bn-group {cfg.bn_group}",
              "the plain BatchNorm normalises each rank's batch alone")):
         if refused:
             raise ConfigError(f"--layers plain cannot run with {option}: {why}; drop "
@@ -125,14 +111,14 @@ def resolve_data(cfg, comm, need_val=True):
     --val-data or else the converter's FILE_val.h5 beside it as validation.
     """
     from mpitrain.datasets import convert
-    preset = PRESETS.get(cfg["data"])
+    preset = PRESETS.get(cfg.data)
     if preset:
-        train_file, val_file = (os.path.join(cfg["data_dir"], preset[k]) for k in ("train", "val"))
+        train_file, val_file = (os.path.join(cfg.data_dir, preset[k]) for k in ("train", "val"))
         problem = None
         if comm.rank == 0 and not (os.path.exists(train_file) and os.path.exists(val_file)):
-            print(f"mpitrain: converting {cfg['data']} into {cfg['data_dir']}/", flush=True)
+            print(f"mpitrain: converting {cfg.data} into {cfg.data_dir}/", flush=True)
             try:
-                getattr(convert, preset["convert"])(cfg["data_dir"])
+                getattr(convert, preset["convert"])(cfg.data_dir)
             except convert.ConvertError as e:
                 problem = str(e)
         problem = comm.bcast(problem, root=0)       # every rank raises, none waits alone
@@ -140,26 +126,26 @@ def resolve_data(cfg, comm, need_val=True):
             raise ConfigError(problem)
         transform = dict(preset["transform"])
     else:
-        train_file, transform = cfg["data"], dict(TRANSFORM)
-        val_file = cfg["val_data"] or convert.val_path(train_file)
+        train_file, transform = cfg.data, dict(TRANSFORM)
+        val_file = cfg.val_data or convert.val_path(train_file)
         for what, path in (("training", train_file), ("validation", val_file)):
             if not os.path.exists(path) and (need_val or what == "training"):
                 raise ConfigError(f"{what} file {path} does not exist; make it with "
                                   f"`python -m mpitrain convert ...`"
                                   + (" or name it with --val-data" if what == "validation" else ""))
-    if cfg["augment"] is not None:
-        transform["augment"] = cfg["augment"]
+    if cfg.augment is not None:
+        transform["augment"] = cfg.augment
     return train_file, val_file, {**transform, **augment_options(cfg)}
 
 
 def check_decode(cfg, device):
     """cfg's --decode ("cpu" or "gpu"), refused where it cannot work on `device`."""
-    if cfg["decode"] == "cpu":
+    if cfg.decode == "cpu":
         return "cpu"
     if device == "cpu":
         raise ConfigError("--decode gpu decodes on the GPU, and this run is on the CPU: add "
                           "--device gpu, or drop --decode gpu")
-    if cfg["skip_bad_records"]:
+    if cfg.skip_bad_records:
         raise ConfigError("--decode gpu decodes a batch's records together and cannot skip "
                           "one: drop --skip-bad-records, or decode on the CPU")
     try:
@@ -171,12 +157,13 @@ def check_decode(cfg, device):
     return "gpu"
 
 
-def crop_fraction(cfg):
-    """The validation crop of the checkpoint's run, as its loader took it
-    (checks.resolve_data): its --crop-fraction, else its data preset's, else the default."""
-    if cfg.get("crop_fraction") is not None:
-        return cfg["crop_fraction"]
-    preset = PRESETS.get(cfg.get("data"))
+def crop_fraction(saved):
+    """The validation crop of a checkpoint's run (`saved`, the configuration it holds), as
+    its loader took it (checks.resolve_data): its --crop-fraction, else its data preset's,
+    else the default."""
+    if saved.get("crop_fraction") is not None:
+        return saved["crop_fraction"]
+    preset = PRESETS.get(saved.get("data"))
     return (preset["transform"] if preset else TRANSFORM)["crop_fraction"]
 
 
@@ -184,8 +171,8 @@ def augment_options(cfg):
     """The loader's scale, ratio (training crops) and crop_fraction (validation) from
     --crop-scale, --crop-ratio and --crop-fraction (None: the data's own), checked."""
     from mpitrain.datasets.augment import RATIO, SCALE
-    scale, ratio = cfg.get("crop_scale") or SCALE, cfg.get("crop_ratio") or RATIO
-    fraction = cfg.get("crop_fraction")
+    scale, ratio = cfg.crop_scale or SCALE, cfg.crop_ratio or RATIO
+    fraction = cfg.crop_fraction
     if not (len(scale) == 2 and 0 < scale[0] <= scale[1] <= 1):
         raise ConfigError(f"--crop-scale MIN MAX takes the crop's share of the image's area, "
                           f"0 < MIN <= MAX <= 1 (for example 0.08 1), got {' '.join(map(str, scale))}")
@@ -318,12 +305,12 @@ def prepare_run_dir(cfg, comm):
     refuse a directory that another live job holds, or that holds an earlier run when
     this one does not --resume. Returns (run directory, the lock on rank 0, else None)."""
     from .config import RunDirInUse, RunLock, default_run_dir
-    resume = cfg["resume"]
-    if cfg["run_dir"] is None and resume not in (None, "auto"):
-        cfg["run_dir"] = os.path.dirname(os.path.abspath(resume))
-    if cfg["run_dir"] is None and resume == "auto":
+    resume = cfg.resume
+    if cfg.run_dir is None and resume not in (None, "auto"):
+        cfg.run_dir = os.path.dirname(os.path.abspath(resume))
+    if cfg.run_dir is None and resume == "auto":
         raise ConfigError("--resume auto needs --run-dir: the directory of the run to continue")
-    run_dir = cfg["run_dir"] = cfg["run_dir"] or default_run_dir(comm)
+    run_dir = cfg.run_dir = cfg.run_dir or default_run_dir(comm)
     problem = lock = None
     if comm.rank == 0:
         try:
@@ -388,19 +375,19 @@ def check_free_space(run_dir, need, comm):
 def find_resume(cfg, comm, say):
     """The checkpoint to resume from (rank 0 looks; None: start afresh), after checking
     that its run is this one continued; refuses, before any work, one that is not."""
-    if not cfg["resume"]:
+    if not cfg.resume:
         return None
     found = None
     if comm.rank == 0:
         def passed_over(path, why):
             say(f"--resume auto: passing over {path}: {why}", flush=True)
         try:
-            if cfg["resume"] == "auto":
-                found = checkpoint.latest(cfg["run_dir"], passed_over)
-            elif os.path.exists(cfg["resume"]):
-                found = cfg["resume"]
+            if cfg.resume == "auto":
+                found = checkpoint.latest(cfg.run_dir, passed_over)
+            elif os.path.exists(cfg.resume):
+                found = cfg.resume
             else:
-                raise ConfigError(f"--resume {cfg['resume']}: no such checkpoint file")
+                raise ConfigError(f"--resume {cfg.resume}: no such checkpoint file")
             if found:
                 check_resume(cfg, found, checkpoint.read_config(found))
         except (ConfigError, checkpoint.CheckpointError) as e:
@@ -416,13 +403,13 @@ RESUME_KEEPS = {"model": "--model", "optimizer": "--optimizer", "precision": "--
 
 
 def check_resume(cfg, path, saved):
-    if saved.get("batch_size", cfg["batch_size"]) != cfg["batch_size"]:
+    if saved.get("batch_size", cfg.batch_size) != cfg.batch_size:
         raise ConfigError(f"{path} was trained with global batch {saved['batch_size']}, this "
-                          f"run has {cfg['batch_size']}: a resumed run keeps the global batch "
+                          f"run has {cfg.batch_size}: a resumed run keeps the global batch "
                           f"(pass --batch-size {saved['batch_size']}; any number of ranks that "
                           f"divides it works)")
     for key, flag in RESUME_KEEPS.items():
-        if saved.get(key, cfg[key]) != cfg[key]:
+        if saved.get(key, getattr(cfg, key)) != getattr(cfg, key):
             raise ConfigError(f"{path} was trained with {flag} {saved[key]}, this run asks for "
-                              f"{cfg[key]}: a resumed run keeps it; pass {flag} {saved[key]}, "
+                              f"{getattr(cfg, key)}: a resumed run keeps it; pass {flag} {saved[key]}, "
                               f"or start a new run in another --run-dir")

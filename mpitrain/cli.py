@@ -9,10 +9,14 @@ step --native-openblas` can re-run itself with a changed environment.
 import argparse
 import os
 import sys
+import time
 import traceback
 
-from .argtypes import (density, fraction, nonnegative_float, nonnegative_int, number,
-                       positive_float, positive_int)
+from .argtypes import (fraction, nonnegative_float, nonnegative_int, number, positive_float,
+                       positive_int, workers)
+from .options import BY_NAME, IMAGE_SIZE, add_arguments
+
+REFUSAL_GRACE = 1.0     # seconds the other ranks wait before exiting on a refusal
 
 
 class Parser(argparse.ArgumentParser):
@@ -30,6 +34,9 @@ class Parser(argparse.ArgumentParser):
         from mpitrain.launcher import launched_rank
         if launched_rank() == 0:
             self.exit(2, f"{self.prog}: error: {message}\n")
+        # a launcher that ends the job at its first bad exit (srun --kill-on-bad-exit,
+        # Open MPI) would otherwise end rank 0 before its message is out
+        time.sleep(REFUSAL_GRACE)
         self.exit(2)
 
     def parse_known_args(self, args=None, namespace=None):
@@ -57,49 +64,15 @@ class Parser(argparse.ArgumentParser):
 # in mpitrain/argtypes.py) -----
 
 
-def workers(text):
-    """Loader threads: 0 up to the cores this process may run on."""
-    from mpitrain.launcher import cores
-    value = nonnegative_int(text)
-    if value > cores():
-        raise argparse.ArgumentTypeError(
-            f"{value} exceeds the {cores()} core(s) this process may run on: loader threads "
-            f"beyond the cores only take turns, and take the cores from the training step; "
-            f"use at most {cores()}")
-    return value
-
-
-workers.__name__ = "int"
-
-
-def fusion_threshold(text):
-    """A bucket size in bytes, or "auto" (chosen by timing the first steps)."""
-    if text == "auto":
-        return text
-    if not text.strip().lstrip("+-").isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of bytes nor auto")
-    return positive_int(text)
-
-
-fusion_threshold.__name__ = "bytes"
-
 # the checkpoint of eval, predict and export
 CHECKPOINT = "a checkpoint-*.h5 file, or a run directory (its newest complete checkpoint)"
 
-# predict --tolerance: mpitrain.onnx_predict.TOLERANCE, which is not imported (NumPy would be)
+# predict --tolerance: mpitrain.tools.onnx_predict.TOLERANCE, which is not imported (NumPy would be)
 ONNX_TOLERANCE = 1e-3
 
-# --image-size of the commands that read a data file
-DATA_IMAGE_SIZE = ("square side of the images the network takes (default: the data's, the "
-                   "short side of its median image as `convert` recorded it, at most 224; "
-                   "224 for a file that does not record it)")
-
-
 def build_parser():
-    from mpitrain.nets import MODELS
-    from mpitrain.optim import OPTIMIZERS
-    from mpitrain.train import DEFAULTS as D
-    models = sorted(MODELS)
+    from mpitrain.options import DEFAULTS as D
+    models = BY_NAME["model"].choices
 
     parser = Parser(
         prog="python -m mpitrain",
@@ -111,152 +84,10 @@ def build_parser():
         description="Train a network data-parallel: every MPI rank holds a replica, gradients "
                     "are summed with one all-reduce per step. Run under mpirun -np N or srun.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    train.add_argument("--model", choices=models, default=D["model"])
-    add_data_options(train, D)
-    add_augment_options(train, D)
-    train.add_argument("--decode", choices=["cpu", "gpu"], default=D["decode"],
-                       help="where JPEGs are decoded and augmented: by the --workers threads "
-                            "on the host, or on the GPU (nvImageCodec, then one kernel per "
-                            "chunk of a batch, on the workers' own CUDA streams)")
-    train.add_argument("--workers", type=workers, default=D["workers"],
-                       help="loader threads reading, decoding and augmenting ahead of the step "
-                            "(at most the cores this process may run on)")
-    train.add_argument("--prefetch", type=positive_int, default=D["prefetch"],
-                       help="batches prepared ahead of the step")
-    train.add_argument("--skip-bad-records", action="store_true",
-                       help="skip and count records that fail to decode instead of stopping")
-    train.add_argument("--epochs", type=positive_int, default=D["epochs"])
-    train.add_argument("--batch-size", type=positive_int, default=D["batch_size"],
-                       help="GLOBAL batch size, split evenly over the ranks")
-    train.add_argument("--lr", type=positive_float, default=D["lr"],
-                       help="peak learning rate (after warm-up), for the batch --lr-ref-batch "
-                            "when that is given")
-    train.add_argument("--momentum", type=fraction, default=D["momentum"])
-    train.add_argument("--nesterov", action="store_true", help="Nesterov momentum")
-    train.add_argument("--weight-decay", type=nonnegative_float, default=D["weight_decay"],
-                       help="L2 penalty, not applied to biases and BatchNorm gamma/beta")
-    train.add_argument("--label-smoothing", type=fraction, default=D["label_smoothing"])
-    train.add_argument("--warmup-epochs", type=nonnegative_float, default=D["warmup_epochs"],
-                       help="linear learning-rate warm-up, in epochs")
-    train.add_argument("--seed", type=nonnegative_int, default=D["seed"],
-                       help="seeds the weights, the validation split and the data order")
-    train.add_argument("--device", choices=["cpu", "gpu", "auto"], default=D["device"])
-    train.add_argument("--eval-every", type=positive_int, default=D["eval_every"],
-                       help="evaluate every N epochs (and after the last)")
-    # optimizer, schedule and precision
-    train.add_argument("--optimizer", choices=list(OPTIMIZERS), default=D["optimizer"],
-                       help="SGD with momentum; LARS (per-layer trust ratio on SGD); LAMB; "
-                            "neumann (Krishnan et al.: --momentum caps mu, the warm-up epochs "
-                            "are its SGD burn-in); nlcg (preconditioned nonlinear conjugate "
-                            "gradients, Adya et al.)")
-    train.add_argument("--lr-ref-batch", type=positive_int, default=D["lr_ref_batch"],
-                       help="linear scaling rule: peak lr = LR * batch-size / N "
-                            "(default: no scaling)")
-    train.add_argument("--lars-eta", type=positive_float, default=D["lars_eta"],
-                       help="LARS trust coefficient: local lr = eta |w| / (|g| + wd |w| + eps)")
-    train.add_argument("--lars-eps", type=nonnegative_float, default=D["lars_eps"])
-    train.add_argument("--schedule", choices=["cosine", "poly", "step", "constant"],
-                       default=D["schedule"],
-                       help="decay after warm-up: cosine to 0, poly (power 2) to 0, step "
-                            "(x0.1 at each of --milestones), constant")
-    train.add_argument("--milestones", type=positive_float, nargs="+", default=D["milestones"],
-                       metavar="EPOCH", help="epochs at which --schedule step multiplies lr by 0.1")
-    train.add_argument("--precision", choices=["fp32", "fp16"], default=D["precision"],
-                       help="fp16: fp16 activations and working weights, fp32 master weights, "
-                            "BN statistics and loss (mixed precision)")
-    train.add_argument("--loss-scale", type=loss_scale, default=D["loss_scale"],
-                       metavar="S|dynamic",
-                       help="multiply the loss gradient by S (unscaled in the update), or "
-                            "'dynamic' (from 2^16, halved on overflow, doubled after 2000 clean "
-                            "steps); default: dynamic under fp16, 1 under fp32")
-    train.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction,
-                       default=D["cuda_graph"],
-                       help="on a GPU with one rank: replay forward, loss and backward from "
-                            "CUDA graphs captured after 2 eager steps (mpitrain/graph.py); the "
-                            "run says when a model cannot be captured (fp32, dropout) and "
-                            "runs it eagerly")
-    train.add_argument("--layers", choices=["fast", "plain"], default=D["layers"],
-                       help="the layers forward and backward run on: fast (nets/: Numba and "
-                            "GEMM kernels, cuDNN on a GPU) or plain (their NumPy twins in "
-                            "nets/plain.py, the formulas written out: slower, on the CPU in "
-                            "fp32, without --cuda-graph or --bn-group); either way the same "
-                            "arena, optimizer, all-reduce and checkpoints")
-    # the run around the loop
+    add_arguments(train)                        # every option of mpitrain/options.py
     train.add_argument("--config", metavar="YAML",
                        help="a YAML file of train options (keys as the flags, dashes or "
                             "underscores); flags given on the command line override it")
-    train.add_argument("--run-dir",
-                       help="where config.json, environment.json, metrics.jsonl and the "
-                            "checkpoints go; not given: runs/<timestamp>")
-    train.add_argument("--checkpoint-every", type=nonnegative_int, default=D["checkpoint_every"],
-                       help="write a checkpoint every N epochs and after the last (0: only on "
-                            "a stop signal: SIGTERM, SIGINT, SIGUSR1)")
-    train.add_argument("--keep-checkpoints", type=positive_int, default=D["keep_checkpoints"],
-                       help="keep the newest K checkpoints")
-    train.add_argument("--resume", metavar="auto|PATH",
-                       help="continue from the newest complete checkpoint in --run-dir (auto) "
-                            "or from PATH; the global batch must be the same, the number of "
-                            "ranks may differ")
-    train.add_argument("--trace", metavar="FILE",
-                       help="write a Chrome-trace timeline per rank: FILE.rankN.json, or "
-                            "DIR/trace.rankN.json when FILE is a directory or ends in /")
-    train.add_argument("--collective-timeout", type=positive_float, metavar="S",
-                       help="end the job (MPI Abort) when no step, evaluation or checkpoint "
-                            "completes for S seconds")
-    train.add_argument("--stop-grace", type=positive_float, metavar="S",
-                       help="after a stop signal (SIGTERM, SIGINT, SIGUSR1), end the job at once "
-                            "if this rank has not reached the next step within S seconds (it is "
-                            "blocked, waiting for a rank that is gone); default: 4 x the longest "
-                            "step or epoch end seen, at least 30 s")
-    train.add_argument("--log-every", type=positive_int, metavar="N",
-                       help="a progress line and a metrics.jsonl record every N steps "
-                            "(default: 4 per epoch of 100 steps or more, else 1 per epoch)")
-    # communication
-    train.add_argument("--ranks-per-node", type=positive_int, metavar="K",
-                       help="treat ranks r with equal r // K as one node (exercises the "
-                            "multi-node algorithms on one host); default: the ranks sharing "
-                            "memory form a node")
-    train.add_argument("--ranks-per-gpu", type=positive_int, metavar="K",
-                       help="let K consecutive ranks of a node share each GPU, their "
-                            "collectives through MPI (staged through host memory) instead of "
-                            "NCCL, which refuses two ranks on one GPU; K must divide the "
-                            "node's ranks (default: a GPU per rank)")
-    train.add_argument("--allreduce", choices=["flat", "hierarchical", "2d", "shm", "hybrid"],
-                       default=D["allreduce"],
-                       help="gradient all-reduce algorithm (hybrid: chosen per bucket from "
-                            "size and topology, see mpitrain/comm/algorithms.py)")
-    train.add_argument("--fusion-threshold", type=fusion_threshold, default=D["fusion_threshold"],
-                       metavar="BYTES", help="gradients are summed in buckets of about this "
-                                             "many bytes of the gradient arena; auto: the "
-                                             "first steps try sizes from 16 KiB to 64 MiB and "
-                                             "the fastest is kept (printed, and saved in "
-                                             "metrics.jsonl and checkpoints)")
-    train.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=D["overlap"],
-                       help="sum the gradient buckets during backward (--overlap) or after it "
-                            "(--no-overlap); auto: during on a GPU, after on a CPU, where "
-                            "the ranks' cores have no idle time to hide the sum in")
-    train.add_argument("--comm-dtype", choices=["fp32", "fp16"], default=D["comm_dtype"],
-                       help="dtype of the gradients on the wire (fp16 halves the bytes)")
-    train.add_argument("--compress", choices=["none", "topk"], default=D["compress"],
-                       help="topk: each rank sends only the --density largest fraction of "
-                            "each gradient bucket (indices and values, all-gathered) and keeps "
-                            "the rest as a residual added to its next gradient")
-    train.add_argument("--density", type=density, default=D["density"], metavar="D",
-                       help="with --compress topk: the fraction of each bucket sent, in (0, 1]")
-    train.add_argument("--compress-warmup", type=nonnegative_int, default=D["compress_warmup"],
-                       metavar="EPOCHS", help="with --compress topk: dense sums for the first "
-                                              "EPOCHS epochs")
-    train.add_argument("--check-replicas", type=nonnegative_int, default=D["check_replicas"],
-                       metavar="N", help="every N steps compare a checksum of the master "
-                                         "weights across ranks and stop if they differ (0: never)")
-    train.add_argument("--bn-group", type=positive_int, default=D["bn_group"], metavar="G",
-                       help="BatchNorm batch statistics over groups of G consecutive ranks "
-                            "(1: per rank)")
-    train.add_argument("--shard-update", action="store_true", default=D["shard_update"],
-                       help="weight-update sharding: the gradients are reduce-scattered, each "
-                            "rank updates 1/N of the weights and holds only that part's "
-                            "optimizer state, then the weights are all-gathered "
-                            "(mpitrain/shard.py); fp32 on the wire, after backward")
     train.set_defaults(command_parser=train)     # for errors found after parsing
 
     inspect = commands.add_parser(
@@ -349,19 +180,15 @@ def build_parser():
                       help="fp16: training's mixed precision (fp16 compute, fp32 master weights, "
                            "dynamic loss scale); PyTorch on a GPU: autocast + GradScaler")
     step.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
-    step.add_argument("--fusion-threshold", type=fusion_threshold, default=D["fusion_threshold"],
-                      metavar="BYTES", help="under mpirun: gradient bucket size; auto: tune it "
-                                            "as training does, then time the choice against "
-                                            "the fixed default")
-    step.add_argument("--allreduce", choices=["flat", "hierarchical", "2d", "shm", "hybrid"],
-                      default=D["allreduce"], help="under mpirun: all-reduce algorithm")
-    step.add_argument("--comm-dtype", choices=["fp32", "fp16"], default=D["comm_dtype"],
-                      help="under mpirun: gradient dtype on the wire")
-    step.add_argument("--compress", choices=["none", "topk"], default="none",
-                      help="under mpirun: also time top-k sparsified gradients (train "
-                           "--compress topk) against the dense sum")
-    step.add_argument("--density", type=density, default=D["density"],
-                      help="with --compress topk: the fraction of each bucket sent")
+    for name, text in (("fusion_threshold", "under mpirun: gradient bucket size; auto: tune "
+                                             "it as training does, then time the choice "
+                                             "against the fixed default"),
+                       ("allreduce", "under mpirun: all-reduce algorithm"),
+                       ("comm_dtype", "under mpirun: gradient dtype on the wire"),
+                       ("compress", "under mpirun: also time top-k sparsified gradients "
+                                    "(train --compress topk) against the dense sum"),
+                       ("density", "with --compress topk: the fraction of each bucket sent")):
+        BY_NAME[name].add_to(step, help=text)
     step.add_argument("--shard-update", action="store_true",
                       help="under mpirun: also time the sharded update (train --shard-update) "
                            "against the unsharded one, with the optimizer state per rank")
@@ -385,7 +212,7 @@ def build_parser():
     step.add_argument("--data", metavar="FILE",
                       help="one process: also time the steps fed by the loader from FILE (a "
                            "file made by `convert`, training crops at --image-size), against "
-                           "the steps on a random batch (mpitrain/bench/step_data.py)")
+                           "the steps on a random batch (mpitrain/tools/bench/step_data.py)")
     step.add_argument("--workers", type=nonnegative_int, default=D["workers"],
                       help="with --data: loader threads")
     step.add_argument("--native-openblas", action="store_true",
@@ -401,7 +228,7 @@ def build_parser():
     data.add_argument("--data", required=True, help="an HDF5 file made by `convert`")
     data.add_argument("--workers", type=nonnegative_int, default=2)
     data.add_argument("--batch", type=positive_int, default=32)
-    data.add_argument("--image-size", type=positive_int, help=DATA_IMAGE_SIZE)
+    data.add_argument("--image-size", type=positive_int, help=IMAGE_SIZE)
     data.add_argument("--batches", type=positive_int, help="batches timed (default: two epochs)")
     data.add_argument("--reference", choices=["torch"])
     data.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
@@ -419,7 +246,7 @@ def build_parser():
     update.add_argument("--shard-update", action="store_true",
                         help="under mpirun: optimizer time and optimizer-state memory per rank "
                              "with weight-update sharding (train --shard-update) and without")
-    update.add_argument("--optimizer", choices=list(OPTIMIZERS), default="lars",
+    update.add_argument("--optimizer", choices=BY_NAME["optimizer"].choices, default="lars",
                         help="the optimizer of --shard-update")
     comm = benches.add_parser(
         "comm", help="gradient all-reduce: algorithms, fused vs per-tensor, fp16 vs fp32",
@@ -449,8 +276,8 @@ def build_parser():
                     "compare one training step on the GPU with the CPU (fp32 and fp16), run "
                     "NCCL on one rank, and time bench step on ResNet-50 against PyTorch. "
                     "Exit status 0: all passed; 1: something failed; 2: no GPU or bad input.")
-    from mpitrain.check_gpu import add_arguments
-    add_arguments(check)
+    from mpitrain.tools import check_gpu
+    check_gpu.add_arguments(check)
     evaluate = commands.add_parser(
         "eval", help="top-1/top-5 accuracy of a checkpoint on a data file (distributed)",
         description="Score a checkpoint's model on an HDF5 file made by `convert`; under "
@@ -534,45 +361,17 @@ def build_parser():
     return parser
 
 
-def add_data_options(parser, D):
-    """The data a run reads: train, preview and study alike."""
-    parser.add_argument("--data", default=D["data"],
-                        help="a training file made by `convert` (with its FILE_val.h5), or "
-                             "'digits': scikit-learn's bundled handwritten digits at 32x32, or "
-                             "'fashion-mnist' (28x28), converted into --data-dir on first use")
-    parser.add_argument("--val-data", help="validation file (default: DATA's FILE_val.h5)")
-    parser.add_argument("--data-dir", default=D["data_dir"],
-                        help="where named data sets (digits, fashion-mnist) are converted to")
-    parser.add_argument("--image-size", type=positive_int, help=DATA_IMAGE_SIZE)
-
-
-def add_augment_options(parser, D):
-    """What the loader does to an image (datasets/augment.py): train and preview alike."""
-    from mpitrain.datasets.augment import RATIO, SCALE
-    parser.add_argument("--augment", action=argparse.BooleanOptionalAction,
-                        help="random-resized-crop and flip for training (default: on, off for "
-                             "digits and fashion-mnist)")
-    parser.add_argument("--crop-scale", type=float, nargs=2, metavar=("MIN", "MAX"),
-                        default=D["crop_scale"],
-                        help=f"a training crop's share of the image's area, drawn uniformly "
-                             f"from [MIN, MAX] (default: {SCALE[0]:g} {SCALE[1]:g}); raise MIN "
-                             f"where small crops cut the object out of small images")
-    parser.add_argument("--crop-ratio", type=float, nargs=2, metavar=("MIN", "MAX"),
-                        default=D["crop_ratio"],
-                        help=f"a training crop's width / height, drawn log-uniformly from "
-                             f"[MIN, MAX] (default: {RATIO[0]:g} {RATIO[1]:.4g})")
-    parser.add_argument("--crop-fraction", type=float, default=D["crop_fraction"], metavar="F",
-                        help="validation: the centred square of F times the short side, "
-                             "resized to the image size (default: 0.875, 1 for digits and "
-                             "fashion-mnist)")
+# the train options that preview and study share with train
+DATA_OPTIONS = ("data", "val_data", "data_dir", "image_size")
+AUGMENT_OPTIONS = ("augment", "crop_scale", "crop_ratio", "crop_fraction")
 
 
 def run_preview(args):
     from mpitrain.checks import ConfigError
     from mpitrain.datasets.h5format import FormatError
-    from mpitrain.preview import preview
-    from mpitrain.train import DEFAULTS
-    cfg = {**DEFAULTS, **{k: v for k, v in vars(args).items() if k in DEFAULTS}}
+    from mpitrain.tools.preview import preview
+    from mpitrain.options import DEFAULTS, Config
+    cfg = Config(**{k: v for k, v in vars(args).items() if k in DEFAULTS})
     try:
         preview(cfg, args.split, args.batch, args.out)
     except (ConfigError, FormatError) as e:
@@ -580,7 +379,7 @@ def run_preview(args):
 
 
 def add_preview(commands, D):
-    """`preview`: one batch as the loader gives it, as a PNG grid (mpitrain/preview.py)."""
+    """`preview`: one batch as the loader gives it, as a PNG grid (mpitrain/tools/preview.py)."""
     preview = commands.add_parser(
         "preview", help="write one batch as the loader gives it to the network, as a PNG grid",
         description="Read one batch of --data as `train` would (the same image size, "
@@ -588,19 +387,17 @@ def add_preview(commands, D):
                     "and write the images in a grid with their labels, so that what the "
                     "network sees can be looked at. One process.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_data_options(preview, D)
-    add_augment_options(preview, D)
+    add_arguments(preview, DATA_OPTIONS + AUGMENT_OPTIONS)
     preview.add_argument("--split", choices=["train", "val"], default="train",
                          help="the training batches (augmented) or the validation ones")
     preview.add_argument("--batch", type=positive_int, default=16, help="images in the grid")
-    preview.add_argument("--seed", type=nonnegative_int, default=D["seed"],
-                         help="the run's seed (the shuffle and the crops follow it)")
+    BY_NAME["seed"].add_to(preview, help="the run's seed (the shuffle and the crops follow it)")
     preview.add_argument("--out", default="batch.png", help="the PNG file to write")
     preview.set_defaults(command_parser=preview)
 
 
 def add_study(commands, D):
-    """`study large-batch`: accuracy against the global batch (mpitrain/study.py)."""
+    """`study large-batch`: accuracy against the global batch (mpitrain/tools/study.py)."""
     study = commands.add_parser("study", help="experiments made of many training runs "
                                               "(large-batch)")
     studies = study.add_subparsers(dest="study", required=True, metavar="study")
@@ -620,7 +417,7 @@ def add_study(commands, D):
                     "(sweep.csv), then 3 seeds at the best of the smallest and largest "
                     "batch, 3 epochs.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_data_options(large, D)
+    add_arguments(large, DATA_OPTIONS)
     large.add_argument("--augment", action=argparse.BooleanOptionalAction,
                        help="random-resized-crop and flip (default: the data's own: off for "
                             "digits, on for a file)")
@@ -649,7 +446,7 @@ def add_study(commands, D):
 
 
 def run_study(args, argv):
-    from mpitrain.study import StudyError, large_batch
+    from mpitrain.tools.study import StudyError, large_batch
     try:
         large_batch(args.data, args.data_dir, args.out, args.quick, args.epochs, args.seeds,
                     args.ranks, args.ranks_per_run, args.augment, args.val_data, argv[2:],
@@ -659,16 +456,16 @@ def run_study(args, argv):
 
 
 def add_simulate(commands, models, D):
-    """The `simulate` command: the α-β cost model of mpitrain/simulate.py, and its
+    """The `simulate` command: the α-β cost model of mpitrain/tools/simulate.py, and its
     calibration against this host."""
-    from mpitrain.simulate import DEVICES
+    from mpitrain.tools.simulate import DEVICES
     sim = commands.add_parser(
         "simulate", help="predict step time and scaling of N ranks (alpha-beta cost model)",
         description="Predict the step time, the communication time of each all-reduce "
                     "algorithm and the scaling efficiency of data-parallel training on N "
                     "ranks, from a latency-bandwidth model of each collective, the model's "
                     "real gradient buckets and the device's published training throughput "
-                    "(formulas: mpitrain/simulate.py; results: docs/scaling.md). "
+                    "(formulas: mpitrain/tools/simulate.py; results: docs/scaling.md). "
                     "--calibrate measures this host instead (bench comm and bench step on "
                     "1 to --max-ranks ranks) and prints predicted against measured.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -724,7 +521,7 @@ def add_simulate(commands, models, D):
 
 
 def run_simulate(args):
-    from mpitrain import simulate
+    from mpitrain.tools import simulate
     if args.calibration and args.device != "cpu":
         args.command_parser.error("--calibration describes this CPU host: use it with --device cpu")
     if args.calibrate and (args.sweep or args.calibration):
@@ -737,19 +534,6 @@ def run_simulate(args):
             simulate.run(args)
     except ValueError as e:
         args.command_parser.error(str(e))
-
-
-def loss_scale(text):
-    """'dynamic' or a positive number."""
-    if text == "dynamic":
-        return text
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a positive number nor 'dynamic'")
-    return value
 
 
 def image_size(text):
@@ -814,43 +598,22 @@ def explicit_options(parser, argv):
 
 def apply_config_file(args, parser, argv):
     """Fill in args from --config YAML where the command line did not give the option;
-    each YAML value goes through the flag's own type and choices."""
+    each YAML value goes through the flag's own type and choices (Option.convert)."""
     from mpitrain.config import ConfigFileError, load_yaml
     sub = args.command_parser
-    actions = {a.dest: a for a in sub._actions if a.dest not in ("help", "config")}
     try:
-        values = load_yaml(args.config, set(actions))
+        values = load_yaml(args.config, set(BY_NAME))
     except ConfigFileError as e:
         sub.error(str(e))
     explicit = explicit_options(parser, argv)
     for key, value in values.items():
         if key in explicit:
             continue
-        action = actions[key]
         try:
-            value = _config_value(action, value)
-        except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
+            value = BY_NAME[key].convert(value)
+        except ValueError as e:
             sub.error(f"config file {args.config}: {key}: {e}")
         setattr(args, key, value)
-
-
-def _config_value(action, value):
-    if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
-        if not isinstance(value, bool):
-            raise ValueError(f"{value!r} is not true or false")
-        return value
-    convert = action.type or (lambda v: v)
-    if isinstance(value, list):
-        if action.nargs is None:
-            raise ValueError(f"{value!r}: one value expected")
-        value = [convert(str(v)) for v in value]
-        if action.choices is not None and any(v not in action.choices for v in value):
-            raise ValueError(f"{value!r}: choose from {sorted(action.choices)}")
-        return value
-    value = value if value is None else convert(str(value))
-    if action.choices is not None and value not in action.choices:
-        raise ValueError(f"{value!r}: choose from {sorted(action.choices)}")
-    return value
 
 
 def run_train(args, parser=None, argv=()):
@@ -899,7 +662,7 @@ def checkpoint_in(args, comm=None):
 
 def run_eval(args):
     from mpi4py import MPI
-    from mpitrain.evaluate import EvalError, evaluate_checkpoint
+    from mpitrain.tools.evaluate import EvalError, evaluate_checkpoint
     from mpitrain.train import describe_nonfinite
     args.checkpoint = checkpoint_in(args, MPI.COMM_WORLD)
     try:
@@ -924,8 +687,8 @@ def run_eval(args):
 
 
 def run_predict(args):
-    """`predict` of a checkpoint (mpitrain/predict.py), or of an exported ONNX file,
-    compared with the checkpoint when both are given (mpitrain/onnx_predict.py)."""
+    """`predict` of a checkpoint (mpitrain/tools/predict.py), or of an exported ONNX file,
+    compared with the checkpoint when both are given (mpitrain/tools/onnx_predict.py)."""
     if args.checkpoint is None and args.onnx is None:
         args.command_parser.error("give --checkpoint (a checkpoint or run directory), "
                                   "--onnx FILE (an exported model), or both")
@@ -940,9 +703,9 @@ def run_predict(args):
     if args.checkpoint is not None:
         args.checkpoint = checkpoint_in(args)
     if args.onnx is not None:
-        from mpitrain.onnx_predict import run
+        from mpitrain.tools.onnx_predict import run
     else:
-        from mpitrain.predict import run
+        from mpitrain.tools.predict import run
     run(args)
 
 
@@ -962,7 +725,7 @@ def data_image_size(args):
 
 
 def run_plot(args):
-    from mpitrain.plot import PlotError, plot_run
+    from mpitrain.tools.plot import PlotError, plot_run
     try:
         paths = plot_run(args.run_dir, args.out)
     except PlotError as e:
@@ -1016,12 +779,12 @@ def main(argv=None):
     elif args.command == "plot":
         run_plot(args)
     elif args.command == "inspect":
-        from mpitrain.inspect import run
+        from mpitrain.tools.inspect import run
         run(args)
     elif args.command == "convert":
         run_convert(args)
     elif args.command == "export":
-        from mpitrain.export import run
+        from mpitrain.tools.export import run
         args.checkpoint = checkpoint_in(args)
         run(args)
     elif args.command == "predict":
@@ -1033,29 +796,32 @@ def main(argv=None):
     elif args.command == "simulate":
         run_simulate(args)
     elif args.command == "check-gpu":
-        from mpitrain.check_gpu import run
+        from mpitrain.tools.check_gpu import run
         sys.exit(run(args))
     elif args.bench == "step":
-        from mpitrain.bench.step import main_step
-        if args.compress == "topk" and args.comm_dtype == "fp16":
-            args.command_parser.error("--compress topk sends fp32 values: drop --comm-dtype fp16")
+        from mpitrain.tools.bench.step import main_step
+        from mpitrain.checks import ConfigError, check_topk_wire
+        try:
+            check_topk_wire(args.compress, args.comm_dtype)
+        except ConfigError as e:
+            args.command_parser.error(str(e))
         if args.data:
-            from mpitrain.bench.step_data import main
+            from mpitrain.tools.bench.step_data import main
             main(args)
         else:
             main_step(args, argv)
     elif args.bench == "data":
-        from mpitrain.bench.data import run
+        from mpitrain.tools.bench.data import run
         run(args.data, args.workers, args.batch, data_image_size(args), args.reference,
             args.json, args.batches)
     elif args.bench == "update":
-        from mpitrain.bench.update import run, run_sharded
+        from mpitrain.tools.bench.update import run, run_sharded
         if args.shard_update:
             run_sharded(args.model, args.optimizer, args.repeats, args.json)
         else:
             run(args.model, args.repeats, args.json)
     elif args.bench == "comm":
-        from mpitrain.bench.comm import MiB, densities, run
+        from mpitrain.tools.bench.comm import MiB, densities, run
         run(args.model, tuple(args.algorithms.split(",")),
             tuple(int(f) * MiB for f in args.fusion_mib.split(",")), args.repeats,
             args.ranks_per_node, not args.no_sweep, args.json, densities=densities(args.densities),

@@ -1,7 +1,7 @@
 """The run's configuration and environment: YAML files, the run directory, the report.
 
 Precedence of a training option: a flag given on the command line, else the
-value in `--config FILE.yaml`, else the default (mpitrain.train.DEFAULTS).
+value in `--config FILE.yaml`, else the default (mpitrain.options).
 YAML keys are the option names with dashes or underscores (`batch-size: 64` or
 `batch_size: 64`); values are checked by the same rules as the flags.
 """

@@ -1,10 +1,10 @@
 """A training step's forward + loss and its backward, each captured once as a CUDA graph
 and replayed every step after.
 
-Eagerly, a ResNet-50 step queues about 900 kernels from Python, and the host's time
-to queue them is close to the GPU's time to run them. A CUDA graph records the same
-kernels, with their arguments and pointers, once; a replay queues them all with one
-call. What a replay may not do follows from that:
+Eagerly, a ResNet-50 step queues hundreds of kernels from Python, and the host's time
+to queue them can match the GPU's time to run them (docs/design-notes.md). A CUDA
+graph records the same kernels, with their arguments and pointers, once; a replay
+queues them all with one call. What a replay may not do follows from that:
 
 - read a value from the host that changes from step to step: the images and labels
   are copied into buffers that the graph owns (`x`, `y`), and the loss scale is a

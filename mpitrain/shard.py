@@ -27,9 +27,9 @@ One step, N ranks (train.train_step calls the same methods as without sharding):
                     mixed precision) refreshed from them
 
 A reduce-scatter and an all-gather move the bytes of one all-reduce (a ring
-all-reduce is exactly these two phases), so the communication costs about what
-it did; the update reads and writes 1/N of the arena, and the optimizer state
-per rank is 1/N of the arena's momentum (and of the optimizer's other arrays).
+all-reduce is exactly these two phases), so the communication costs about what the
+all-reduce costs; the update reads and writes 1/N of the arena, and the optimizer
+state per rank is 1/N of the arena's momentum (and of the optimizer's other arrays).
 
 Shards. With U = arena.size / ALIGN (the arena's size is a multiple of ALIGN),
 rank r's shard is the element range
@@ -153,11 +153,18 @@ class ShardedOptimizer:
 
 class ShardedReducer:
     """The gradient Reducer's interface (mpitrain.comm.buckets.Reducer: begin, finish,
-    nonfinite_flag, settle, close, postscale, topk) for a sharded update: finish() sums
-    arena.grad over the ranks into each rank's shard, in one reduce-scatter after
-    backward. No top-k: the reduce-scatter sums every gradient."""
+    nonfinite_flag, settle, close, postscale and top-k's residual, start_epoch,
+    describe_compression) for a sharded update: finish() sums arena.grad over the ranks
+    into each rank's shard, in one reduce-scatter after backward. No top-k: the
+    reduce-scatter sums every gradient."""
 
-    topk = None
+    residual = None
+
+    def start_epoch(self, epoch):
+        """No top-k, so no dense warm-up."""
+
+    def describe_compression(self):
+        return None
 
     def __init__(self, shard, comm):
         self.shard, self.comm = shard, comm

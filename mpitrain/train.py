@@ -41,52 +41,50 @@ watchdog and the divergence watch in mpitrain.control.
 import contextlib
 import math
 import os
+import socket
 import sys
 import time
 from typing import NamedTuple
 
+import numba
 import numpy as np
+from mpi4py import MPI
+from threadpoolctl import threadpool_limits
 
 from . import backend, checkpoint
 from .checks import (ConfigError, check_batch, check_decode, check_free_space, check_image_size,
                      check_launch, check_layers, check_threads, comm_options, describe_data,
                      find_resume, free_space, prepare_run_dir, resolve_data)
+from .comm import Communicator, syncbn
+from .comm.autotune import FusionTuner
+from .comm.buckets import Reducer, share_gradients
+from .comm.replicas import ReplicaMismatch, check_replicas
+from .config import describe, environment, link_latest, save_json
 from .control import Heartbeats, LauncherWatch, LossWatch, StopSignals, Watchdog, stop_signal
+from .datasets.loader import Loader
+from .graph import StepGraph, refusal
+from .kernels.gemm import blas_threads
 from .metrics import MetricsLog, StepProgress, Timeline
+from .nets import build_model, describe_parameters
+from .nets.losses import accuracy_counts, nonfinite_rows, softmax_cross_entropy
+from .nets.plain import PlainNetwork
 from .optim import learning_rate, make_optimizer, scaled_lr
+from .options import DEFAULTS, Config
 from .precision import LossScaler, make_scaler
 from .shard import ShardedOptimizer, ShardedReducer
 
-# The default job: resnet_small on the digits with 2 ranks reaches >= 95% validation top-1.
-DEFAULTS = dict(model="resnet_small", data="digits", val_data=None, data_dir="data",
-                image_size=None, augment=None, crop_scale=None, crop_ratio=None,
-                crop_fraction=None, decode="cpu", workers=2, prefetch=2, skip_bad_records=False,
-                epochs=8, batch_size=32, lr=0.1, momentum=0.9, nesterov=False,
-                weight_decay=5e-4, label_smoothing=0.0, warmup_epochs=1.0, seed=0,
-                device="auto", eval_every=1,
-                # optimizer and precision; loss_scale None: dynamic under fp16, 1 under fp32
-                optimizer="sgd", lr_ref_batch=None, lars_eta=0.001, lars_eps=1e-9,
-                schedule="cosine", milestones=(), precision="fp32", loss_scale=None,
-                cuda_graph=False,
-                # forward and backward on the layers of nets/ ("fast") or on their plain
-                # NumPy twins (nets/plain.py), in the same arena ("plain")
-                layers="fast")
 
-# The run around the loop: run directory, checkpoints, logging, failure handling.
-DEFAULTS.update(run_dir=None, checkpoint_every=1, keep_checkpoints=3, resume=None, trace=None,
-                collective_timeout=None, stop_grace=None, log_every=None)
+class RunData(NamedTuple):
+    """The run's data, found and checked (Run.find_data)."""
+    train_file: str
+    val_file: str
+    transform: dict         # the loader's augmentation and crop options
+    decode: str             # "cpu" or "gpu"
+    working: type | None    # the working dtype (np.float16 under fp16), None: the master's
+    class_names: list
+    image_size: int         # the square side the network takes
+    normalise: dict         # the training file's {mean, std, pixel_max}
 
-# Communication: topology, ranks sharing a GPU (collectives through MPI), all-reduce
-# algorithm, fusion buckets and their overlap with backward ("auto": on for a GPU arena,
-# off for a host one, see comm/buckets.py), the gradient dtype on the wire, replica
-# checks, distributed BatchNorm.
-DEFAULTS.update(ranks_per_node=None, ranks_per_gpu=None, allreduce="hybrid",
-                fusion_threshold=4 << 20, overlap="auto", comm_dtype="fp32", check_replicas=0,
-                bn_group=1, shard_update=False)
-
-# Top-k sparsified gradients with error feedback (mpitrain.comm.topk): "topk" sends the
-# `density` fraction of each bucket, after `compress_warmup` epochs of dense sums.
-DEFAULTS.update(compress="none", density=0.01, compress_warmup=0)
 
 NO_TIMELINE = Timeline.off()      # train_step's default: no timing
 
@@ -96,7 +94,7 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"
 
 def sharing(cfg):
     """How ranks share a GPU, for the start line ("" for a device per rank)."""
-    k = cfg["ranks_per_gpu"]
+    k = cfg.ranks_per_gpu
     if backend.device == "cpu" or (k or 1) == 1:
         return ""
     return f" ({k} ranks per GPU, collectives through MPI)"
@@ -109,7 +107,6 @@ def limit_threads(comm):
     theirs. Unless the user chose a thread count through the environment. MPI says
     who shares the host, however the job was launched (a launcher's own variables,
     such as Slurm's tasks per node, may be unset). Collective."""
-    import socket
     mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
         else list(range(os.cpu_count()))
     host = socket.gethostname()
@@ -125,10 +122,6 @@ def set_threads(threads):
     setting, at most the NUMBA_NUM_THREADS its pool started with) runs on `threads`
     threads, and so do the GEMMs: cut among the team with BLAS on one thread, or on
     BLAS's own threads where the team cannot run them (kernels.gemm.blas_threads)."""
-    import numba
-    from threadpoolctl import threadpool_limits
-
-    from mpitrain.kernels.gemm import blas_threads
     threadpool_limits(threads, user_api="openmp")
     threadpool_limits(blas_threads(threads), user_api="blas")
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
@@ -144,17 +137,17 @@ def optimizer_options(cfg, steps_per_epoch):
     """The keyword arguments of mpitrain.optim.make_optimizer for the run's --optimizer.
     Neumann: --momentum caps mu(t), the --warmup-epochs are its vanilla-SGD burn-in, and
     the reset period starts at NEUMANN_RESET_EPOCHS epochs."""
-    name = cfg["optimizer"]
+    name = cfg.optimizer
     if name in ("lamb", "nlcg"):
-        return dict(weight_decay=cfg["weight_decay"])
+        return dict(weight_decay=cfg.weight_decay)
     if name == "neumann":
-        return dict(momentum=cfg["momentum"], weight_decay=cfg["weight_decay"],
-                    sgd_steps=round(cfg["warmup_epochs"] * steps_per_epoch),
+        return dict(momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                    sgd_steps=round(cfg.warmup_epochs * steps_per_epoch),
                     reset_steps=NEUMANN_RESET_EPOCHS * steps_per_epoch)
-    hyper = dict(momentum=cfg["momentum"], weight_decay=cfg["weight_decay"],
-                 nesterov=cfg["nesterov"])
+    hyper = dict(momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                 nesterov=cfg.nesterov)
     if name == "lars":
-        hyper.update(eta=cfg["lars_eta"], eps=cfg["lars_eps"])
+        hyper.update(eta=cfg.lars_eta, eps=cfg.lars_eps)
     return hyper
 
 
@@ -195,7 +188,6 @@ def train_step(model, optimizer, reducer, x, y, lr, label_smoothing=0.0, scaler=
     step adds how many of its images have their label as the top logit (training top-1),
     without reading it back; only eager steps count (a graph keeps its logits to itself).
     """
-    from mpitrain.nets.losses import accuracy_counts, softmax_cross_entropy
     scaler = scaler or LossScaler(1.0)
     # running statistics may move only on a step that is applied: keep them to put back
     saved_stats = model.buffer_arena.data.copy() if scaler.check else None
@@ -262,7 +254,6 @@ def evaluate(model, comm, loader, topk=(1, 5)):
     {"top1": fraction, ..., "loss": mean cross-entropy (without label smoothing; None
     when some logits were not finite), "nonfinite": images whose logits held an inf or a
     NaN (counted wrong), "bad_records": records skipped by --skip-bad-records}."""
-    from mpitrain.nets.losses import accuracy_counts, nonfinite_rows, softmax_cross_entropy
     xp = backend.xp
     counts = xp.zeros(len(topk) + 1, np.int64)  # correct at each k, non-finite rows, and the
     loss_sum = xp.zeros((), np.float64)         # summed loss: on the device until the end
@@ -299,23 +290,22 @@ def describe_nonfinite(result, images):
 def open_run(cfg, comm, say):
     """Save and print the resolved configuration and the environment in the run
     directory (after every check has passed: a refused run overwrites nothing)."""
-    from .config import describe, environment, link_latest, save_json
     env = environment(comm, backend.device)
     problem = None
     if comm.rank == 0:
         try:
-            link_latest(cfg["run_dir"])
-            save_json(os.path.join(cfg["run_dir"], "config.json"), cfg)
-            save_json(os.path.join(cfg["run_dir"], "environment.json"), env)
+            link_latest(cfg.run_dir)
+            save_json(os.path.join(cfg.run_dir, "config.json"), cfg.as_dict())
+            save_json(os.path.join(cfg.run_dir, "environment.json"), env)
         except OSError as e:
-            problem = (f"cannot write the run's reports into --run-dir {cfg['run_dir']} "
+            problem = (f"cannot write the run's reports into --run-dir {cfg.run_dir} "
                        f"({e.strerror}); free space there or choose another directory")
     problem = comm.bcast(problem, root=0)
     if problem:
         raise ConfigError(problem)
-    changed = {k: v for k, v in cfg.items() if k not in DEFAULTS or v != DEFAULTS[k]}
-    say(describe(f"configuration: {len(cfg) - len(changed)} options at their defaults, these "
-                 f"not (all in {cfg['run_dir']}/config.json)", changed), flush=True)
+    changed = cfg.changed()
+    say(describe(f"configuration: {len(DEFAULTS) - len(changed)} options at their defaults, these "
+                 f"not (all in {cfg.run_dir}/config.json)", changed), flush=True)
     say(describe("environment", env), flush=True)
 
 
@@ -341,108 +331,156 @@ class Run:
             raise
 
     def set_up(self, cfg, mpi_comm, log):
-        from mpitrain.comm import Communicator, syncbn
-        from mpitrain.comm.autotune import FusionTuner
-        from mpitrain.comm.buckets import Reducer, share_gradients
-        from mpitrain.datasets.loader import Loader
-        from mpitrain.inspect import describe_parameters
-        from mpitrain.nets import build_model
-        from mpitrain.nets.plain import PlainNetwork
+        """The run's set-up in the order it must happen: what cannot work is refused
+        before anything is made, the run directory before anything is written, the
+        checkpoint to resume before the gradients' Reducer (whose state it holds)."""
         self.cfg = cfg
         self.reducer = self.signals = self.watchdog = self.heartbeats = None
         self.metrics = self.progress = self.train_data = self.val_data = self.comm = None
         self.timeline = NO_TIMELINE
-
         launcher = LauncherWatch()              # its processes, before any of them can go
-        # ----- options that cannot work are refused before any work -----
-        check_threads()
-        check_launch(mpi_comm.size)
-        check_layers(cfg)           # first: --layers plain refuses any --bn-group above 1
-        comm_options(cfg, mpi_comm.size)
-        check_batch(cfg["batch_size"], mpi_comm.size)
-        if cfg["precision"] not in ("fp32", "fp16"):
-            raise ConfigError(f"unknown precision {cfg['precision']!r}; choose fp32 or fp16")
+        self.refuse_what_cannot_work(mpi_comm.size)
+        self.join_ranks(mpi_comm, log)
+        data = self.find_data()
+        self.build_model(data)
+        self.open_run_directory()
+        resume_from = find_resume(cfg, self.comm, self.say)
+        self.make_loaders(data)
+        self.make_optimizer()
+        self.say_what_runs(data)
+        self.capture_graph()
+        open_run(cfg, self.comm, self.say)      # config.json and environment.json
+        self.start_counters(data)
+        self.resume(resume_from)
+        self.make_reducer(resume_from)
+        self.start_watching(launcher)
 
-        # ----- ranks, device, data, model -----
-        self.comm = comm = Communicator(mpi_comm, cfg["ranks_per_node"])
-        rank, size = comm.rank, comm.size
-        self.say = say = log if rank == 0 else (lambda *a, **k: None)
+    def refuse_what_cannot_work(self, world_size):
+        """Options, MPI and the launcher checked before any work (mpitrain.checks)."""
+        cfg = self.cfg
+        check_threads()
+        check_launch(world_size)
+        check_layers(cfg)           # first: --layers plain refuses any --bn-group above 1
+        comm_options(cfg, world_size)
+        check_batch(cfg.batch_size, world_size)
+
+    def join_ranks(self, mpi_comm, log):
+        """The run's one Communicator, this rank's device and its share of the cores;
+        only rank 0 says anything."""
+        cfg = self.cfg
+        self.comm = comm = Communicator(mpi_comm, cfg.ranks_per_node)
+        self.say = log if comm.rank == 0 else (lambda *a, **k: None)
         try:
-            backend.use_device("cpu" if cfg["layers"] == "plain" else cfg["device"],
-                               comm.host_rank, comm.host_size, cfg["ranks_per_gpu"])
+            backend.use_device("cpu" if cfg.layers == "plain" else cfg.device,
+                               comm.host_rank, comm.host_size, cfg.ranks_per_gpu)
         except backend.DeviceError as e:
             raise ConfigError(str(e)) from None
         limit_threads(comm)
-        train_file, val_file, transform = resolve_data(cfg, comm)
+
+    def find_data(self):
+        """The run's data (RunData): its files, checked, and what they hold."""
+        cfg, size = self.cfg, self.comm.size
+        train_file, val_file, transform = resolve_data(cfg, self.comm)
         decode = check_decode(cfg, backend.device)
-        working = np.float16 if cfg["precision"] == "fp16" else None
-        num_train, class_names, size_px, normalise = describe_data(
-            train_file, val_file, cfg["image_size"], cfg["batch_size"] // size, cfg["workers"],
-            cfg["prefetch"], working or np.float32)
-        self.batch, self.epochs = batch, epochs = cfg["batch_size"], cfg["epochs"]
-        check_batch(batch, size, num_train)
-        self.model = model = build_model(cfg["model"], num_classes=len(class_names),
-                                         seed=cfg["seed"], rank=rank, working_dtype=working)
-        check_image_size(model, cfg["model"], size_px)
-        # what the steps and the evaluations run forward and backward: the model's own
-        # layers, or their plain twins computing in the model's arena and buffers
+        working = np.float16 if cfg.precision == "fp16" else None
+        num_train, class_names, image_size, normalise = describe_data(
+            train_file, val_file, cfg.image_size, cfg.batch_size // size, cfg.workers,
+            cfg.prefetch, working or np.float32)
+        check_batch(cfg.batch_size, size, num_train)
+        return RunData(train_file, val_file, transform, decode, working, class_names,
+                       image_size, normalise)
+
+    def build_model(self, data):
+        """The model from the seed, and what the steps run forward and backward
+        (`self.net`): the model's own layers, or their plain twins computing in the
+        model's arena and buffers."""
+        cfg = self.cfg
+        self.batch, self.epochs = cfg.batch_size, cfg.epochs
+        self.model = model = build_model(cfg.model, num_classes=len(data.class_names),
+                                         seed=cfg.seed, rank=self.comm.rank,
+                                         working_dtype=data.working)
+        check_image_size(model, cfg.model, data.image_size)
         self.net = model
-        if cfg["layers"] == "plain":
+        if cfg.layers == "plain":
             try:
                 self.net = PlainNetwork(model)
             except TypeError as e:
-                raise ConfigError(f"--layers plain cannot run {cfg['model']}: {e}; use "
+                raise ConfigError(f"--layers plain cannot run {cfg.model}: {e}; use "
                                   f"--layers fast") from None
-        run_dir, self.lock = prepare_run_dir(cfg, comm)
-        self.run_dir = run_dir
-        # master, momentum, the optimizer's further state, each rank's top-k residual
-        arrays = 2 + EXTRA_STATE.get(cfg["optimizer"], 0) + size * (cfg["compress"] == "topk")
-        check_free_space(run_dir, checkpoint.expected_size(model, size, arrays), comm)
-        resume_from = find_resume(cfg, comm, say)
-        data = dict(rank=rank, size=size, image_size=size_px, workers=cfg["workers"],
-                    prefetch=cfg["prefetch"], dtype=model.dtype, seed=cfg["seed"],
-                    num_classes=len(class_names), skip_bad_records=cfg["skip_bad_records"],
-                    pinned=backend.xp is not np and cfg["decode"] == "cpu",
-                    decode=decode)
-        self.train_data = Loader(train_file, batch, train=True, **transform, **data)
-        self.val_data = Loader(val_file, batch, train=False,
-                               crop_fraction=transform["crop_fraction"], **data)
-        broadcast_model(model, comm)
-        say(comm.describe(), flush=True)
-        bn_group = syncbn.attach(model, comm, cfg["bn_group"])
-        hyper = optimizer_options(cfg, self.train_data.steps_per_epoch)
-        if cfg["shard_update"]:
-            self.optimizer = ShardedOptimizer(cfg["optimizer"], model.arena, comm, **hyper)
-        else:
-            self.optimizer = make_optimizer(cfg["optimizer"], model.arena, **hyper)
-        self.scaler = scaler = make_scaler(cfg["loss_scale"], cfg["precision"])
-        self.base_lr = scaled_lr(cfg["lr"], batch, cfg["lr_ref_batch"])
-        self.steps = steps = self.train_data.steps_per_epoch
-        chosen = "" if cfg["image_size"] else " from the data"
-        plain = " on the plain layers of nets/plain.py" if self.net is not model else ""
-        say(f"mpitrain: {cfg['model']}{plain}, {describe_parameters(model)}, on {train_file} "
-            f"({len(self.train_data.labels)} train / {len(self.val_data.labels)} val images, "
-            f"{size_px}x{size_px}{chosen}), {size} rank(s) on {backend.device}{sharing(cfg)}, "
-            f"global batch {batch} ({batch // size} per rank), {steps} steps/epoch, "
-            f"{epochs} epochs", flush=True)
-        say(f"optimizer {cfg['optimizer']}, peak lr {self.base_lr:g} ({cfg['schedule']} after "
-            f"{cfg['warmup_epochs']:g} warm-up epochs), precision {cfg['precision']}, loss scale "
-            f"{'dynamic from ' if scaler.dynamic else ''}{scaler.scale:g}", flush=True)
-        self.graph = None
-        if cfg["cuda_graph"]:
-            from mpitrain.graph import StepGraph, refusal
-            why_not = refusal(model, size)
-            if why_not is None:
-                self.graph = StepGraph(model, cfg["label_smoothing"], say=say)
-            say("--cuda-graph: " + (f"the step runs eagerly: {why_not}" if why_not else
-                                    f"forward, loss and backward replayed from CUDA graphs "
-                                    f"from step {self.graph.eager_steps + 1}"), flush=True)
 
-        # ----- the run directory's reports, then the checkpoint to continue from -----
-        open_run(cfg, comm, say)
-        self.result = dict(run_dir=run_dir, stopped=None, checkpoint=None)
-        self.saved_cfg = {**cfg, "num_classes": len(class_names), "class_names": class_names,
-                          "image_size": size_px, **normalise}
+    def open_run_directory(self):
+        """The run directory, locked for this job, with room for a checkpoint."""
+        cfg, size = self.cfg, self.comm.size
+        self.run_dir, self.lock = prepare_run_dir(cfg, self.comm)
+        # master, momentum, the optimizer's further state, each rank's top-k residual
+        arrays = 2 + EXTRA_STATE.get(cfg.optimizer, 0) + size * (cfg.compress == "topk")
+        check_free_space(self.run_dir, checkpoint.expected_size(self.model, size, arrays),
+                         self.comm)
+
+    def make_loaders(self, data):
+        """The training and validation loaders, each rank reading its shard."""
+        cfg, comm = self.cfg, self.comm
+        shared = dict(rank=comm.rank, size=comm.size, image_size=data.image_size,
+                      workers=cfg.workers, prefetch=cfg.prefetch, dtype=self.model.dtype,
+                      seed=cfg.seed, num_classes=len(data.class_names),
+                      skip_bad_records=cfg.skip_bad_records,
+                      pinned=backend.xp is not np and cfg.decode == "cpu", decode=data.decode)
+        self.train_data = Loader(data.train_file, self.batch, train=True, **data.transform,
+                                 **shared)
+        self.val_data = Loader(data.val_file, self.batch, train=False,
+                               crop_fraction=data.transform["crop_fraction"], **shared)
+        self.steps = self.train_data.steps_per_epoch
+
+    def make_optimizer(self):
+        """Every replica from rank 0's weights, BatchNorm groups, the optimizer, the loss
+        scaler and the peak learning rate."""
+        cfg, comm, model = self.cfg, self.comm, self.model
+        broadcast_model(model, comm)
+        self.say(comm.describe(), flush=True)
+        self.bn_group = syncbn.attach(model, comm, cfg.bn_group)
+        hyper = optimizer_options(cfg, self.steps)
+        if cfg.shard_update:
+            self.optimizer = ShardedOptimizer(cfg.optimizer, model.arena, comm, **hyper)
+        else:
+            self.optimizer = make_optimizer(cfg.optimizer, model.arena, **hyper)
+        self.scaler = make_scaler(cfg.loss_scale, cfg.precision)
+        self.base_lr = scaled_lr(cfg.lr, self.batch, cfg.lr_ref_batch)
+
+    def say_what_runs(self, data):
+        cfg, size, scaler = self.cfg, self.comm.size, self.scaler
+        chosen = "" if cfg.image_size else " from the data"
+        plain = " on the plain layers of nets/plain.py" if self.net is not self.model else ""
+        px = data.image_size
+        self.say(f"mpitrain: {cfg.model}{plain}, {describe_parameters(self.model)}, on "
+                 f"{data.train_file} ({len(self.train_data.labels)} train / "
+                 f"{len(self.val_data.labels)} val images, {px}x{px}{chosen}), {size} rank(s) "
+                 f"on {backend.device}{sharing(cfg)}, global batch {self.batch} "
+                 f"({self.batch // size} per rank), {self.steps} steps/epoch, {self.epochs} "
+                 f"epochs", flush=True)
+        self.say(f"optimizer {cfg.optimizer}, peak lr {self.base_lr:g} ({cfg.schedule} after "
+                 f"{cfg.warmup_epochs:g} warm-up epochs), precision {cfg.precision}, loss "
+                 f"scale {'dynamic from ' if scaler.dynamic else ''}{scaler.scale:g}",
+                 flush=True)
+
+    def capture_graph(self):
+        """--cuda-graph: the StepGraph that replays forward, loss and backward, or None
+        (the run says why a model runs eagerly)."""
+        self.graph = None
+        if not self.cfg.cuda_graph:
+            return
+        why_not = refusal(self.model, self.comm.size)
+        if why_not is None:
+            self.graph = StepGraph(self.model, self.cfg.label_smoothing, say=self.say)
+        self.say("--cuda-graph: " + (f"the step runs eagerly: {why_not}" if why_not else
+                                     f"forward, loss and backward replayed from CUDA graphs "
+                                     f"from step {self.graph.eager_steps + 1}"), flush=True)
+
+    def start_counters(self, data):
+        """What the run counts from step to step, and what its checkpoints say of it."""
+        self.result = dict(run_dir=self.run_dir, stopped=None, checkpoint=None)
+        self.saved_cfg = {**self.cfg.as_dict(), "num_classes": len(data.class_names),
+                          "class_names": data.class_names, "image_size": data.image_size,
+                          **data.normalise}
         self.loss_sum = np.zeros(2)             # the ranks' summed losses, and steps, since
         self.loss_watch = LossWatch()           # the last log line
         # this rank's top-1 hits on the device and images counted since the last log line
@@ -453,67 +491,78 @@ class Run:
         self.skipped = 0                        # bad training records skipped by all ranks
         self.skipped_logged = 0                 # of them, counted in earlier log lines
         self.last_good = None                   # the newest written before a divergence began
-        self.tuner = (FusionTuner(model.arena, comm) if cfg["fusion_threshold"] == "auto"
-                      else None)
-        self.resume(resume_from)
+        self.tuner = (FusionTuner(self.model.arena, self.comm)
+                      if self.cfg.fusion_threshold == "auto" else None)
+        self.stop_on_nan = not self.scaler.check    # under loss scaling an overflow skips
+        # the validation's top-k accuracies
+        self.accuracy_at = (1, 5) if len(data.class_names) >= 5 else (1,)
 
-        # ----- gradients, timing, metrics, progress, signals, heartbeats, watchdog -----
-        self.timeline = timeline = Timeline(cfg["trace"], rank)
-        if cfg["trace"]:
+    def make_reducer(self, resume_from):
+        """The timeline, and the Reducer that sums the gradients (its top-k residual
+        restored from the checkpoint resumed)."""
+        cfg, comm, model = self.cfg, self.comm, self.model
+        self.timeline = timeline = Timeline(cfg.trace, comm.rank)
+        if cfg.trace:
             timeline.trace_layer_groups(model)
-        overlap = backend.xp is not np if cfg["overlap"] == "auto" else bool(cfg["overlap"])
-        if cfg["shard_update"]:
+        overlap = backend.xp is not np if cfg.overlap == "auto" else bool(cfg.overlap)
+        if cfg.shard_update:
             self.reducer = ShardedReducer(self.optimizer.shard, comm)
             sizes = np.diff(self.optimizer.shard.bounds)
-            how = (f"reduce-scatter into {size} shard(s) of {sizes.min():,}-{sizes.max():,} "
-                   f"elements after backward, each rank's update on its shard, all-gather")
+            how = (f"reduce-scatter into {comm.size} shard(s) of {sizes.min():,}-"
+                   f"{sizes.max():,} elements after backward, each rank's update on its "
+                   f"shard, all-gather")
         else:
-            share_gradients(model.arena, comm, cfg["allreduce"])
+            share_gradients(model.arena, comm, cfg.allreduce)
             self.new_reducer = lambda threshold: Reducer(
-                model.arena, comm, threshold, cfg["allreduce"],
-                np.float16 if cfg["comm_dtype"] == "fp16" else None, overlap, timeline,
-                density=cfg["density"] if cfg["compress"] == "topk" else None)
+                model.arena, comm, threshold, cfg.allreduce,
+                np.float16 if cfg.comm_dtype == "fp16" else None, overlap, timeline,
+                density=cfg.density if cfg.compress == "topk" else None,
+                dense_epochs=cfg.compress_warmup)
             tuner = self.tuner
-            threshold = tuner.threshold if tuner else cfg["fusion_threshold"]
+            threshold = tuner.threshold if tuner else cfg.fusion_threshold
             self.reducer = self.new_reducer(threshold)
             tuning = ("" if tuner is None else ", chosen by --fusion-threshold auto"
                       if tuner.chosen else
                       f"; --fusion-threshold auto tries {len(tuner.candidates)} sizes from "
                       f"{tuner.candidates[0]:,} bytes first, {tuner.steps} steps each")
             how = (f"{describe_buckets(self.reducer.bounds, model.arena.grad.itemsize)} (each "
-                   f"closed at {threshold:,} bytes{tuning}), all-reduce {cfg['allreduce']}, "
-                   f"{cfg['comm_dtype']} on the wire, "
+                   f"closed at {threshold:,} bytes{tuning}), all-reduce {cfg.allreduce}, "
+                   f"{cfg.comm_dtype} on the wire, "
                    f"{'overlapped with' if overlap else 'after'} backward")
-        say(f"gradients: {how}" + (f"; BatchNorm statistics over groups of {cfg['bn_group']} "
-                                   f"rank(s)" if bn_group else ""), flush=True)
-        if self.reducer.topk:
-            say(f"top-k: each bucket's {cfg['density']:g} largest fraction sent, the rest kept "
-                f"as a residual ({self.reducer.topk.bytes_per_step():,} bytes sent per rank "
-                f"per step); dense for the first {cfg['compress_warmup']} epoch(s)", flush=True)
-            if resume_from:
-                checkpoint.restore_residual(resume_from, model.arena, self.reducer.topk.residual,
-                                            comm, say)
-        self.metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl")) if rank == 0 else None
+        self.say(f"gradients: {how}" + (f"; BatchNorm statistics over groups of {cfg.bn_group} "
+                                        f"rank(s)" if self.bn_group else ""), flush=True)
+        compression = self.reducer.describe_compression()
+        if compression:
+            self.say(compression, flush=True)
+        if self.reducer.residual is not None and resume_from:
+            checkpoint.restore_residual(resume_from, model.arena, self.reducer.residual, comm,
+                                        self.say)
+
+    def start_watching(self, launcher):
+        """metrics.jsonl, the progress line, the stop signals, the heartbeats and the
+        stall watchdog."""
+        cfg, comm, steps, timeline = self.cfg, self.comm, self.steps, self.timeline
+        rank0 = comm.rank == 0
+        self.metrics = MetricsLog(os.path.join(self.run_dir, "metrics.jsonl")) if rank0 else None
         position = self.train_data.state_dict()
         self.first_epoch = position["epoch"]
-        self.progress = StepProgress(epochs * steps, position["epoch"] * steps + position["step"],
-                                     stream=sys.stdout) if rank == 0 else None
-        self.log_every = cfg["log_every"] or (max(1, steps // 4) if steps >= 100 else steps)
-        self.signals = StopSignals(comm, grace=cfg["stop_grace"], launcher=launcher)
-        self.heartbeats = Heartbeats(os.path.join(run_dir, "heartbeat"), comm)
+        self.progress = StepProgress(self.epochs * steps,
+                                     position["epoch"] * steps + position["step"],
+                                     stream=sys.stdout) if rank0 else None
+        self.log_every = cfg.log_every or (max(1, steps // 4) if steps >= 100 else steps)
+        self.signals = StopSignals(comm, grace=cfg.stop_grace, launcher=launcher)
+        self.heartbeats = Heartbeats(os.path.join(self.run_dir, "heartbeat"), comm)
         self.position = "start"
         timeline.listener = lambda phase: self.heartbeats.post(f"in '{phase}' after {self.position}")
-        if cfg["collective_timeout"]:
-            self.watchdog = Watchdog(cfg["collective_timeout"], comm, self.heartbeats,
+        if cfg.collective_timeout:
+            self.watchdog = Watchdog(cfg.collective_timeout, comm, self.heartbeats,
                                      activity=timeline.activity)
-        self.stop_on_nan = not scaler.check     # under loss scaling an overflow skips the step
-        self.topk = (1, 5) if len(class_names) >= 5 else (1,)
         self.start = time.perf_counter()
 
     def resume(self, path):
         """Restore the run from checkpoint `path` (None: start afresh)."""
         if path is None:
-            if self.cfg["resume"]:
+            if self.cfg.resume:
                 self.say(f"no checkpoint in {self.run_dir}: starting from the beginning", flush=True)
             return
         try:
@@ -549,23 +598,22 @@ class Run:
         self.epoch_start = self.last_log = time.perf_counter()
         self.wait_start = data.wait_time
         self.line = ""
-        if self.reducer.topk:
-            self.reducer.topk.active = epoch >= cfg["compress_warmup"]
+        self.reducer.start_epoch(epoch)         # top-k: dense sums for its warm-up epochs
         for s, (x, y) in enumerate(data, data.state_dict()["step"]):
             now = time.perf_counter()
             self.timeline.add("data wait", "data", now - data.last_wait, now)
             lr = learning_rate(epoch + (s + 1) / steps, self.base_lr, self.epochs,
-                               cfg["warmup_epochs"], cfg["schedule"], cfg["milestones"])
+                               cfg.warmup_epochs, cfg.schedule, cfg.milestones)
             started = time.perf_counter()
             loss = train_step(self.net, self.optimizer, self.reducer, backend.xp.asarray(x),
-                              backend.xp.asarray(y), lr, cfg["label_smoothing"], self.scaler,
+                              backend.xp.asarray(y), lr, cfg.label_smoothing, self.scaler,
                               self.timeline, self.graph, self.correct)
             self.counted += len(y)
             global_step = epoch * steps + s + 1
             if self.tuner:
                 self.tune_fusion(time.perf_counter() - started, global_step)
             self.beat(f"step {global_step}")
-            if cfg["check_replicas"] and global_step % cfg["check_replicas"] == 0:
+            if cfg.check_replicas and global_step % cfg.check_replicas == 0:
                 self.check_replicas(global_step)
             agreed = agree(comm, self.signals.pending(), loss, data.skipped)
             self.skipped = agreed.skipped
@@ -595,8 +643,7 @@ class Run:
         previous = self.reducer
         previous.close()
         self.reducer = self.new_reducer(self.tuner.threshold)
-        if previous.topk:
-            self.reducer.topk.carry_over(previous.topk)
+        self.reducer.take_over(previous)
         if self.tuner.chosen is not None and self.progress:
             self.progress.line(f"{self.tuner.describe()}; {len(self.reducer.bounds)} bucket(s) "
                                f"from step {global_step + 1}")
@@ -652,20 +699,20 @@ class Run:
         epochs and after the last), a checkpoint (every --checkpoint-every epochs and after
         the last), the epoch's summary line."""
         cfg, line = self.cfg, self.line
-        if (epoch + 1) % cfg["eval_every"] == 0 or epoch + 1 == self.epochs:
+        if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == self.epochs:
             with self.timeline.span("evaluate", "evaluate"):
                 accuracy = self.evaluate()
             self.beat(f"evaluation after epoch {epoch + 1}")
             if accuracy["loss"] is not None:
                 line += f"  val loss {accuracy['loss']:.4f}"
-            line += "".join(f"  val top{k} {accuracy[f'top{k}']:.2%}" for k in self.topk)
+            line += "".join(f"  val top{k} {accuracy[f'top{k}']:.2%}" for k in self.accuracy_at)
             if accuracy["nonfinite"]:
                 line += f"  {accuracy['nonfinite']} non-finite"
             if self.metrics:
                 self.metrics.write(dict(kind="eval", epoch=epoch + 1,
                                         global_step=(epoch + 1) * self.steps,
                                         skipped_steps=self.scaler.skipped, **accuracy))
-        every = cfg["checkpoint_every"]
+        every = cfg.checkpoint_every
         if every and ((epoch + 1) % every == 0 or epoch + 1 == self.epochs):
             self.save_checkpoint()
             self.beat(f"checkpoint after epoch {epoch + 1}")
@@ -677,7 +724,7 @@ class Run:
 
     def evaluate(self):
         average_buffers(self.model, self.comm)
-        accuracy = evaluate(self.net, self.comm, self.val_data, self.topk)
+        accuracy = evaluate(self.net, self.comm, self.val_data, self.accuracy_at)
         # result["loss"] stays the training loss
         self.result.update({k: v for k, v in accuracy.items() if k != "loss"},
                            val_loss=accuracy["loss"])
@@ -696,7 +743,7 @@ class Run:
             progress["top1_counts"] = self.top1_counts().tolist()
         if self.tuner:
             progress["fusion"] = self.tuner.state_dict()
-        residual = self.reducer.topk.residual if self.reducer.topk else None
+        residual = self.reducer.residual
         with self.timeline.span("checkpoint", "checkpoint"):
             state = checkpoint.collect(self.model, self.comm, pos["epoch"], pos["step"],
                                        global_step, self.saved_cfg, self.optimizer, self.scaler,
@@ -731,7 +778,7 @@ class Run:
                           f"Free space and continue with --resume auto")
         if self.loss_watch.calm():
             self.last_good = path
-        checkpoint.prune(self.run_dir, self.cfg["keep_checkpoints"], protect={self.last_good})
+        checkpoint.prune(self.run_dir, self.cfg.keep_checkpoints, protect={self.last_good})
         return path, None
 
     def stop(self, signal_name):
@@ -744,7 +791,6 @@ class Run:
                  f"--run-dir {self.run_dir} --resume auto", flush=True)
 
     def check_replicas(self, global_step):
-        from mpitrain.comm.replicas import ReplicaMismatch, check_replicas
         try:
             check_replicas(self.model.arena, self.comm, global_step)
         except ReplicaMismatch as e:
@@ -797,7 +843,7 @@ class Run:
 
 
 def train(comm=None, log=print, **options):
-    """Train with `options` (keys of DEFAULTS) on `comm` (an mpi4py communicator,
+    """Train with `options` (mpitrain.options: each checked as its flag is) on `comm` (an mpi4py communicator,
     MPI.COMM_WORLD by default).
 
     Returns a dict with the final validation accuracy ("top1", "top5") and loss
@@ -808,11 +854,10 @@ def train(comm=None, log=print, **options):
     when there are any), and the stop signal's name ("stopped") when a signal ended the
     run early.
     """
-    from mpi4py import MPI
-    cfg = {**DEFAULTS, **options}
-    unknown = set(cfg) - set(DEFAULTS)
-    if unknown:
-        raise ConfigError(f"unknown training options: {sorted(unknown)}")
+    try:
+        cfg = Config(**options)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     run, finished = None, False
     try:
         run = Run(cfg, comm or MPI.COMM_WORLD, log)

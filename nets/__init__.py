@@ -49,4 +49,12 @@ def build_model(name, num_classes=1000, seed=0, dtype=np.float32, working_dtype=
     return model.bind(dtype, working_dtype, seed)
 
 
-__all__ = ["MODELS", "build_model"]
+def describe_parameters(model):
+    """'N parameters (K classes)': the model's trainable parameters (BatchNorm's running
+    statistics and the arena's padding are not parameters) and its number of classes, the
+    last layer's outputs, on which the count depends. Every command that prints a parameter
+    count prints it in this form."""
+    return f"{model.num_params():,} parameters ({model.num_classes} classes)"
+
+
+__all__ = ["MODELS", "build_model", "describe_parameters"]

@@ -115,7 +115,7 @@ def _device_matmul(a, b, out=None):
 # next. So the buffer is as large as the largest layer's needs, not as the sum of every
 # kind's largest. A Winograd layer in training keeps its tiles (four times x) and its
 # filter's tiles from forward instead, where they have x's dtype: both of its gradients
-# multiply the same ones, which saves transforming them again (docs/benchmarks.md).
+# multiply the same ones, which saves transforming them again (docs/benchmarks-record.md).
 _WORKSPACE = {}
 
 

@@ -75,7 +75,7 @@ class Conv2d:
     """y[n, oh, ow, o] = b[o] + sum_{i, j, c} W[o, i, j, c] * xpad[n, oh*s + i, ow*s + j, c]
 
     W is OHWI (O, k, k, C), xpad is x with p zeros on each side. With cols = im2col(x),
-    forward is one product over (i, j, c) (np.tensordot, as Chainer v1 writes it):
+    forward is one product over (i, j, c) (np.tensordot, as Chainer writes it):
         y = cols . W + b,   dW = dy . cols (summed over n, oh, ow),   db = sum of dy,
         dx = col2im(dy . W).
     Reshaped to matrices, cols (N*Ho*Wo, k*k*C) and W (O, k*k*C): y = cols W^T,

@@ -105,10 +105,10 @@ def test_nvimagecodec_batches_on_the_gpu_against_the_host_decode():
 ])
 def test_decoding_on_the_gpu_is_refused_where_it_cannot_work(device, options, message):
     from mpitrain.checks import ConfigError, check_decode
-    cfg = {"decode": "gpu", "skip_bad_records": False, **options}
+    from mpitrain.options import Config
     with pytest.raises(ConfigError, match=message):
-        check_decode(cfg, device)
-    assert check_decode({**cfg, "decode": "cpu"}, device) == "cpu"
+        check_decode(Config(decode="gpu", **options), device)
+    assert check_decode(Config(decode="cpu", **options), device) == "cpu"
 
 
 def test_train_with_decode_gpu_on_the_cpu_exits_2_with_nothing_written(tmp_path):

@@ -1,12 +1,12 @@
-"""bench step's layer profile (mpitrain.bench.layers), on the CPU's host clock: the
+"""bench step's layer profile (mpitrain.tools.bench.layers), on the CPU's host clock: the
 accounting of own times, bytes and floating-point operations that the GPU's CUDA-event
 profile shares."""
 import numpy as np
 import pytest
 
-from mpitrain.bench.layers import (BYTES, HostClock, Recorder, format_profile, own_times,
+from mpitrain.tools.bench.layers import (BYTES, HostClock, Recorder, format_profile, own_times,
                                    peaks, profile_layers)
-from mpitrain.bench.step import OneStep, build_on_device
+from mpitrain.tools.bench.step import OneStep, build_on_device
 from mpitrain.nets.conv import Conv2d
 
 

@@ -38,7 +38,7 @@ def run(*args, timeout=120):
     (["bench", "step", "--steps", "0"], "argument --steps: 0 must be >= 1"),
     (["bench", "step", "--reference", "jax"], "argument --reference: invalid choice: 'jax'"),
     (["bench", "step", "--compress", "topk", "--comm-dtype", "fp16"],
-     "--compress topk sends fp32 values: drop --comm-dtype fp16"),
+     "--compress topk sends its values in fp32 and cannot take --comm-dtype fp16"),
     (["bench", "step", "--density", "0"], "argument --density: 0 must be > 0.0"),
     (["bench"], "the following arguments are required: benchmark"),
     ([], "the following arguments are required: command"),
@@ -170,7 +170,7 @@ def test_bench_step_baseline_reports_the_threads_it_ran():
     threads it wanted."""
     import launcher
 
-    from mpitrain.bench.step import format_parallel
+    from mpitrain.tools.bench.step import format_parallel
     args = ["bench", "step", "--model", "resnet_small", "--image-size", "16", "--batch", "4",
             "--steps", "1", "--warmup", "0", "--json"]
     capped = launcher.environment(2)                   # NUMBA_NUM_THREADS=1 for each rank
@@ -195,7 +195,7 @@ def test_bench_step_profile_counts_every_gemm_of_a_training_step():
     forward and two in backward (dW and dx), but for the first convolution's dx, which
     the images do not need; and their operations, 2 m n k each, are those of three
     times the forward pass's multiply-adds (inspect's count) less that dx."""
-    from mpitrain.inspect import layer_table
+    from mpitrain.tools.inspect import layer_table
     r = run("bench", "step", "--model", "resnet_small", "--image-size", "32", "--batch", "8",
             "--steps", "1", "--warmup", "1", "--num-classes", "10", "--profile", "2", "--json")
     assert r.returncode == 0, r.stderr
@@ -278,7 +278,7 @@ def test_bench_step_sets_topk_sharding_and_autotune_against_the_dense_step():
 def test_bench_step_hidden_share_is_never_negative():
     """The main thread's wait includes the hand-off to the communication thread, so on a
     tiny model it can outlast the all-reduce itself: nothing was hidden then, not less."""
-    from mpitrain.bench.step import hidden_fraction
+    from mpitrain.tools.bench.step import hidden_fraction
     assert hidden_fraction(2.0, 8.0) == 0.75
     assert hidden_fraction(0.0, 8.0) == 1.0
     assert hidden_fraction(0.13, 0.1) == 0.0

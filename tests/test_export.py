@@ -98,7 +98,7 @@ def test_safetensors_loads_strictly_into_the_torch_twin_with_the_same_logits(tra
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from mpitrain.bench import reference_torch as rt
+    from mpitrain.tools.bench import reference_torch as rt
     name, model, path, x, logits = trained
     out = tmp_path / f"{name}.safetensors"
     export(path, "--format", "safetensors", out)
@@ -189,7 +189,7 @@ def test_a_missing_package_is_named_with_its_pip_command(fmt, small, tmp_path, c
 
 def test_a_failed_write_leaves_out_as_it_was(small, tmp_path, monkeypatch):
     pytest.importorskip("safetensors")
-    from mpitrain import export as ex
+    from mpitrain.tools import export as ex
     out = tmp_path / "m.safetensors"
     out.write_text("the previous export")
 
@@ -235,7 +235,7 @@ def digit_images(data_dir, folder, count):
 def test_predict_names_digit_classes_and_agrees_with_eval(digits_run, tmp_path, capsys):
     from mpi4py import MPI
 
-    from mpitrain.evaluate import evaluate_checkpoint
+    from mpitrain.tools.evaluate import evaluate_checkpoint
     data_dir, path = digits_run
     images, pixels = digit_images(data_dir, tmp_path, 6)
     main(["predict", "--checkpoint", path, *images, "--json"])
@@ -264,7 +264,7 @@ def test_predict_text_and_eight_bit_images(digits_run, tmp_path, capsys):
     """An 8-bit image is scaled to the 16-bit digits' white level (1,024)."""
     from PIL import Image
 
-    from mpitrain.predict import load_model, preprocessing
+    from mpitrain.tools.predict import load_model, preprocessing
     data_dir, path = digits_run
     (sixteen,), (p,) = digit_images(data_dir, tmp_path, 1)
     eight = str(tmp_path / "digit8.png")
@@ -444,7 +444,7 @@ def test_predict_onnx_compares_the_file_with_its_checkpoint(digits_run, tmp_path
 
 
 def test_preprocessing_round_trips_through_the_metadata(small):
-    from mpitrain.predict import PredictError, Preprocessing, load_model, preprocessing
+    from mpitrain.tools.predict import PredictError, Preprocessing, load_model, preprocessing
     cfg = load_model(small)[1]
     assert preprocessing({**cfg, "crop_fraction": 0.5}).crop_fraction == 0.5   # train's option
     prep = preprocessing(cfg)

@@ -124,7 +124,7 @@ def test_gpu_environment_says_what_is_missing():
 # ----- the command line where there is no GPU -----
 @cpu_only
 @pytest.mark.parametrize("command", [["-m", "mpitrain", "check-gpu"],
-                                     ["-m", "mpitrain.check_gpu"]])
+                                     ["-m", "mpitrain.tools.check_gpu"]])
 def test_check_gpu_fails_fast_without_a_gpu(command, tmp_path):
     out = tmp_path / "report.json"
     r = subprocess.run([sys.executable, *command, "--out", str(out)], capture_output=True,
@@ -136,12 +136,12 @@ def test_check_gpu_fails_fast_without_a_gpu(command, tmp_path):
 
 
 def test_check_gpu_refuses_a_missing_wheels_folder(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "mpitrain.check_gpu", "--wheels",
+    r = subprocess.run([sys.executable, "-m", "mpitrain.tools.check_gpu", "--wheels",
                         str(tmp_path / "none")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "no such folder" in r.stderr
     (tmp_path / "empty").mkdir()
-    r = subprocess.run([sys.executable, "-m", "mpitrain.check_gpu", "--wheels",
+    r = subprocess.run([sys.executable, "-m", "mpitrain.tools.check_gpu", "--wheels",
                         str(tmp_path / "empty")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "no .whl file" in r.stderr
@@ -181,7 +181,7 @@ def test_bench_step_fp16_takes_the_mixed_precision_training_step():
 def test_one_step_skips_the_update_of_an_overflowed_gradient():
     """OneStep (bench step, check-gpu's comparison) takes train_step's path: under fp16 a
     non-finite gradient skips the update and halves the loss scale."""
-    from mpitrain.bench.step import OneStep, build_on_device
+    from mpitrain.tools.bench.step import OneStep, build_on_device
     model, x, y = build_on_device("resnet_small", 8, 2, 10, 0, "fp16")
     step = OneStep(model, "fp16")
     scale = step.scaler.scale
@@ -242,14 +242,14 @@ def test_gpu_environment_records_the_versions():
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_one_step_on_the_gpu_matches_the_cpu(precision):
-    from mpitrain.check_gpu import compare_step
+    from mpitrain.tools.check_gpu import compare_step
     result = compare_step(precision)
     assert result["passed"], (result["failures"], result["max_relative"])
 
 
 @pytest.mark.gpu
 def test_nccl_on_one_rank():
-    from mpitrain.check_gpu import nccl_check
+    from mpitrain.tools.check_gpu import nccl_check
     result = nccl_check()
     assert result["passed"], result["failures"]
     assert result["reducer_threaded"] is False
@@ -277,7 +277,7 @@ def test_step_comparison_finds_no_difference_between_two_cpu_runs(precision):
     """check-gpu's comparison machinery, with the CPU on both sides: the same step twice
     gives the same bits (in fp16 both are equally far from the fp32 step, and not at
     zero), every quantity is compared, and the step was applied."""
-    from mpitrain.check_gpu import TOLERANCE, compare_step
+    from mpitrain.tools.check_gpu import TOLERANCE, compare_step
     result = compare_step(precision, image_size=8, batch=4, devices=("cpu", "cpu"))
     assert result["passed"], result["failures"]
     assert set(result["max_relative"]) == set(TOLERANCE)
@@ -297,7 +297,7 @@ def test_check_gpu_dry_run_goes_through_every_step_measurements_first(tmp_path):
     the bench rows and profiles before the tests, each command recorded and its log
     written to --out-dir as the step ends, the report beside them."""
     out = tmp_path / "check"
-    r = subprocess.run([sys.executable, "-m", "mpitrain.check_gpu", "--dry-run", "--out-dir",
+    r = subprocess.run([sys.executable, "-m", "mpitrain.tools.check_gpu", "--dry-run", "--out-dir",
                         str(out), "--steps", "7", "--rounds", "2", "--profile-steps", "4"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -321,7 +321,7 @@ def test_check_gpu_dry_run_goes_through_every_step_measurements_first(tmp_path):
 
 def test_check_gpu_starts_no_step_past_its_budget(tmp_path):
     out = tmp_path / "check"
-    r = subprocess.run([sys.executable, "-m", "mpitrain.check_gpu", "--dry-run", "--budget", "0",
+    r = subprocess.run([sys.executable, "-m", "mpitrain.tools.check_gpu", "--dry-run", "--budget", "0",
                         "--out-dir", str(out), "--skip", "tests"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -52,7 +52,7 @@ def test_a_captured_step_equals_the_eager_step_bit_for_bit(name, kw, precision):
     (at other sizes it copies its bins from the host, and the step stays eager)."""
     import cupy
 
-    from mpitrain.bench.step import OneStep, random_batch
+    from mpitrain.tools.bench.step import OneStep, random_batch
     try:
         backend.use_device("gpu")
         size = 224 if name == "alexnet" else 32

@@ -142,7 +142,7 @@ def test_bad_yaml_is_refused_by_name(tmp_path, capsys, text, message):
 # ----- plot -----
 def test_plot_draws_the_curves(tmp_path):
     pytest.importorskip("matplotlib")
-    from mpitrain.plot import PlotError, plot_run
+    from mpitrain.tools.plot import PlotError, plot_run
     log = MetricsLog(str(tmp_path / "metrics.jsonl"))
     for epoch in (1, 2, 3):
         for step in (5, 10):
@@ -170,7 +170,7 @@ def test_plot_says_which_curves_a_run_did_not_record(tmp_path, monkeypatch):
     """Steps replayed from CUDA graphs record no training accuracy (null), an older
     metrics.jsonl no field at all: the plot draws the rest and says why on the axes."""
     pytest.importorskip("matplotlib")
-    from mpitrain import plot
+    from mpitrain.tools import plot
     said = []
     monkeypatch.setattr(plot, "missing", lambda ax, text: said.append(text))
     for name, top1 in (("graphs", dict(top1=None)), ("older", {})):
@@ -194,7 +194,7 @@ def test_plot_says_which_curves_a_run_did_not_record(tmp_path, monkeypatch):
 def test_throughput_stacks_the_phases_that_add_up_to_the_step():
     """The all-reduce's own time ("bucket") runs behind backward; the step's wait for it
     is "comm": stacking both would count the communication twice."""
-    from mpitrain.plot import stacked_phases
+    from mpitrain.tools.plot import stacked_phases
     steps = [dict(time=dict(forward=0.01, backward=0.02, comm=0.005, bucket=0.015,
                             update=0.001))]
     assert stacked_phases(steps) == ["backward", "comm", "forward", "update"]
@@ -280,7 +280,7 @@ def test_a_run_records_and_plots_validation_loss_and_training_accuracy(digits_ru
     # the progress and epoch lines say both
     assert f"top1 {steps[1]['top1']:.1%}" in out and f"val loss {evals[1]['loss']:.4f}" in out
     pytest.importorskip("matplotlib")
-    from mpitrain.plot import plot_run
+    from mpitrain.tools.plot import plot_run
     paths = plot_run(str(run_dir), str(tmp_path / "png"))
     assert [os.path.basename(p) for p in paths] == ["loss.png", "accuracy.png", "lr.png",
                                                     "throughput.png"]

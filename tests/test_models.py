@@ -6,7 +6,7 @@ weights; dropout is set to p = 0 so that both sides compute the same function.
 import numpy as np
 import pytest
 
-from mpitrain.inspect import layer_table, report
+from mpitrain.tools.inspect import layer_table, report
 from mpitrain.nets import MODELS, build_model
 from mpitrain.nets.losses import softmax_cross_entropy
 from mpitrain.nets.resnet import Bottleneck, ResNet
@@ -206,7 +206,7 @@ FLOAT32 = {"resnet18": (4, 32), "resnet50": (8, 32), "alexnet": (2, 64)}
 def _train_step_both(name, n, size, dtype, tdtype):
     import torch
 
-    from mpitrain.bench import reference_torch as rt
+    from mpitrain.tools.bench import reference_torch as rt
     kw = {"dropout": 0.0} if name.startswith("alexnet") else {}
     model = build_model(name, num_classes=10, dtype=dtype, seed=1, **kw)
     tmodel = rt.to_torch(model, tdtype).train()
@@ -233,7 +233,7 @@ def _rel(a, b):
 def test_matches_torch_float64(name):
     import torch
 
-    from mpitrain.bench import reference_torch as rt
+    from mpitrain.tools.bench import reference_torch as rt
     model, tmodel, logits, tlogits, tgrads = _train_step_both(name, *FLOAT64[name], np.float64, torch.float64)
     assert _rel(logits, tlogits) < 1e-6
     for pname, p in model.named_params():

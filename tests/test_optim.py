@@ -358,7 +358,7 @@ def test_bad_train_flags_exit_2(argv, message, capsys):
 
 def test_train_flags_reach_the_trainer_options():
     from mpitrain.cli import build_parser
-    from mpitrain.train import DEFAULTS
+    from mpitrain.options import DEFAULTS
     args = build_parser().parse_args(
         ["train", "--optimizer", "lars", "--lars-eta", "0.002", "--lr-ref-batch", "256",
          "--schedule", "step", "--milestones", "3", "6", "--precision", "fp16",
@@ -376,13 +376,14 @@ def test_train_flags_reach_the_trainer_options():
 
 def test_neumann_and_nlcg_are_train_choices_with_their_options():
     from mpitrain.cli import build_parser
-    from mpitrain.train import DEFAULTS, NEUMANN_RESET_EPOCHS, optimizer_options
+    from mpitrain.options import DEFAULTS, Config
+    from mpitrain.train import NEUMANN_RESET_EPOCHS, optimizer_options
     for name in ("neumann", "nlcg"):
         assert build_parser().parse_args(["train", "--optimizer", name]).optimizer == name
-    cfg = dict(DEFAULTS, optimizer="neumann", momentum=0.8, warmup_epochs=2.5)
+    cfg = Config(optimizer="neumann", momentum=0.8, warmup_epochs=2.5)
     assert optimizer_options(cfg, 44) == dict(momentum=0.8, weight_decay=DEFAULTS["weight_decay"],
                                               sgd_steps=110, reset_steps=NEUMANN_RESET_EPOCHS * 44)
-    assert optimizer_options(dict(cfg, optimizer="nlcg"), 44) == dict(
+    assert optimizer_options(Config(optimizer="nlcg"), 44) == dict(
         weight_decay=DEFAULTS["weight_decay"])
 
 

@@ -22,7 +22,8 @@ from mpitrain.nets.conv import Conv2d
 from mpitrain.nets.module import Module, Sequential
 from mpitrain.nets.plain import PlainNetwork
 from mpitrain.optim import make_optimizer
-from mpitrain.train import DEFAULTS, train_step
+from mpitrain.options import Config
+from mpitrain.train import train_step
 
 
 def solo_reducer(arena, threshold):
@@ -124,14 +125,14 @@ def test_what_has_no_plain_twin_is_refused():
                                           ("decode", "gpu"), ("cuda_graph", True),
                                           ("bn_group", 2)])
 def test_check_layers_names_what_plain_layers_cannot_run(option, value):
-    check_layers({**DEFAULTS, option: value})                  # the fast layers can
-    check_layers({**DEFAULTS, "layers": "plain", "device": "cpu"})
+    check_layers(Config(**{option: value}))                    # the fast layers can
+    check_layers(Config(layers="plain", device="cpu"))
     flag = "--" + option.replace("_", "-")
     with pytest.raises(ConfigError, match=f"--layers plain cannot run with {flag}.*drop {flag} "
                                           f"or use --layers fast"):
-        check_layers({**DEFAULTS, "layers": "plain", option: value})
-    with pytest.raises(ConfigError, match="choose fast or plain"):
-        check_layers({**DEFAULTS, "layers": "numpy"})
+        check_layers(Config(**{"layers": "plain", option: value}))
+    with pytest.raises(ValueError, match="--layers: 'numpy': choose from fast, plain"):
+        Config(layers="numpy")
 
 
 # ----- the command, one process -----

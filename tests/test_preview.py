@@ -13,7 +13,7 @@ from PIL import Image
 from launcher import environment
 from mpitrain.datasets.convert import convert_synthetic
 from mpitrain.datasets.loader import Loader
-from mpitrain.preview import LABEL_HEIGHT, MIN_TILE
+from mpitrain.tools.preview import LABEL_HEIGHT, MIN_TILE
 
 
 def mpitrain(*args, cwd=None, timeout=300):

@@ -11,7 +11,7 @@ import pytest
 from mpitrain.cli import main
 from mpitrain.comm.buckets import bucket_bounds
 from mpitrain.nets import build_model
-from mpitrain.simulate import (DEVICES, RESNET50_MACS, Cluster, Link, allreduce_time,
+from mpitrain.tools.simulate import (DEVICES, RESNET50_MACS, Cluster, Link, allreduce_time,
                                exposed_comm, fit_link, gradient_buckets, predict, ring,
                                sweep_ranks)
 
@@ -195,7 +195,7 @@ def test_calibrate_measures_fits_and_feeds_the_model(tmp_path):
     cal = json.loads((out / "calibration.json").read_text())
     # each algorithm's fit predicts the sums it was fitted to (bench comm's medians at the
     # buckets' sizes) within a factor of 2, in the median
-    from mpitrain.simulate import FIT_RANGE, coefficients
+    from mpitrain.tools.simulate import FIT_RANGE, coefficients
     sweep = json.loads((out / "comm-2ranks.json").read_text())["sweep"]
     rows = [s for s in sweep if s["bytes"] >= (4 << 20) // FIT_RANGE]
     for algorithm in ("flat", "hierarchical", "2d", "shm"):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from mpitrain import study
+from mpitrain.tools import study
 from mpitrain.cli import build_parser
 import launcher
 

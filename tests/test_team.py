@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from numba import njit, prange
 
-from mpitrain.bench.step import OneStep, build_on_device
+from mpitrain.tools.bench.step import OneStep, build_on_device
 from mpitrain.kernels import team
 from mpitrain.nets import conv as conv_module
 

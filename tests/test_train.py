@@ -19,12 +19,12 @@ def test_check_batch():
 
 def test_shard_update_refuses_the_all_reduce_options():
     from mpitrain.checks import comm_options
-    from mpitrain.train import DEFAULTS
-    comm_options({**DEFAULTS, "shard_update": True}, 2)
+    from mpitrain.options import Config
+    comm_options(Config(shard_update=True), 2)
     for key, value in (("comm_dtype", "fp16"), ("allreduce", "2d"), ("overlap", True)):
         with pytest.raises(ConfigError, match=f"--shard-update .* --{key.replace('_', '-')} "
                                               f"{value} does not apply"):
-            comm_options({**DEFAULTS, "shard_update": True, key: value}, 2)
+            comm_options(Config(shard_update=True, **{key: value}), 2)
 
 
 # ----- the command, under mpirun -----

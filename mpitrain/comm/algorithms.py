@@ -20,18 +20,15 @@ the node's arrays where MPI-3 has mapped them into every rank's memory.
 Why the result is identical on every rank. IEEE addition is commutative but
 not associative, so two ranks that add the same numbers in different orders
 can disagree in the last bit. The MPI standard requires that "all processes
-participating in these operations receive identical results" (the all-reduce
-section since MPI 1.1), but that is a promise of the library, not something
+participating in these operations receive identical results" (the standard's
+all-reduce section), but that is a promise of the library, not something
 mpitrain can see, so mpitrain relies on it in exactly one place, the
 Allreduce; every other phase (shm's node phases included) either reduces each element on one rank only
-(Reduce, Reduce_scatter) or copies bits (Bcast, Allgatherv). MPICH 5.0.2 keeps
+(Reduce, Reduce_scatter) or copies bits (Bcast, Allgatherv). MPICH keeps
 the promise: its all-reduce algorithms either reduce each element once and
 distribute it (reduce-scatter + all-gather, ring, tree) or have each pair of
-ranks add the same two operands (recursive doubling: a + b == b + a bitwise).
-Measured here with MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM set to each of
-recursive_doubling, reduce_scatter_allgather, ring, tree, recexch,
-k_reduce_scatter_allgather, recursive_multiplying and ccl, on 3 and 4 ranks,
-float32 and float64, sizes 7 to 10^6: identical on every rank in every case.
+ranks add the same two operands (recursive doubling: a + b == b + a bitwise);
+docs/design-notes.md records the check of each of them.
 tests/mpi/test_comm.py checks the bits of every algorithm on every run; with
 an MPI library that broke the promise they would fail, and the remedy is to
 build each Allreduce by construction from Reduce (or Reduce_scatter) and Bcast
@@ -39,7 +36,7 @@ build each Allreduce by construction from Reduce (or Reduce_scatter) and Bcast
 tree, NVLS) likewise reduces each element once and then distributes it.
 
 float16. MPI has no standard half type (MPICH's MPIX_C_FLOAT16 is slower
-than the operation below and other libraries lack it; docs/benchmarks.md).
+than the operation below and other libraries lack it; docs/benchmarks-record.md).
 So float16 travels as MPI.UINT16_T (the bits) and is summed by
 `fp16_sum_op()`, a commutative user-defined MPI.Op whose Numba kernel widens
 each half to float32 exactly, adds, and rounds once to the nearest half (the
@@ -271,7 +268,7 @@ def shm(comm, buf, wait=None):
     def node_barrier():
         win.Sync()
         if wait is None:
-            comm.node_comm.Barrier()        # MPICH's shared-memory barrier: a few microseconds
+            comm.node_comm.Barrier()        # MPICH's shared-memory barrier
         else:
             wait(comm.node_comm.Ibarrier())
         win.Sync()
@@ -304,15 +301,15 @@ def choose(comm, nbytes, dtype=np.float32, device=False, shared=False):
     """The algorithm `hybrid` uses for a buffer of `nbytes` of `dtype` on `comm`'s topology.
 
     The rule comes from `python -m mpitrain bench comm` on a 2-core host with
-    MPICH (figures in docs/benchmarks.md; a real cluster should be re-measured
+    MPICH (figures in docs/benchmarks-record.md; a real cluster should be re-measured
     and this function changed to match):
 
     * a buffer in the node's shared memory (the gradient arena of a CPU run,
       Communicator.shared_zeros) of at least SHM_MIN_BYTES, on more than one
       rank: shm, any dtype and topology. It reads and writes each element of
       the rank's shard of every copy once, in place, where MPICH's
-      shared-memory all-reduce copies through its own cells; below 64 KiB its
-      two barriers cost more than the copies saved. On a node without shared
+      shared-memory all-reduce copies through its own cells; below SHM_MIN_BYTES
+      its two barriers cost more than the copies saved. On a node without shared
       memory shm runs 2d, which is why the rule keys on the buffer, not the node.
     * float32/float64 elsewhere: flat. MPICH's own all-reduce already uses
       shared memory inside a host; splitting it into phases only adds steps.

@@ -7,7 +7,7 @@ the parameters in arena order and closes a bucket as soon as it holds at least
 `threshold` bytes, so every cut is a parameter boundary, a tensor larger than
 the threshold is a bucket of its own, and the layout depends only on the
 segment table: identical on every rank. The default threshold, 4 MiB, is the
-fastest slice size `python -m mpitrain bench comm` found (docs/benchmarks.md):
+fastest slice size `python -m mpitrain bench comm` found (docs/benchmarks-record.md):
 fewer, larger calls than one per tensor, yet early enough to start during
 backward.
 
@@ -21,7 +21,7 @@ ready early waits for the ones before it), so every rank issues the same
 collectives in the same order whatever order its layers finish in.
 
 Overlap. MPICH progresses a non-blocking all-reduce only while some MPI call
-runs, and NumPy's backward makes no MPI calls for tens of milliseconds at a
+runs, and NumPy's backward makes no MPI calls for long stretches at a
 time. So with overlap the reducer runs one communication thread that takes
 ready buckets from a queue and sums each through `Communicator.allreduce` (the
 Communicator's own duplicated world communicator), while the main thread goes
@@ -40,7 +40,7 @@ over, when they simply wait (hierarchical and 2d are sequences of blocking
 collectives and still block). MPITRAIN_COMM_POLL=0 restores blocking calls.
 Even so, on a CPU host every rank's core is busy: the shared-memory sum is
 itself copying and adding on that core, and the polling takes the GIL from
-backward, so overlap did not pay there (measurements in docs/benchmarks.md).
+backward, so overlap does not pay there (measurements in docs/benchmarks-record.md).
 It pays where the transport works without the CPU (NCCL on GPUs, a network
 card). Hence `train`'s default, --overlap auto: overlapped for a GPU arena,
 after backward for a host arena.
@@ -152,13 +152,14 @@ class Reducer:
     streams: the backend.HostStreams-like object that orders the work (default: the
     arena's device's, backend.streams).
     density: top-k sparsification of every bucket at this density (mpitrain.comm.topk;
-    None: dense sums); `reducer.topk` then holds the residuals, and `topk.active` False
-    sums densely (warm-up).
+    None: dense sums), after `dense_epochs` epochs of dense sums (start_epoch says which
+    epoch it is). The Reducer owns top-k's state: `residual` (checkpointed by the run),
+    carried over to the next Reducer of the same arena by take_over().
     """
 
     def __init__(self, arena, comm, threshold=DEFAULT_THRESHOLD, algorithm="hybrid",
                  wire_dtype=None, overlap=True, timeline=None, threaded=None, streams=None,
-                 density=None):
+                 density=None, dense_epochs=0):
         if arena.on_grad_ready is not None:
             raise ValueError("this arena already has a Reducer; close() it first")
         self.comm, self.algorithm, self.overlap = comm, algorithm, overlap
@@ -169,6 +170,7 @@ class Reducer:
         if density is not None and self.wire_dtype not in (None, arena.grad.dtype):
             raise ValueError("top-k sends its values in the gradient's dtype; drop wire_dtype")
         self.topk = None if density is None else TopK(arena, self.bounds, density)
+        self.dense_epochs = dense_epochs
         self.loss_scale = 1.0
         half = self.wire_dtype is not None and self.wire_dtype.itemsize < arena.grad.dtype.itemsize
         self.prescale = 1.0 / comm.size if half else None
@@ -188,6 +190,31 @@ class Reducer:
         self.threaded = threaded
         self._queue = self._thread = None
         arena.on_grad_ready = self.ready
+
+    # ----- top-k's state across steps -----
+    @property
+    def residual(self):
+        """What top-k held back of this rank's gradients (arena layout), None without top-k."""
+        return None if self.topk is None else self.topk.residual
+
+    def start_epoch(self, epoch):
+        """Top-k sends sparse sums from epoch `dense_epochs` on, dense ones before it."""
+        if self.topk is not None:
+            self.topk.active = epoch >= self.dense_epochs
+
+    def take_over(self, previous):
+        """Go on from `previous`, the closed Reducer of this arena with other buckets
+        (the fusion tuner trying another size): top-k's residuals carry over."""
+        if self.topk is not None:
+            self.topk.carry_over(previous.topk)
+
+    def describe_compression(self):
+        """A line on top-k for the run's start, None without it."""
+        if self.topk is None:
+            return None
+        return (f"top-k: each bucket's {self.topk.density:g} largest fraction sent, the rest "
+                f"kept as a residual ({self.topk.bytes_per_step():,} bytes sent per rank per "
+                f"step); dense for the first {self.dense_epochs} epoch(s)")
 
     # ----- one step -----
     def begin(self, loss_scale=1.0):

@@ -2,7 +2,7 @@
 
 NCCL communicators mirror the MPI ones of the Communicator (world, node,
 same-local-index); each is created from a unique id that its rank 0 draws and
-broadcasts over the matching MPI communicator (CuPy 14 draws it as bytes).
+broadcasts over the matching MPI communicator (CuPy draws it as bytes).
 Collectives are queued on CuPy's current stream, in place, and return at once:
 the gradient Reducer makes its communication stream current around them and
 orders that stream by CUDA events (mpitrain/comm/buckets.py); any other caller
@@ -31,7 +31,7 @@ def version():
     if not available():
         return None
     from cupy.cuda import nccl
-    code = nccl.get_version()       # major * 10000 + minor * 100 + patch since NCCL 2.9
+    code = nccl.get_version()       # major * 10000 + minor * 100 + patch
     return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
 
 

@@ -187,9 +187,9 @@ class Communicator:
         buf[bounds[r]:bounds[r + 1]]) copied into every rank's buf, in place: MPI
         Iallgatherv; NCCL's all-gather for equal shards, else one broadcast per shard.
         The sharded update's masters (mpitrain.shard) and the top-k exchange
-        (comm/topk.py). wait: as for allreduce. (MPICH 5.0.2's blocking in-place
-        Allgatherv took 10 to 50 times as long as the non-blocking one on one host:
-        docs/benchmarks.md.)"""
+        (comm/topk.py). wait: as for allreduce. (Non-blocking because MPICH's blocking
+        in-place Allgatherv is far slower than its Iallgatherv on one host:
+        docs/design-notes.md.)"""
         engine = self.nccl() if array_module(buf) is not np else None
         if engine is not None:
             engine.all_gather_shards(buf, bounds)

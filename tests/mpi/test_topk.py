@@ -123,8 +123,8 @@ def test_an_overflow_leaves_the_residual_and_the_loss_scale_does_not_matter(comm
 
 
 def test_a_new_bucket_layout_carries_the_residual_over(comm):
-    """The fusion tuner's change of bucket size: the next Reducer's TopK goes on from the
-    last one's residual, so nothing held back is lost. With a zero gradient each rank
+    """The fusion tuner's change of bucket size: the next Reducer goes on from the last
+    one's residual (Reducer.take_over), so nothing held back is lost. With a zero gradient each rank
     sends picks of its residual and keeps the rest: summed over the ranks, the new
     residuals plus the summed bucket are the old residuals (float64, to rounding)."""
     def check():
@@ -137,12 +137,12 @@ def test_a_new_bucket_layout_carries_the_residual_over(comm):
         second = reducer_for(model, comm, threshold=4000, density=0.1, overlap=False)
         if second.bounds == first.bounds:
             return "the two thresholds give the same buckets: the test needs two layouts"
-        second.topk.carry_over(first.topk)
+        second.take_over(first)
         a.grad[...] = 0
         second.begin(1.0)
         second.finish()
         second.settle(True)
-        kept = comm.allgather(second.topk.residual.astype(np.float64))
+        kept = comm.allgather(second.residual.astype(np.float64))
         second.close()
         if not np.any(a.grad):
             return "nothing was sent: the residual did not carry over"
@@ -153,27 +153,31 @@ def test_a_new_bucket_layout_carries_the_residual_over(comm):
 
 
 def test_warm_up_sums_densely_and_leaves_the_residual(comm):
-    """topk.active False (the --compress-warmup epochs): the dense all-reduce's bits, and
-    the residual as it was."""
+    """An epoch before `dense_epochs` (--compress-warmup): the dense all-reduce's bits,
+    and the residual as it was; from that epoch on, sparse sums."""
     def check():
         sums = []
         for density in (None, 0.01):
             model = small_net(seed=0)
             a = model.arena
-            reducer = reducer_for(model, comm, threshold=400, density=density, overlap=False)
+            reducer = reducer_for(model, comm, threshold=400, density=density, overlap=False,
+                                  dense_epochs=2)
+            reducer.start_epoch(1)
             fill(a, a.grad, np.random.default_rng(50 + WORLD.rank))
             if density is not None:
-                reducer.topk.active = False
-                fill(a, reducer.topk.residual, np.random.default_rng(60 + WORLD.rank))
-                before = reducer.topk.residual.copy()
+                fill(a, reducer.residual, np.random.default_rng(60 + WORLD.rank))
+                before = reducer.residual.copy()
             reducer.begin(1.0)
             reducer.finish()
             reducer.settle(True)
             reducer.close()
             sums.append(a.grad.copy())
-        if not np.array_equal(reducer.topk.residual, before):
+        if not np.array_equal(reducer.residual, before):
             return "a dense step changed the residual"
-        return None if np.array_equal(*sums) else "the warm-up sum is not the dense sum"
+        if not np.array_equal(*sums):
+            return "the warm-up sum is not the dense sum"
+        reducer.start_epoch(2)
+        return None if reducer.topk.active else "epoch dense_epochs still sums densely"
     agree(check)
 
 

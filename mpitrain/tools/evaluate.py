@@ -8,7 +8,7 @@ The model runs in fp32 from the master weights, whatever the training precision.
 """
 import numpy as np
 
-from . import backend
+from .. import backend
 
 
 class EvalError(ValueError):
@@ -33,9 +33,9 @@ def _evaluate(comm, path, data, batch_size, workers, device, image_size):
     from mpitrain.datasets.loader import Loader
     from mpitrain.nets import build_model
 
-    from . import checkpoint
-    from .checks import ConfigError, check_batch, crop_fraction, describe_file
-    from .train import average_buffers, evaluate
+    from .. import checkpoint
+    from ..checks import ConfigError, check_batch, crop_fraction, describe_file
+    from ..train import average_buffers, evaluate
     info = None
     if comm.rank == 0:
         try:
@@ -53,7 +53,7 @@ def _evaluate(comm, path, data, batch_size, workers, device, image_size):
     if classes != len(names):
         raise EvalError(f"{data} has {len(names)} classes, but the checkpoint's model "
                         f"{cfg['model']} was trained on {classes}: not the same label set")
-    trained = cfg.get("class_names")        # recorded by checkpoints since names were
+    trained = cfg.get("class_names")        # None: a checkpoint without names, not compared
     if trained is not None and trained != names:
         i = next(i for i, (a, b) in enumerate(zip(trained, names)) if a != b)
         raise EvalError(f"{data}'s class {i} is {names[i]!r}, the checkpoint's model learnt "

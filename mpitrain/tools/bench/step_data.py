@@ -8,7 +8,7 @@ two batches prefetched; on a GPU into pinned memory, copied to the device in the
 step). A fed step's time runs from asking for its batch to the end of its
 update, so whatever the loader did not hide is in it; the wait for the batch is
 also reported on its own. The ratio fed / random says what the data costs the
-step. The figures measured so far: docs/benchmarks.md.
+step. The figures: docs/benchmarks.md.
 """
 import json
 import os

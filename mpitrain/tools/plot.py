@@ -14,7 +14,7 @@ and `plot_batch_study`: the large-batch study's top-1 against the global batch.
 import math
 import os
 
-from .metrics import read_metrics
+from ..metrics import read_metrics
 
 
 # phases of a step record that overlap the others: drawn as lines, not stacked
@@ -145,7 +145,7 @@ def _steps_per_epoch(steps):
 
 def plot_batch_study(rows, path, title, chance):
     """Top-1 (mean over seeds, bars: one standard deviation) against the global batch,
-    one line per recipe of mpitrain.study; `rows` as study.summarise makes them. The
+    one line per recipe of mpitrain.tools.study; `rows` as study.summarise makes them. The
     PNG is written under a temporary name and renamed."""
     plt = pyplot()
     from matplotlib.ticker import ScalarFormatter

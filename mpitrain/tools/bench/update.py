@@ -21,7 +21,7 @@ bytes; NumPy makes it two passes) and a Numba parallel triad (12 bytes).
 Bytes are counted as the program asks for them, for the floor and the kernels
 alike (the cache's extra reads before writes are not counted for either).
 floor_ms = bytes / best bandwidth; "x floor" is the kernel's time over floor_ms
-(the target for the kernels, and the figures measured so far: docs/benchmarks.md).
+(the kernels' target; the figures: docs/benchmarks.md).
 
 Before the timing, every implementation takes one step from copies of the same
 state, and the report gives how far its master weights, momentum and working copy

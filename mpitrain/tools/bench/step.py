@@ -5,7 +5,7 @@ and the SGD update, each timed separately (median over the timed steps, after
 untimed warm-up steps). Under mpirun -np N > 1 it times data-parallel steps
 instead, and their scaling against one rank (bench_step_parallel). With
 `--reference torch` the same network with the same weights
-(mpitrain.bench.reference_torch) takes the same batch through the same step
+(mpitrain.tools.bench.reference_torch) takes the same batch through the same step
 with torch.optim.SGD, in the same run (in a child process with the user's own
 environment), with torch's thread count matched to NumPy's BLAS; the ratio
 ours / torch is what to quote. Both report the loss of their first step
@@ -25,7 +25,7 @@ OpenBLAS reads OPENBLAS_CORETYPE when it loads. Where a machine forces an older
 core type, `--native-openblas` re-runs the command without it (and without
 OPENBLAS_L2_SIZE) and says so.
 
-The figures measured so far, and how to read them: docs/benchmarks.md.
+The figures, and how to read them: docs/benchmarks.md.
 """
 import json
 import os
@@ -149,7 +149,7 @@ def time_ours(model, x, y, steps, warmup, precision="fp32", profile=0, gflops=Tr
     """Median phase times of `steps` steps after `warmup`, with gflops on the CPU the
     GFLOP/s of the median step (its layers' floating-point operations as the direct form
     counts them, counted in one more step), and with
-    profile=N a profile of N more steps (mpitrain.bench.profile). graph: OneStep's."""
+    profile=N a profile of N more steps (mpitrain.tools.bench.profile). graph: OneStep's."""
     from .profile import profile_steps, step_flops
     step = OneStep(model, precision, graph=graph)
     phases = {"forward_loss": [], "backward": [], "update": []}
@@ -186,7 +186,7 @@ def time_ours(model, x, y, steps, warmup, precision="fp32", profile=0, gflops=Tr
 
 
 def gpu_profile(step, x, y, steps, whole_step):
-    """mpitrain.bench.layers' profile of `steps` steps on the GPU (CUDA events), with the
+    """mpitrain.tools.bench.layers' profile of `steps` steps on the GPU (CUDA events), with the
     card's peaks and the kernels of one more step."""
     from mpitrain import backend
 
@@ -206,7 +206,7 @@ def time_torch(model, x, y, steps, warmup, threads, lr=0.01, momentum=0.9, weigh
     import contextlib
 
     import torch
-    from mpitrain.bench.reference_torch import input_to_torch, to_torch
+    from mpitrain.tools.bench.reference_torch import input_to_torch, to_torch
     torch.set_num_threads(threads)
     gpu = device != "cpu"
     where = "cuda" if gpu else "cpu"
@@ -271,7 +271,7 @@ def torch_in_child(spec):
     env = dict(os.environ)
     for name in mpitrain.SET_HERE:
         env.pop(name, None)
-    code = ("import torch, json, sys; from mpitrain.bench.step import _torch_child; "
+    code = ("import torch, json, sys; from mpitrain.tools.bench.step import _torch_child; "
             "print(json.dumps(_torch_child(json.loads(sys.argv[1]))))")
     out = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env=env,
                          capture_output=True, text=True)
@@ -305,7 +305,7 @@ def bench_step(model_name, image_size=64, batch=32, steps=10, warmup=2, num_clas
                graph=False):
     """Time training steps of `model_name` on a random batch; returns a dict (see main_step).
     device: "cpu", "gpu" or "auto" (backend.use_device; a missing GPU raises DeviceError).
-    profile: profile this many more steps (mpitrain.bench.profile), in the first round.
+    profile: profile this many more steps (mpitrain.tools.bench.profile), in the first round.
     rounds: time mpitrain (and the reference) this many times, taking turns at going
     first; each side's figures are then those of its median round (peak memory: the
     largest) and the ratio is the median of the rounds' ratios (_median_rounds).
@@ -364,9 +364,9 @@ def _median_rounds(runs):
     profile; "ratio", the median of the rounds' ratios; with more than one round,
     "rounds", each round's images/s and ratio. mpitrain's peak memory is in effect the
     first round's: the later ones reuse memory the process freed and still holds, which
-    PeakMemory does not see. The host's speed drifts by tens of
-    percent from minute to minute, so a ratio is quoted from one round, where both
-    sides ran within a minute of each other, and its median over rounds."""
+    PeakMemory does not see. A shared host's speed drifts from minute to minute, so a
+    ratio is quoted from one round, where both sides ran within a minute of each other,
+    and its median over rounds."""
     out = {}
     for side in ("mpitrain", "torch"):
         figures = [run[side] for run in runs if side in run]
@@ -455,7 +455,8 @@ class ParallelSteps:
         from mpitrain.optim import SGD
         from mpitrain.precision import make_scaler
         self.model, self.reducer_args, self.world, self.lr = model, reducer_args, world, lr
-        self.density, self.reducer, self.topk = density, reducer, None
+        self.density, self.reducer = density, reducer
+        self.last = None            # the Reducer of the last step, whose top-k state goes on
         self.optimizer = optimizer or SGD(model.arena, momentum=0.9, weight_decay=1e-4)
         self.scaler = make_scaler(None, precision)
         self.timeline = Timeline()
@@ -468,8 +469,8 @@ class ParallelSteps:
         from mpitrain.train import train_step
         reducer = self.reducer or Reducer(self.model.arena, *self.reducer_args,
                                           timeline=self.timeline, density=self.density)
-        if self.topk:
-            reducer.topk.carry_over(self.topk)
+        if self.last is not None and reducer is not self.reducer:
+            reducer.take_over(self.last)
         self.world.Barrier()
         t0 = _clock()
         try:
@@ -479,7 +480,7 @@ class ParallelSteps:
             took = _clock() - t0
             if reducer is not self.reducer:
                 reducer.close()
-        self.topk = reducer.topk
+        self.last = reducer
         took = self.world.allreduce(took, op=MPI.MAX)
         totals = self.timeline.take_totals()
         last = self.world.allreduce(totals.get("bucket", 0.0), op=MPI.MIN)
@@ -511,11 +512,11 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
     threads of all the node's ranks, at most one per core (the other ranks sleep
     meanwhile). The three take turns step by step, so that a change of load on a shared
     machine hits them alike.
-    Scaling efficiency = N-rank images/s / one-rank images/s (the issue's "2 ranks x 1
-    thread vs 1 rank x 2 threads"). hidden_fraction: the share of the all-reduce time that
-    ran while backward was still running; saved_ms: how much shorter the overlapped step
-    is than the --no-overlap one (medians). On GPUs each rank takes the GPU of its local
-    rank (backend.use_device), and "one rank" is rank 0 alone on its GPU.
+    Scaling efficiency = N-rank images/s / one-rank images/s. hidden_fraction: the share
+    of the all-reduce time that ran while backward was still running; saved_ms: how much
+    shorter the overlapped step is than the --no-overlap one (medians). On GPUs each rank
+    takes the GPU of its local rank (backend.use_device), and "one rank" is rank 0 alone
+    on its GPU.
     density: also steps with top-k sparsified buckets (train --compress topk), and
     shard_update: with the sharded update (train --shard-update, SGD on a second copy of
     the model), each against the dense, unsharded step training would take here (its
@@ -589,7 +590,7 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
     result["dense_bytes"] = model.arena.grad.nbytes                 # sent per rank per step
     result["state_bytes"] = model.arena.momentum.nbytes             # SGD's velocity
     if density is not None:
-        result["topk"].update(density=density, bytes=runs["topk"].topk.bytes_per_step())
+        result["topk"].update(density=density, bytes=runs["topk"].last.topk.bytes_per_step())
     if shard_update:
         result["sharded"]["state_bytes"] = runs["sharded"].optimizer.state_bytes()
     if tuner:

@@ -15,8 +15,8 @@ reports
 (softmax probabilities; an image that only one of them gives probabilities for, its
 logits not finite in the other, counts as an infinite difference), and fails (exit 1)
 above --tolerance: the graph, its preprocessing metadata or the code applying it do not
-give the checkpoint's probabilities. The graph alone is within about 1e-5 of the
-checkpoint's model on identical inputs.
+give the checkpoint's probabilities. TOLERANCE leaves room for the rounding of another
+runtime's float32 sums, not for a wrong step (docs/export.md).
 """
 import json
 import math

@@ -7,7 +7,7 @@ It predicts the step time of N ranks (K per node) from three things:
      cuts it (`gradient_buckets`);
   2. the compute time of one step on one device, from its published single-device
      training throughput (DEVICES; sources in docs/scaling.md) scaled by the network's
-     forward multiply-adds (`mpitrain.inspect.layer_table`);
+     forward multiply-adds (`mpitrain.tools.inspect.layer_table`);
   3. the time of each all-reduce algorithm on each bucket, from the α-β formulas below,
      with separate links inside a node (NVLink, PCIe, shared memory) and between nodes
      (the network, --network Gbit/s per node).
@@ -260,10 +260,10 @@ class Workload:
 
 def gradient_buckets(model_name, threshold, image_size=224, num_classes=1000):
     """The Workload of `model_name`: its arena cut by bucket_bounds, and each bucket's
-    readiness from the layers' forward MACs (mpitrain.inspect.layer_table, one forward
+    readiness from the layers' forward MACs (mpitrain.tools.inspect.layer_table, one forward
     pass of one image)."""
     from mpitrain.comm.buckets import bucket_bounds
-    from mpitrain.inspect import layer_table
+    from mpitrain.tools.inspect import layer_table
     rows, model = layer_table(model_name, image_size, num_classes)
     arena = model.arena
     bounds = bucket_bounds(arena, threshold)

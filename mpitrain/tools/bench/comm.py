@@ -1,5 +1,5 @@
 """Benchmark of the gradient all-reduce: `mpirun -np N python -m mpitrain bench comm`
-(or `python -m mpitrain.bench.comm`).
+(or `python -m mpitrain.tools.bench.comm`).
 
 For ResNet-50's gradient arena (25,557,032 values, 161 tensors) it times one
 step's worth of summing, for each algorithm:
@@ -25,7 +25,7 @@ buckets, summed after backward): for each, the bytes one rank sends per step (de
 the 4 n bytes of the buffer it contributes, of which a ring all-reduce moves 2 (p-1)/p
 per rank; top-k: 4 + 4 bytes per pick, k = ceil(D n) per bucket), the step's time,
 and for top-k the time of the selection alone (no communication).
-The figures measured so far, and the rule they led to: docs/benchmarks.md.
+The figures, and the `hybrid` rule drawn from them: docs/benchmarks.md.
 """
 import argparse
 import itertools
@@ -73,7 +73,7 @@ def model_tensor_sizes(model):
         if model != "resnet50":
             raise
         return (resnet50_tensor_sizes(),
-                "resnet50 tensor list (mpitrain.bench.comm.resnet50_tensor_sizes)")
+                "resnet50 tensor list (mpitrain.tools.bench.comm.resnet50_tensor_sizes)")
 
 
 def _time(comm, steps, repeats):

@@ -1,5 +1,5 @@
 """Benchmarks, each run as `python -m mpitrain bench NAME` (docs/benchmarks.md has the
-figures measured so far and how to read them):
+figures and how to read them):
 
     step     step.py    full training steps (forward + loss, backward, SGD update) on
                         random data, optionally against PyTorch; under mpirun, the

@@ -7,7 +7,7 @@ through a PyTorch DataLoader with the same number of worker processes and the
 classic PIL pipeline written out here (decode, RandomResizedCrop as
 torchvision draws it, flip, ToTensor, Normalize, default collate), and the
 ratio is reported. The first batch of each is left out of the timing (worker
-start-up). The figures measured so far: docs/benchmarks.md.
+start-up). The figures: docs/benchmarks.md.
 """
 import glob
 import io

@@ -39,7 +39,7 @@ recording each command line: the control flow, checked where there is no GPU.
 
 Exit status: 0 every step passed, 1 a step failed, 2 no GPU (or CuPy does not
 see it, or no MPI library) or bad arguments. This module imports only the
-standard library at its top, so `python -m mpitrain.check_gpu` runs from a
+standard library at its top, so `python -m mpitrain.tools.check_gpu` runs from a
 checkout before mpitrain is installed (launch.sh gpu-check does that).
 """
 import argparse
@@ -52,7 +52,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = ("install", "build", "bench", "profile", "tests", "compare", "nccl")
 
 # fp32: the largest |gpu - cpu| / max |cpu| each quantity may show. The fp32 step runs
@@ -80,7 +80,7 @@ class CheckError(Exception):
 
 
 def add_arguments(parser):
-    """The options of check-gpu (shared by the CLI and `python -m mpitrain.check_gpu`)."""
+    """The options of check-gpu (shared by the CLI and `python -m mpitrain.tools.check_gpu`)."""
     from mpitrain.argtypes import nonnegative_int, positive_int
     parser.add_argument("--wheels", metavar="DIR", default=os.environ.get("WHEELS") or None,
                         help="install from this folder of wheels first, without network "
@@ -231,7 +231,7 @@ def install(wheels):
     folder, files = wheels
     # By name, not by file: what is installed already (the machine's CuPy, NumPy) stays.
     # Without their dependencies: the folder is the set to install (nvidia-cudnn-frontend
-    # names the CUTLASS DSL, hundreds of MB that its graph API does not load); mpitrain's
+    # names the CUTLASS DSL, a large package that its graph API does not load); mpitrain's
     # own install below then says which of its dependencies are still missing.
     names = sorted({os.path.basename(f).split("-")[0] for f in files})
     pip = [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", folder]
@@ -342,7 +342,7 @@ def _command_step(argv, timeout):
 
 def _call(function, *args, timeout=1200):
     """This module's `function(*args)` in a fresh interpreter; its JSON result."""
-    code = ("import json, sys; from mpitrain import check_gpu; "
+    code = ("import json, sys; from mpitrain.tools import check_gpu; "
             "print(json.dumps(getattr(check_gpu, sys.argv[1])(*json.loads(sys.argv[2]))))")
     r = _command_step([sys.executable, "-c", code, function, json.dumps(args)], timeout)
     if not r["passed"] or CLOCK.dry_run:
@@ -379,15 +379,15 @@ def environment():
 
 def compare_step(precision, model_name="resnet_small", image_size=32, batch=32, num_classes=10,
                  seed=0, lr=0.1, devices=("cpu", "gpu")):
-    """One training step (mpitrain.bench.step.OneStep: forward and loss, backward, overflow
-    check, SGD update) of the same model, seed and batch on the two `devices` (the
+    """One training step (mpitrain.tools.bench.step.OneStep: forward and loss, backward,
+    overflow check, SGD update) of the same model, seed and batch on the two `devices` (the
     reference first); the largest relative differences, against TOLERANCE in fp32 and
     against FP16_MARGIN times the reference device's own in fp16 (both measured from
     the reference device's fp32 step)."""
     import numpy as np
 
     from mpitrain import backend
-    from mpitrain.bench.step import OneStep, build_on_device
+    from mpitrain.tools.bench.step import OneStep, build_on_device
     host = backend.to_numpy
 
     def one_step(device, precision):
@@ -554,7 +554,7 @@ def _detail(name, s):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m mpitrain.check_gpu",
+    parser = argparse.ArgumentParser(prog="python -m mpitrain.tools.check_gpu",
                                      description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

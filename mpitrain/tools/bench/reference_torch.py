@@ -4,7 +4,7 @@ Never imported by the training path. torchvision is not available here, so its
 AlexNet and ResNet (v1.5) are written out below with torchvision's module names;
 the state_dict keys are then exactly mpitrain's parameter and buffer names.
 
-Layouts differ in two places, converted by mpitrain.export (NumPy only, so that
+Layouts differ in two places, converted by mpitrain.tools.export (NumPy only, so that
 `export` writes torchvision's layout without torch):
 - convolution weights: mpitrain OHWI, torch OIHW  (torch = ours.transpose(0, 3, 1, 2));
 - a linear layer after a flatten (AlexNet's classifier.1): mpitrain flattens NHWC in
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from mpitrain.backend import to_numpy
-from mpitrain.export import flattened, from_torch_layout, torch_state_dict
+from mpitrain.tools.export import flattened, from_torch_layout, torch_state_dict
 from mpitrain.nets import alexnet as ours_alexnet
 from mpitrain.nets import resnet as ours_resnet
 

@@ -2,8 +2,8 @@
 
 Both files hold the eval-mode network of the checkpoint (fp32 master weights,
 BatchNorm running statistics averaged over the ranks that wrote it; see
-mpitrain.predict.load_model) in torchvision's layout, and the run's preprocessing
-(image size, crop fraction, mean and std, class names: mpitrain.predict.Preprocessing)
+mpitrain.tools.predict.load_model) in torchvision's layout, and the run's preprocessing
+(image size, crop fraction, mean and std, class names: mpitrain.tools.predict.Preprocessing)
 as metadata. Neither needs torch. Images are prepared for either file exactly as
 `predict` prepares them by Preprocessing.from_metadata(the file's metadata).inputs(paths,
 "NCHW"); `predict --onnx FILE --checkpoint CHECKPOINT` checks an ONNX file so.
@@ -32,13 +32,14 @@ import os
 
 import numpy as np
 
-from .backend import to_numpy
-from .files import write_atomic
+from ..backend import to_numpy
+from ..files import write_atomic
 from .predict import PredictError, load_model, preprocessing, read_config
 
 FORMATS = ("safetensors", "onnx")
 OPSET = 17
-IR_VERSION = 8          # the IR version of opset 17 (onnx 1.12): runtimes since then read it
+IR_VERSION = 8          # opset 17's own IR version, not the newest onnx knows: every runtime
+                        # that runs opset 17 reads the file
 PACKAGES = {"safetensors": "safetensors", "onnx": "onnx"}
 
 
@@ -178,7 +179,7 @@ class _OnnxGraph:
             taken, self.pending_flatten = self.pending_flatten, None
             if taken != flat and not (flat is None and taken[:2] == (1, 1)):
                 raise ExportError(f"{name} follows a flatten of (H, W, C) = {taken}, which "
-                                  f"mpitrain.export.flattened does not give it")
+                                  f"mpitrain.tools.export.flattened does not give it")
             inputs = [x, self.tensor(f"{name}.weight")]
             if m.bias is not None:
                 inputs.append(self.tensor(f"{name}.bias"))
@@ -223,7 +224,7 @@ def onnx_model(model, image_size, metadata, batches_tracked=0):
             [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", shape[0]])]),
         opset_imports=[helper.make_opsetid("", OPSET)], producer_name="mpitrain",
         doc_string="mpitrain network in eval mode; input: images, NCHW float32, "
-                   "prepared as the metadata says: mpitrain.predict.Preprocessing."
+                   "prepared as the metadata says: mpitrain.tools.predict.Preprocessing."
                    "from_metadata(metadata).inputs(paths, 'NCHW')")
     proto.graph.initializer.extend(graph.initializers)   # once: make_model copies its graph
     proto.ir_version = IR_VERSION

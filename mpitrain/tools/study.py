@@ -70,8 +70,8 @@ QUICK = dict(epochs=4, seeds=1)
 #               best (top-1 on the validation file) is the point's learning rate
 #   decide      the batches whose best learning rate is run at `seeds` seeds ("all", or
 #               "ends": the smallest and the largest, which decide the conclusion)
-# Fashion-MNIST's budget: 63 sweep runs and 28 seed runs of 3 epochs of 54,000 images,
-# about 15 M images: 2.2 hours at the 1,900 images/s of two one-thread runs side by side.
+# Fashion-MNIST's plan: 63 sweep runs (7 recipes x 3 batches x 3 factors) and 28 seed runs
+# (2 more seeds at the 2 end batches), each 3 epochs of 54,000 images.
 PLANS = {
     "digits": dict(recipes=("sgd", "lars", "lars-fp16", "lamb"), smallest=32, largest_share=None,
                    batches=None, lr_factors=(1.0,), decide="all", full=FULL, quick=QUICK),
@@ -476,7 +476,7 @@ def write_whole(path, text):
 
 def write_outputs(out, rows, lines, study_command, epochs, num_train, num_classes, data,
                   seconds, recipes=None):
-    from mpitrain.plot import plot_batch_study
+    from mpitrain.tools.plot import plot_batch_study
     header = (f"`{study_command}`: {MODEL} on {data} ({num_train} training images), "
               f"{epochs} epochs at every batch, {clock(seconds)} (min:s) in all.\n")
     swept = any(len(r["sweep"]) > 1 for r in rows)

@@ -31,7 +31,7 @@ it is (the pixels of a record of that file, written out, come back exactly).
 Exported files carry this preprocessing as metadata (`Preprocessing.metadata`), and
 `Preprocessing.from_metadata` rebuilds it from them, so that an exported model's
 inputs are made by this very code (`Preprocessing.inputs`); `predict --onnx FILE`
-(mpitrain/onnx_predict.py) runs an ONNX file so and checks it against the checkpoint.
+(mpitrain/tools/onnx_predict.py) runs an ONNX file so and checks it against the checkpoint.
 """
 import io
 import json
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import checkpoint
+from .. import checkpoint
 
 # Pillow's modes of a 16-bit greyscale image (a PNG of bit depth 16 opens as I;16)
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
@@ -111,7 +111,7 @@ class Preprocessing:
                                  "image_size x image_size (Pillow's antialiased bilinear, on "
                                  "unrounded values); (pixel - mean) / std per channel, pixels "
                                  "in units where pixel_max is full intensity (8-bit images: "
-                                 "x pixel_max / 255). Exactly: mpitrain.predict.Preprocessing"
+                                 "x pixel_max / 255). Exactly: mpitrain.tools.predict.Preprocessing"
                                  ".from_metadata(these).inputs(paths, 'NCHW')"}
 
     @classmethod
@@ -129,7 +129,7 @@ class Preprocessing:
             white = float(meta["pixel_max"])
             prep = cls(int(meta["image_size"]), float(meta["crop_fraction"]),
                        json.loads(meta["mean"]), json.loads(meta["std"]), white,
-                       # files exported before pixel_bits was recorded: the config's rule
+                       # metadata without pixel_bits: the config's rule
                        int(meta.get("pixel_bits", stored_bits(white))),
                        json.loads(meta["class_names"]), source)
         except KeyError as e:
@@ -205,7 +205,7 @@ def read_image(path):
 
 def training_file(cfg):
     """The training data file the checkpoint's config names (a preset's under data_dir)."""
-    from .checks import PRESETS
+    from ..checks import PRESETS
     preset = PRESETS.get(cfg.get("data"))
     if preset:
         return os.path.join(cfg.get("data_dir") or "data", preset["train"])
@@ -235,7 +235,7 @@ def stored_bits(white):
 def preprocessing(cfg, data=None):
     """The Preprocessing of a checkpoint's config; `data` (a data file of the same
     training split) stands in for a training file that is not where the config says."""
-    from .checks import crop_fraction
+    from ..checks import crop_fraction
     classes = cfg["num_classes"]
     size, crop = cfg.get("image_size") or 224, crop_fraction(cfg)
     names = cfg.get("class_names")

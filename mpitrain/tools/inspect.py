@@ -5,24 +5,17 @@ layer's `forward` wrapped on the instance, records every leaf's input and
 output shape; each leaf then reports its parameters and forward multiply-adds
 (`Module.macs`). The wrapping lives only here and only on the inspected model.
 
-A model's size depends on its number of classes (the last layer's outputs):
-`describe_parameters` says both, and every command that prints a parameter count
-(train, inspect, export, simulate, bench update) prints it that way. With --data,
+A model's size depends on its number of classes (the last layer's outputs), so the
+totals say both (mpitrain.nets.describe_parameters, as train prints them). With --data,
 inspect takes the classes (and the image size) from the data as train does.
 """
 import os
 
 import numpy as np
 
-from mpitrain.nets import build_model
+from mpitrain.nets import build_model, describe_parameters
 
 DEFAULT_CLASSES = 1000      # inspect without --data or --num-classes: ImageNet's
-
-
-def describe_parameters(model):
-    """'N parameters (K classes)': the model's trainable parameters (BatchNorm's running
-    statistics and the arena's padding are not parameters) and its number of classes."""
-    return f"{model.num_params():,} parameters ({model.num_classes} classes)"
 
 
 def layer_table(model_name, image_size=224, num_classes=1000):

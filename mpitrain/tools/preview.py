@@ -33,13 +33,13 @@ def preview(cfg, split, batch, out, say=print):
     train_file, val_file, transform = resolve_data(cfg, MPI.COMM_SELF, need_val=split == "val")
     path = train_file if split == "train" else val_file
     count, _, stored_size = describe_file(path)
-    size = cfg["image_size"] or stored_size
+    size = cfg.image_size or stored_size
     batch = min(batch, count)
     options = transform if split == "train" else dict(crop_fraction=transform["crop_fraction"])
     with Reader(path) as reader:
         white = white_level(reader)
     with Loader(path, batch, train=split == "train", image_size=size, workers=0, prefetch=1,
-                seed=cfg["seed"], **options) as loader:
+                seed=cfg.seed, **options) as loader:
         x, y = next(iter(loader))
         # (batch, size, size, 3) in [0, 1]
         pixels = np.clip((x * loader.std + loader.mean) / white, 0.0, 1.0)
@@ -53,7 +53,7 @@ def preview(cfg, split, batch, out, say=print):
              f", flips" if split == "train" and transform["augment"] else
              f"centre crop of {options['crop_fraction']:g} of the short side")
     say(f"preview: {batch} {split} images of {path} at {size}x{size} ({crops}, seed "
-        f"{cfg['seed']}) -> {out}")
+        f"{cfg.seed}) -> {out}")
     return batch
 
 
