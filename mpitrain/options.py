@@ -174,6 +174,8 @@ OPTIONS = (
     Option("schedule", "cosine", "decay after warm-up: cosine to 0, poly (power 2) to 0, step "
            "(x0.1 at each of --milestones), constant", OPTIM,
            choices=("cosine", "poly", "step", "constant")),
+    Option("poly_power", 2.0, "--schedule poly: lr = peak * (1 - t) ** P", OPTIM,
+           positive_float, metavar="P"),
     Option("milestones", (), "epochs at which --schedule step multiplies lr by 0.1", OPTIM,
            positive_float, nargs="+", metavar="EPOCH"),
     Option("precision", "fp32", "fp16: fp16 activations and working weights, fp32 master "

@@ -603,7 +603,8 @@ class Run:
             now = time.perf_counter()
             self.timeline.add("data wait", "data", now - data.last_wait, now)
             lr = learning_rate(epoch + (s + 1) / steps, self.base_lr, self.epochs,
-                               cfg.warmup_epochs, cfg.schedule, cfg.milestones)
+                               cfg.warmup_epochs, cfg.schedule, cfg.milestones,
+                               power=cfg.poly_power)
             started = time.perf_counter()
             loss = train_step(self.net, self.optimizer, self.reducer, backend.xp.asarray(x),
                               backend.xp.asarray(y), lr, cfg.label_smoothing, self.scaler,

@@ -75,3 +75,29 @@ def test_a_value_means_the_same_as_a_flag_in_yaml_and_in_python(flag_value, pyth
 def test_a_bad_value_is_refused_naming_its_flag(values, message):
     with pytest.raises(ValueError, match=message):
         Config(**values)
+
+
+def test_poly_power_shapes_the_learning_rate_of_a_run(digits, tmp_path):
+    """--schedule poly --poly-power 1: each logged step's rate is the linear decay's
+    (optim.learning_rate with power 1), not the default power 2's."""
+    import subprocess
+    import sys
+
+    from launcher import environment
+    from mpitrain.metrics import read_metrics
+    from mpitrain.optim import learning_rate
+    run_dir = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "mpitrain", "train", "--data-dir", str(digits),
+                        "--run-dir", str(run_dir), "--epochs", "2", "--batch-size", "128",
+                        "--schedule", "poly", "--poly-power", "1", "--warmup-epochs", "0",
+                        "--log-every", "3", "--model", "resnet_small"],
+                       capture_output=True, text=True, timeout=300, env=environment(1))
+    assert r.returncode == 0, r.stdout + r.stderr
+    steps = [s for s in read_metrics(str(run_dir / "metrics.jsonl")) if s["kind"] == "step"]
+    per_epoch = max(s["step"] for s in steps)
+    assert len(steps) >= 3
+    for s in steps:
+        at = s["epoch"] - 1 + s["step"] / per_epoch
+        assert s["lr"] == pytest.approx(learning_rate(at, 0.1, 2, 0.0, "poly", power=1.0))
+        if 0 < at < 2:
+            assert s["lr"] != pytest.approx(learning_rate(at, 0.1, 2, 0.0, "poly"))
