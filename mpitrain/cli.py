@@ -231,6 +231,10 @@ def build_parser():
     data.add_argument("--image-size", type=positive_int, help=IMAGE_SIZE)
     data.add_argument("--batches", type=positive_int, help="batches timed (default: two epochs)")
     data.add_argument("--reference", choices=["torch"])
+    data.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
+                      help="gpu: decode and augment on the GPU (train --decode gpu) with "
+                           "--workers threads, against the CPU loader with a worker on every "
+                           "core")
     data.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     data.set_defaults(command_parser=data)
     update = benches.add_parser(
@@ -709,6 +713,19 @@ def run_predict(args):
     run(args)
 
 
+def gpu_decode_or_refuse(args):
+    """bench data --device gpu: this process on a GPU, with nvImageCodec, as train
+    --decode gpu checks them (the refusal names what is missing)."""
+    from mpitrain import backend
+    from mpitrain.checks import ConfigError, check_decode
+    from mpitrain.options import Config
+    try:
+        backend.use_device("gpu")
+        check_decode(Config(decode="gpu"), backend.device)
+    except (backend.DeviceError, ConfigError) as e:
+        args.command_parser.error(str(e))
+
+
 def data_image_size(args):
     """--image-size, else the size of args.data (checks.describe_file), said unless --json."""
     if args.image_size:
@@ -812,8 +829,10 @@ def main(argv=None):
             main_step(args, argv)
     elif args.bench == "data":
         from mpitrain.tools.bench.data import run
+        if args.device == "gpu":
+            gpu_decode_or_refuse(args)
         run(args.data, args.workers, args.batch, data_image_size(args), args.reference,
-            args.json, args.batches)
+            args.json, args.batches, args.device)
     elif args.bench == "update":
         from mpitrain.tools.bench.update import run, run_sharded
         if args.shard_update:

@@ -323,6 +323,41 @@ def test_bench_data_times_full_batches(tmp_path):
     assert result["mpitrain"]["images"] == 3 * 4
 
 
+def synthetic_jpegs(path, count=8):
+    r = run("convert", "synthetic", str(path), "--count", str(count), "--size", "96x64",
+            "--classes", "2")
+    assert r.returncode == 0, r.stderr
+
+
+def test_bench_data_on_a_gpu_is_refused_where_there_is_none(tmp_path):
+    """--device gpu without a GPU (or without nvImageCodec): exit 2, naming what is
+    missing, before any loader starts."""
+    from mpitrain.backend import gpu_available
+    if gpu_available():
+        pytest.skip("a GPU is visible: test_bench_data_on_the_gpu runs instead")
+    synthetic_jpegs(tmp_path / "s.h5")
+    r = run("bench", "data", "--data", str(tmp_path / "s.h5"), "--device", "gpu",
+            "--image-size", "48", "--batch", "4")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "no GPU can be used" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert "images/s" not in r.stdout
+
+
+@pytest.mark.gpu
+def test_bench_data_on_the_gpu(tmp_path):
+    """--device gpu: the GPU loader's full batches timed, and the CPU loader on every core
+    beside it, with their ratio."""
+    synthetic_jpegs(tmp_path / "s.h5", count=32)
+    r = run("bench", "data", "--data", str(tmp_path / "s.h5"), "--device", "gpu",
+            "--image-size", "48", "--batch", "8", "--workers", "1", "--batches", "6", "--json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["device"] == "gpu" and result["mpitrain"]["images"] == 6 * 8
+    assert result["cpu_every_core"]["images"] == 6 * 8
+    assert result["gpu_over_cpu"] == pytest.approx(
+        result["mpitrain"]["images_per_s"] / result["cpu_every_core"]["images_per_s"])
+
+
 def test_the_idle_team_sleeps_after_a_moment():
     """Once mpitrain is imported, the OpenMP team that runs the kernels and the GEMMs spins
     for under a millisecond between kernels (GOMP_SPINCOUNT, mpitrain/__init__.py), then

@@ -6,8 +6,11 @@ reference="torch", the same records of the same file go, in the same run,
 through a PyTorch DataLoader with the same number of worker processes and the
 classic PIL pipeline written out here (decode, RandomResizedCrop as
 torchvision draws it, flip, ToTensor, Normalize, default collate), and the
-ratio is reported. The first batch of each is left out of the timing (worker
-start-up). The figures: docs/benchmarks.md.
+ratio is reported. With device="gpu", the Loader decodes and augments on the GPU
+(--decode gpu: nvImageCodec, then one kernel per chunk of a batch, into fp16 on the
+device), and the CPU loader with a worker on every core this process may run on is
+timed beside it. The first batch of each is left out of the timing (worker start-up).
+The figures: docs/benchmarks.md.
 """
 import glob
 import io
@@ -21,6 +24,7 @@ from PIL import Image
 from mpitrain.datasets.augment import random_resized_crop_box, simplejpeg
 from mpitrain.datasets.h5format import Reader
 from mpitrain.datasets.loader import Loader
+from mpitrain.launcher import cores
 
 
 def _children():
@@ -46,8 +50,9 @@ def _cpu_seconds():
     return total
 
 
-def _time_batches(batches, count):
-    """Wall seconds, CPU seconds and images of `count` batches after the first one.
+def _time_batches(batches, count, finish=lambda: None):
+    """Wall seconds, CPU seconds and images of `count` batches after the first one;
+    `finish` waits for the last batch's work (a device's queue) before the clock stops.
 
     CPU seconds (this process and its worker processes) make a measure that
     holds on a machine shared with other work: images per CPU-second."""
@@ -58,6 +63,7 @@ def _time_batches(batches, count):
     for _ in range(count):
         x, y = next(it)
         images += len(y)
+    finish()
     return time.perf_counter() - start, _cpu_seconds() - cpu, images
 
 
@@ -66,10 +72,17 @@ def _forever(loader):
         yield from loader
 
 
-def bench_mpitrain(path, workers, batch, image_size, count):
-    loader = Loader(path, batch, train=True, image_size=image_size, workers=workers, prefetch=2)
+def bench_mpitrain(path, workers, batch, image_size, count, decode="cpu"):
+    """The Loader's training batches: float32 on the host, or (decode="gpu") fp16 on the
+    GPU, as --precision fp16 trains."""
+    finish, dtype = (lambda: None), np.float32
+    if decode == "gpu":
+        import cupy
+        finish, dtype = cupy.cuda.get_current_stream().synchronize, np.float16
+    loader = Loader(path, batch, train=True, image_size=image_size, workers=workers, prefetch=2,
+                    dtype=dtype, decode=decode)
     try:
-        seconds, cpu, images = _time_batches(_forever(loader), count)
+        seconds, cpu, images = _time_batches(_forever(loader), count, finish)
     finally:
         loader.close()
     return {"images_per_s": images / seconds, "images_per_cpu_s": images / cpu,
@@ -123,10 +136,14 @@ def bench_torch(path, workers, batch, image_size, count):
             "seconds": seconds, "images": images}
 
 
-def run(path, workers=2, batch=32, image_size=224, reference=None, json_out=False, batches=None):
+def run(path, workers=2, batch=32, image_size=224, reference=None, json_out=False, batches=None,
+        device="cpu"):
     """Benchmark the loader on `path` (and the reference); prints and returns the results.
 
     batches: how many batches to time (default: two epochs' worth, at least 8).
+    device="gpu": the loader decoding on the GPU with `workers` threads, against the CPU
+    loader with a worker per core (the caller has checked that a GPU and nvImageCodec
+    are there: mpitrain.checks.check_decode).
     """
     with Reader(path) as r:
         n, storage = len(r), r.storage
@@ -136,9 +153,16 @@ def run(path, workers=2, batch=32, image_size=224, reference=None, json_out=Fals
               "workers": workers, "batch": batch, "image_size": image_size,
               "timed_batches": count,
               "jpeg_decoder": "libjpeg-turbo (simplejpeg)" if simplejpeg else "Pillow"}
-    ours = bench_mpitrain(path, workers, batch, image_size, count)
+    ours = bench_mpitrain(path, workers, batch, image_size, count, decode=device)
     ours["per_worker"] = ours["images_per_s"] / max(workers, 1)
     result["mpitrain"] = ours
+    result["device"] = device
+    if device == "gpu":
+        every = cores()
+        host = bench_mpitrain(path, every, batch, image_size, count)
+        host.update(workers=every, per_worker=host["images_per_s"] / every)
+        result["cpu_every_core"] = host
+        result["gpu_over_cpu"] = ours["images_per_s"] / host["images_per_s"]
     if reference == "torch":
         ref = bench_torch(path, workers, batch, image_size, count)
         ref["per_worker"] = ref["images_per_s"] / max(workers, 1)
@@ -150,13 +174,21 @@ def run(path, workers=2, batch=32, image_size=224, reference=None, json_out=Fals
     if json_out:
         print(json.dumps(result))
     else:
+        decoder = "nvImageCodec on the GPU" if device == "gpu" else result["jpeg_decoder"]
         print(f"{path}: {n} records, {workers} workers, batch {batch}, "
               f"{image_size}x{image_size} training crops, {count} batches timed, "
-              f"JPEG decoder: {result['jpeg_decoder']}")
-        rows = [("mpitrain", ours)] + ([("torch", result["torch"])] if "torch" in result else [])
+              f"JPEG decoder: {decoder}")
+        rows = [("mpitrain" if device == "cpu" else "gpu", ours)]
+        if device == "gpu":
+            rows.append((f"cpu x{result['cpu_every_core']['workers']}",
+                         result["cpu_every_core"]))
+        rows += [("torch", result["torch"])] if "torch" in result else []
         for name, r in rows:
             print(f"  {name:9s} {r['images_per_s']:8.1f} images/s  "
                   f"{r['per_worker']:7.1f} per worker  {r['images_per_cpu_s']:7.1f} per CPU-second")
+        if device == "gpu":
+            print(f"  the GPU decodes {result['gpu_over_cpu']:.2f}x the images/s of the CPU "
+                  f"loader on every core")
         if "ratio" in result:
             print(f"  ratio     {result['ratio']:.2f}x images/s, "
                   f"{result['ratio_cpu']:.2f}x per CPU-second")
