@@ -204,6 +204,9 @@ def emulated_cupy(monkeypatch):
         RawModule=EmulatedModule, empty=np.empty, empty_like=np.empty_like, zeros=np.zeros,
         ascontiguousarray=np.ascontiguousarray))
     monkeypatch.setattr(gpu, "_module", None)
+    # a GPU's thousand blocks of a partial-sum pass are as many host threads per block
+    # here: 64 cover the same code (several blocks, several rows a thread) at a sixteenth
+    monkeypatch.setattr(gpu, "TARGET_BLOCKS", 64)
 
 
 def bn_layers(C, dtype, group, xp, relu=False):
