@@ -171,7 +171,7 @@ OPTIONS = (
            "eps); biases and BatchNorm gamma/beta take neither LARS nor weight decay", OPTIM,
            positive_float),
     Option("lars_eps", 1e-9, "LARS: the eps of the trust ratio", OPTIM, nonnegative_float),
-    Option("schedule", "cosine", "decay after warm-up: cosine to 0, poly (power 2) to 0, step "
+    Option("schedule", "cosine", "decay after warm-up: cosine to 0, poly (power --poly-power) to 0, step "
            "(x0.1 at each of --milestones), constant", OPTIM,
            choices=("cosine", "poly", "step", "constant")),
     Option("poly_power", 2.0, "--schedule poly: lr = peak * (1 - t) ** P", OPTIM,
