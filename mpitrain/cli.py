@@ -2,9 +2,9 @@
 
 Bad values are refused by argparse before any work starts: exit status 2 and one
 line, the reason, last (the usage is --help's; an unknown option gets the nearest
-known names, and no option is taken from an abbreviation). NumPy and MPI are
-imported only by the command that needs them, so `--help` is quick and `bench
-step --native-openblas` can re-run itself with a changed environment.
+known names, and no option is taken from an abbreviation). MPI is started only by
+the command that needs it, so `--help` needs no launcher and `bench step
+--native-openblas` can replace itself (execve) with a changed environment.
 """
 import argparse
 import os
@@ -21,7 +21,8 @@ REFUSAL_GRACE = 1.0     # seconds the other ranks wait before exiting on a refus
 
 class Parser(argparse.ArgumentParser):
     """argparse, saying a bad command line once and last: under mpirun every rank parses
-    it, and only the launcher's rank 0 prints the message (all exit with status 2). The
+    it, and only the launcher's rank 0 prints the message (all exit with status 2, the
+    others a REFUSAL_GRACE later, so that no launcher ends rank 0 before it has said why). The
     message is one line, `PROG: error: REASON`, the last thing printed, without the usage
     (that is --help's); an option is never taken from an abbreviation of its name, and an
     unknown one is answered with the nearest known names."""

@@ -281,16 +281,16 @@ class Config(SimpleNamespace):
         return {k: v for k, v in vars(self).items() if v != DEFAULTS[k]}
 
 
-def add_arguments(parser, names=None, **defaults):
-    """The options `names` (all of them by default) as flags of `parser`, in groups as
-    in --help; `defaults` replaces some of their defaults for this command."""
+def add_arguments(parser, names=None):
+    """The options `names` (all of them by default) as flags of `parser`; all of them
+    in their groups, as train's --help shows them."""
     chosen = [o for o in OPTIONS if names is None or o.name in names]
     for group in GROUPS:
         members = [o for o in chosen if o.group == group]
         if members:
             target = parser.add_argument_group(group) if names is None else parser
             for o in members:
-                o.add_to(target, **({"default": defaults[o.name]} if o.name in defaults else {}))
+                o.add_to(target)
 
 
 def markdown():
