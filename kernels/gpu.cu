@@ -457,11 +457,14 @@ __device__ __forceinline__ void philox4x32(unsigned int c[4], unsigned int k0, u
     }
 }
 
-// y[i] = x[i] * scale where word (i mod 4) of philox4x32((i / 4, 0), key), shifted right
-// by 8, is >= threshold (keep), else 0. dropout(x) and its backward are both this map.
+// y[i] = x[i] * scale where word (i mod 4) of philox4x32((i / 4, 0), (k0, k1)), shifted
+// right by 8, is >= threshold (keep), else 0; key = k0 + 2^32 k1 is read from device memory
+// (key[0] = k0, key[1] = k1), so that a CUDA graph's replay draws the mask of the key written
+// before it. dropout(x) and its backward are both this map.
 template <typename T, typename A>
-__global__ void dropout(const T* x, long long n, unsigned int k0, unsigned int k1,
+__global__ void dropout(const T* x, long long n, const unsigned int* key,
                         unsigned int threshold, A scale, T* y) {
+    const unsigned int k0 = key[0], k1 = key[1];
     for (long long b = first_index(); b * 4 < n; b += grid_stride()) {
         unsigned int c[4] = {(unsigned int)b, (unsigned int)(b >> 32), 0u, 0u};
         philox4x32(c, k0, k1);

@@ -28,8 +28,11 @@ Reductions are deterministic: fixed chunks of rows, a fixed tree inside each
 block, and a fixed order across blocks (no atomics), so a rerun on the same
 device gives the same bits. Nothing here reads a value back to the host.
 
-`philox4x32` and `dropout_keep` are the NumPy reference of the dropout mask;
-this module imports without CuPy.
+Dropout draws its mask on the device from a 64-bit key that the kernel reads
+from device memory, a (2,) uint32 array of the key's low and high words
+(`key_words`), so that a CUDA graph's replay draws the mask of whatever key was
+written before it (mpitrain/graph.py). `philox4x32` and `dropout_keep` are the
+NumPy reference of the mask; this module imports without CuPy.
 """
 import math
 import os
@@ -325,10 +328,17 @@ def dropout_threshold(p):
     return math.ceil(p * (1 << 24))
 
 
+def key_words(key):
+    """The 64-bit key as the (2,) uint32 words that `dropout` reads: (key mod 2^32, key >> 32)."""
+    key = int(key)
+    return np.array([key & 0xFFFFFFFF, key >> 32], np.uint32)
+
+
 def dropout(x, key, p):
     """x * keep / (1 - p) (1 / (1 - p) rounded to x's dtype, as on the CPU), keep drawn by
-    Philox4x32-10 from the 64-bit key and each element's index (dropout_keep); the same
-    call with the same key is the backward."""
+    Philox4x32-10 from the 64-bit key k0 + 2^32 k1 and each element's index
+    (dropout_keep); key: the device array (k0, k1) uint32 (key_words), read when the
+    kernel runs. The same call with the same key is the backward."""
     import cupy
     x = cupy.ascontiguousarray(x)
     y = cupy.empty_like(x)
@@ -336,8 +346,8 @@ def dropout(x, key, p):
     scale = acc.type(x.dtype.type(1 / (1 - p)))
     blocks = _blocks(-(-x.size // 4))
     _kernel("dropout", x.dtype)(blocks, (THREADS,),
-                                (x, np.int64(x.size), np.uint32(key & 0xFFFFFFFF),
-                                 np.uint32(key >> 32), np.uint32(dropout_threshold(p)), scale, y))
+                                (x, np.int64(x.size), key, np.uint32(dropout_threshold(p)),
+                                 scale, y))
     return y
 
 

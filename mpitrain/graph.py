@@ -7,9 +7,11 @@ graph records the same kernels, with their arguments and pointers, once; a repla
 queues them all with one call. What a replay may not do follows from that:
 
 - read a value from the host that changes from step to step: the images and labels
-  are copied into buffers that the graph owns (`x`, `y`), and the loss scale is a
-  0-d device array that softmax_cross_entropy multiplies by (`scale`), written before
-  each replay;
+  are copied into buffers that the graph owns (`x`, `y`), the loss scale is a 0-d
+  device array that softmax_cross_entropy multiplies by (`scale`), and each dropout
+  layer's mask key is a device array that its kernel reads (Dropout.key), all written
+  before each replay. The keys are drawn from the layers' generators as the eager step
+  draws them, one per layer and step, so a replay draws the eager step's masks;
 - allocate: the kernels write where they wrote while being captured. The capture
   allocates from a memory pool of its own, which lives as long as the graph, and the
   cuDNN workspace of that time is kept too (cuDNN swaps it for a larger one when a
@@ -23,13 +25,12 @@ Two graphs rather than one keep forward and backward apart, so the step's phases
 timed as in the eager step; the backward graph reads what the forward graph cached.
 
 `refusal(model, ranks)` says why a step cannot be captured (None: it can): on the CPU
-there is nothing to capture; dropout draws its mask's key on the host each step; with
-more than one rank, backward's hooks start the all-reduce of each bucket as it lands,
-which a replay cannot do; an fp32 model's fully connected layers multiply through
-cuBLAS, whose calls CuPy refuses to capture (fp16 products go through cuDNN,
-kernels/cudnn.py). The eager step serves all of these, and a capture that fails for
-another reason (a layer that copies from the host, say) leaves the step eager and says
-why.
+there is nothing to capture; with more than one rank, backward's hooks start the
+all-reduce of each bucket as it lands, which a replay cannot do; an fp32 model's fully
+connected layers multiply through cuBLAS, whose calls CuPy refuses to capture (fp16
+products go through cuDNN, kernels/cudnn.py). The eager step serves all of these, and a
+capture that fails for another reason (a layer that copies from the host, say) leaves
+the step eager and says why; its dropout layers draw their keys in forward again.
 """
 import numpy as np
 
@@ -39,15 +40,12 @@ from mpitrain import backend
 def refusal(model, ranks=1, device=None):
     """Why `model`'s step on `ranks` ranks runs eagerly (None: it can be captured).
     device: where it runs (default: backend.device)."""
-    from mpitrain.nets.activation import Dropout
     from mpitrain.nets.linear import Linear
     if (device or backend.device) == "cpu":
         return "the step runs on the CPU (CUDA graphs are a GPU's)"
     if ranks > 1:
         return (f"{ranks} ranks: each bucket's all-reduce starts from backward as its "
                 f"gradients land, which a replay cannot do")
-    if any(isinstance(m, Dropout) and m.p > 0 for _, m in model.named_modules()):
-        return "the model has dropout, whose mask's key is drawn on the host every step"
     if model.dtype != np.float16 and any(isinstance(m, Linear) for _, m in model.named_modules()):
         return (f"{model.dtype} fully connected layers multiply through cuBLAS, whose calls "
                 f"CuPy does not capture (fp16 models can be)")
@@ -60,12 +58,16 @@ class StepGraph:
     forward(x, y, scale) -> the loss (a 0-d device array, updated by each replay);
     backward() -> None: the gradients are in model.arena.grad, scale times the loss's.
     The first `eager_steps` calls run eagerly (and build every plan); the next one
-    captures, then replays, as does every later one. Every batch has the first one's
-    shape. say: where to print the capture's outcome (None: nowhere).
+    captures, then replays, as does every later one. From the capture on, the graph
+    draws the model's dropout keys before each replay (Dropout.key_drawn_ahead). Every
+    batch has the first one's shape. say: where to print the capture's outcome (None:
+    nowhere).
     """
 
     def __init__(self, model, label_smoothing=0.0, eager_steps=2, say=None):
         import cupy
+
+        from mpitrain.nets.activation import Dropout
         self.cupy, self.model, self.label_smoothing = cupy, model, label_smoothing
         self.eager_steps, self.say = eager_steps, say
         self.steps = 0
@@ -77,6 +79,8 @@ class StepGraph:
         self.graphs = self.pool = self.workspace = None
         self.loss = self.dlogits = None
         self.refused = None         # why a capture failed, and the step stays eager
+        # the layers whose mask keys this graph draws, from the capture on
+        self.dropouts = [m for _, m in model.named_modules() if isinstance(m, Dropout) and m.p > 0]
 
     @property
     def captured(self):
@@ -95,11 +99,15 @@ class StepGraph:
         self.scale.fill(scale)
         self.steps += 1
         if self.steps > self.eager_steps and not self.captured and self.refused is None:
-            self._capture()
+            self._capture()                 # draws this step's keys
+        elif self.captured:
+            self._draw_keys()
         if self.captured:
             self.graphs[0].launch(stream=self.cupy.cuda.get_current_stream())
         else:
             self._forward()
+            if self.refused is not None:    # the failed capture's keys served this step;
+                self._keys_drawn_ahead(False)   # forward draws them from now on
         return self.loss
 
     def backward(self):
@@ -114,11 +122,25 @@ class StepGraph:
         self.loss, self.dlogits = softmax_cross_entropy(
             logits, self.y, label_smoothing=self.label_smoothing, scale=self.scale)
 
+    def _draw_keys(self):
+        """Each dropout layer's next key into its device buffer, where the graphs' kernels
+        read it: a copy from the host, so never inside a capture, which would keep it."""
+        for layer in self.dropouts:
+            layer.draw_key(self.cupy)
+
+    def _keys_drawn_ahead(self, ahead):
+        """Whether the dropout layers leave their keys to this graph (else forward draws)."""
+        for layer in self.dropouts:
+            layer.key_drawn_ahead = ahead
+
     def _capture(self):
-        """Record both graphs (nothing runs: the caller launches them). A capture that
-        fails leaves the step eager, with the reason in `refused`."""
+        """Draw this step's dropout keys, then record both graphs (nothing runs: the caller
+        launches them). A capture that fails leaves the step eager, with the reason in
+        `refused`."""
         from mpitrain.kernels import cudnn
         cp = self.cupy
+        self._keys_drawn_ahead(True)
+        self._draw_keys()
         pool, graphs = cp.cuda.MemoryPool(), []
         try:
             with cp.cuda.using_allocator(pool.malloc), self.stream:

@@ -187,7 +187,7 @@ OPTIONS = (
            "fp32", OPTIM, loss_scale, metavar="S|dynamic"),
     Option("cuda_graph", False, "on a GPU with one rank: replay forward, loss and backward "
            "from CUDA graphs captured after 2 eager steps (mpitrain/graph.py); the run says "
-           "when a model cannot be captured (fp32, dropout) and runs it eagerly", OPTIM,
+           "when a model cannot be captured (fp32 fully connected layers) and runs it eagerly", OPTIM,
            kind="on-off"),
 
     # ----- the run around the loop -----

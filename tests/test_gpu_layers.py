@@ -79,8 +79,14 @@ def test_dropout_on_the_cpu_keeps_its_mask_and_no_key():
     d = Dropout(0.5, seed=3)
     x = np.ones((4, 6), np.float32)
     y = d.forward(x)
-    assert d.key is None and d.mask is not None
+    assert d.key is None and not d.keyed and d.mask is not None
     np.testing.assert_array_equal(d.backward(x), y)
+
+
+def test_a_dropout_key_is_two_words_low_first():
+    words = gpu.key_words(np.uint64(0xFEDCBA9876543210))
+    assert words.dtype == np.uint32
+    np.testing.assert_array_equal(words, [0x76543210, 0xFEDCBA98])
 
 
 # ----- on the CPU: the kernels' source emulated on the host -----
@@ -316,9 +322,83 @@ def test_dropout_kernel_emulated_draws_the_reference_mask(emulated_cupy, dtype):
     p, key = 0.3, 0xFEDCBA9876543210
     x = rand((7, 301), dtype, seed=1)                    # 2107 elements: not a multiple of 4
     keep = gpu.dropout_keep(key, x.size, p).reshape(x.shape)
-    y = gpu.dropout(x, key, p)
+    y = gpu.dropout(x, gpu.key_words(key), p)           # the key in (host) "device" memory
     np.testing.assert_array_equal(y, np.where(keep, x * dtype(1 / (1 - p)), 0))
     assert y.dtype == dtype
+
+
+class Recording:
+    """A CUDA graph's capture as far as the emulated kernels go: inside `with`, each launch
+    of mpitrain.kernels.gpu is recorded, not run, with its arguments (arrays by pointer,
+    numbers by value, as cuLaunchKernel takes them); replay() runs the recorded launches."""
+
+    def __init__(self):
+        self.launches, self.patch = [], pytest.MonkeyPatch()
+
+    def __enter__(self):
+        real = gpu._kernel
+
+        def recorded(*args, **kw):
+            kernel = real(*args, **kw)
+            return lambda grid, block, argv: self.launches.append((kernel, grid, block, argv))
+        self.patch.setattr(gpu, "_kernel", recorded)
+        return self
+
+    def __exit__(self, *exc):
+        self.patch.undo()
+
+    def replay(self):
+        for kernel, grid, block, argv in self.launches:
+            kernel(grid, block, argv)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_dropout_replayed_as_a_graph_emulated_draws_the_eager_masks(emulated_cupy, monkeypatch,
+                                                                      dtype):
+    """A Dropout layer on the GPU path (its kernel emulated on the host) driven as
+    mpitrain.graph.StepGraph drives it: an eager step; then key_drawn_ahead set, a key
+    drawn, forward and backward captured and replayed; then a key drawn before each
+    replay, on new x and dy written into the captured buffers. Every step's y and dx
+    equal those of the layer that draws its key in forward, and the masks are those of
+    gpu.dropout_keep of the keys that the seed's generator yields, a fresh one each
+    step; both layers' generators stay in step with it (what checkpoints save)."""
+    monkeypatch.setattr(gpu, "handles", lambda a: True)    # NumPy arrays take the GPU path
+    p, seed, shape = 0.3, (7, 1, 0), (5, 103)            # 515 elements: not a multiple of 4
+    scale = dtype(1 / (1 - p))
+    eager, graphed = Dropout(p, seed=seed), Dropout(p, seed=seed)
+    keys = np.random.default_rng(seed)
+    x_buf, dy_buf = np.empty(shape, dtype), np.empty(shape, dtype)
+    masks = []
+    for step in range(4):
+        x, dy = rand(shape, dtype, seed=step), rand(shape, dtype, seed=10 + step)
+        keep = gpu.dropout_keep(int(keys.integers(1 << 64, dtype=np.uint64)), x.size,
+                                p).reshape(shape)
+        y, dx = eager.forward(x), eager.backward(dy)
+        np.testing.assert_array_equal(y, np.where(keep, x * scale, 0))
+        np.testing.assert_array_equal(dx, np.where(keep, dy * scale, 0))
+        x_buf[...], dy_buf[...] = x, dy
+        if step == 0:                                   # eager: forward draws the key
+            y_g, dx_g = graphed.forward(x_buf), graphed.backward(dy_buf)
+        elif step == 1:                                 # the capture, its key drawn ahead
+            graphed.key_drawn_ahead = True
+            graphed.draw_key(np)
+            with Recording() as fwd:
+                y_g = graphed.forward(x_buf)
+            with Recording() as bwd:
+                dx_g = graphed.backward(dy_buf)
+            fwd.replay()
+            bwd.replay()
+        else:                                           # a replay, its key drawn first
+            graphed.draw_key(np)
+            fwd.replay()
+            bwd.replay()
+        np.testing.assert_array_equal(y_g, y, err_msg=f"step {step}: y")
+        np.testing.assert_array_equal(dx_g, dx, err_msg=f"step {step}: dx")
+        assert (eager.rng.bit_generator.state == graphed.rng.bit_generator.state
+                == keys.bit_generator.state)
+        masks.append(keep)
+    assert all(not np.array_equal(a, b) for a, b in zip(masks, masks[1:]))
+    assert len(fwd.launches) == len(bwd.launches) == 1
 
 
 # ----- on the GPU: every kernel against the CPU path -----
@@ -391,7 +471,8 @@ def test_dropout_masks_are_drawn_on_the_device_from_the_seed(dtype):
     d = Dropout(p, seed=seed)
     y = d.forward(x)
     key = int(np.random.default_rng(seed).integers(1 << 64, dtype=np.uint64))
-    assert d.key == key and d.mask is None
+    assert d.keyed and d.mask is None
+    np.testing.assert_array_equal(cupy.asnumpy(d.key), gpu.key_words(key))
     keep = gpu.dropout_keep(key, x.size, p).reshape(x.shape)
     scale = dtype(1 / (1 - p))
     np.testing.assert_array_equal(cupy.asnumpy(y), np.where(keep, cupy.asnumpy(x) * scale, 0))
