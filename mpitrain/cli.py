@@ -204,8 +204,8 @@ def build_parser():
     step.add_argument("--cuda-graph", action="store_true",
                       help="one process on a GPU: replay forward and backward from CUDA "
                            "graphs captured after 2 eager steps (mpitrain/graph.py; the "
-                           "warm-up steps include the capture); an fp32 model or one with "
-                           "dropout runs eagerly, and the output says so")
+                           "warm-up steps include the capture); an fp32 model with fully "
+                           "connected layers runs eagerly, and the output says so")
     step.add_argument("--rounds", type=positive_int, default=1, metavar="N",
                       help="one process: time mpitrain (and --reference) N times, taking turns "
                            "at going first, and report each round and the median ratio (a "
@@ -216,6 +216,8 @@ def build_parser():
                            "the steps on a random batch (mpitrain/tools/bench/step_data.py)")
     step.add_argument("--workers", type=nonnegative_int, default=D["workers"],
                       help="with --data: loader threads")
+    BY_NAME["decode"].add_to(step, help="with --data: where the loader decodes and augments "
+                                        "(gpu: as train --decode gpu, with --device gpu)")
     step.add_argument("--native-openblas", action="store_true",
                       help="re-run this command with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE "
                            "removed from the environment (OpenBLAS picks its own core type)")
@@ -277,9 +279,12 @@ def build_parser():
         "check-gpu", help="prove the GPU path on this machine (tests, CPU-vs-GPU step, NCCL, "
                           "throughput) and write a JSON report",
         description="On a machine with an NVIDIA GPU (no network needed): install from a "
-                    "folder of wheels if given, build the kernels, run the gpu-marked tests, "
-                    "compare one training step on the GPU with the CPU (fp32 and fp16), run "
-                    "NCCL on one rank, and time bench step on ResNet-50 against PyTorch. "
+                    "folder of wheels if given, build the kernels, time bench step on "
+                    "ResNet-50 and AlexNet against PyTorch and profile it, train two ranks "
+                    "sharing the GPU with every all-reduce algorithm, time the loader "
+                    "decoding on the GPU and the steps it feeds, run the gpu-marked tests, "
+                    "compare one training step on the GPU with the CPU (fp32 and fp16), and "
+                    "run NCCL on one rank (mpitrain/tools/check_gpu.py lists the steps). "
                     "Exit status 0: all passed; 1: something failed; 2: no GPU or bad input.")
     from mpitrain.tools import check_gpu
     check_gpu.add_arguments(check)
@@ -823,8 +828,13 @@ def main(argv=None):
             check_topk_wire(args.compress, args.comm_dtype)
         except ConfigError as e:
             args.command_parser.error(str(e))
+        if args.decode == "gpu" and not args.data:
+            args.command_parser.error("--decode gpu times the loader's decoding: give it a "
+                                      "file with --data FILE, or drop --decode")
         if args.data:
             from mpitrain.tools.bench.step_data import main
+            if args.decode == "gpu" and args.device == "gpu":
+                gpu_decode_or_refuse(args)
             main(args)
         else:
             main_step(args, argv)

@@ -439,12 +439,27 @@ def test_bench_step_data_times_steps_fed_by_the_loader(tmp_path):
     assert fed["images"] == 3 * 4
     assert fed["step_ms"] > 0 and random["step_ms"] > 0 and 0 <= fed["wait_share"] < 1
     assert result["ratio"] == pytest.approx(fed["images_per_s"] / random["images_per_s"])
+    assert result["decode"] == "cpu" and "cuda_graph" not in fed
+    # --cuda-graph: both kinds of step say why they ran eagerly (here: on the CPU)
+    r = run("bench", "step", "--data", str(jpegs), "--model", "resnet_small", "--image-size",
+            "32", "--batch", "4", "--steps", "1", "--warmup", "1", "--workers", "1",
+            "--cuda-graph")
+    assert r.returncode == 0, r.stderr
+    assert "(CUDA graphs: the step runs on the CPU" in r.stdout, r.stdout
+    assert "decoded by 1 loader worker(s)" in r.stdout, r.stdout
 
 
 def test_bench_step_data_refuses_what_it_cannot_time(tmp_path):
+    jpegs = tmp_path / "synthetic.h5"
+    assert run("convert", "synthetic", str(jpegs), "--count", "4", "--size", "96x64",
+               "--classes", "2").returncode == 0
     for argv, message in (
             (["--data", str(tmp_path / "none.h5")], "none.h5 does not exist; make it with"),
             (["--data", str(tmp_path / "none.h5"), "--reference", "torch"],
-             "--reference cannot be used with --data"),):
+             "--reference cannot be used with --data"),
+            (["--decode", "gpu"], "--decode gpu times the loader's decoding: give it a file"),
+            (["--data", str(jpegs), "--decode", "gpu"],
+             "--decode gpu decodes on the GPU the steps run on: add --device gpu"),
+            (["--data", str(jpegs), "--decode", "gpu", "--device", "gpu"], "GPU"),):
         r = run("bench", "step", *argv)
         assert r.returncode == 2 and message in r.stderr, r.stderr

@@ -303,20 +303,88 @@ def test_check_gpu_dry_run_goes_through_every_step_measurements_first(tmp_path):
     assert r.returncode == 0, r.stderr
     report = json.loads((out / "report.json").read_text())
     names = list(report["steps"])
+    from mpitrain.tools.check_gpu import SHARED
     assert names == ["install", "build", "environment", "bench resnet50 fp16 graph",
-                     "bench resnet50 fp16", "bench resnet50 fp32", "bench alexnet fp16",
-                     "profile resnet50", "profile alexnet", "tests", "compare fp32",
-                     "compare fp16", "nccl"]
+                     "bench resnet50 fp16", "bench resnet50 fp32", "bench alexnet fp16 graph",
+                     "bench alexnet fp16", "profile resnet50", "profile alexnet",
+                     *(f"shared {name}" for name, _ in SHARED), "data convert",
+                     "data loader", "data step gpu", "data step cpu", "tests", "compare fp32", "compare fp16",
+                     "nccl"]
     bench = report["steps"]["bench alexnet fp16"]["command"]
     assert bench[bench.index("--model") + 1] == "alexnet" and "--reference" in bench
     assert "--cuda-graph" not in bench
-    assert "--cuda-graph" in report["steps"]["bench resnet50 fp16 graph"]["command"]
+    for graph in ("bench resnet50 fp16 graph", "bench alexnet fp16 graph"):
+        assert "--cuda-graph" in report["steps"][graph]["command"]
     assert bench[bench.index("--steps") + 1] == "7" and bench[bench.index("--rounds") + 1] == "2"
     profile = report["steps"]["profile resnet50"]["command"]
     assert profile[profile.index("--profile") + 1] == "4"
     assert "dry run: " in (out / "bench-resnet50-fp32.log").read_text()
     assert "pytest" in (out / "tests.log").read_text()
     assert "gpu-check: all passed" in r.stdout
+
+
+def value(argv, option):
+    return argv[argv.index(option) + 1]
+
+
+def test_check_gpu_dry_run_shares_the_gpu_with_every_algorithm_then_times_the_data(tmp_path):
+    """The shared steps: a train job of 2 ranks on one GPU per configuration, every
+    all-reduce algorithm among them, overlap off for one, the sharded update and top-k,
+    each checking its replicas after every step; the data steps: --jpegs synthetic JPEGs,
+    then bench data and bench step --data on that file, a worker per core."""
+    from mpitrain.comm import ALGORITHMS
+    from mpitrain.launcher import cores
+    out = tmp_path / "check"
+    r = subprocess.run([sys.executable, "-m", "mpitrain.tools.check_gpu", "--dry-run", "--out-dir",
+                        str(out), "--jpegs", "300", "--skip", "install", "build", "bench",
+                        "profile", "tests", "compare", "nccl"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    steps = json.loads((out / "report.json").read_text())["steps"]
+    jobs = {name: s["command"] for name, s in steps.items() if name.startswith("shared ")}
+    assert len(jobs) >= len(ALGORITHMS) + 3
+    for argv in jobs.values():
+        n = argv.index("-np")
+        assert argv[n + 1:n + 6] == ["2", sys.executable, "-m", "mpitrain", "train"]
+        assert value(argv, "--device") == "gpu" and value(argv, "--ranks-per-gpu") == "2"
+        assert value(argv, "--data") == "digits" and value(argv, "--epochs") == "2"
+        assert value(argv, "--check-replicas") == "1" and "--run-dir" in argv
+    algorithms = {value(argv, "--allreduce") for argv in jobs.values() if "--allreduce" in argv}
+    assert algorithms == set(ALGORITHMS)
+    assert "--no-overlap" in jobs["shared 2d no-overlap"]
+    assert "--shard-update" in jobs["shared shard-update"]
+    assert value(jobs["shared topk"], "--compress") == "topk"
+    assert value(jobs["shared flat fp16"], "--comm-dtype") == "fp16"
+    assert "dry run: " in (out / "shared-2d-no-overlap.log").read_text()
+
+    convert, loader, step, step_cpu = (steps[f"data {name}"]["command"]
+                                       for name in ("convert", "loader", "step gpu", "step cpu"))
+    assert convert[convert.index("convert"):][:2] == ["convert", "synthetic"]
+    assert value(convert, "--count") == "300" and steps["data convert"]["jpegs"] == 300
+    jpegs = convert[convert.index("synthetic") + 1]
+    assert loader[loader.index("bench"):][:2] == ["bench", "data"]
+    assert value(loader, "--device") == "gpu" and value(loader, "--data") == jpegs
+    assert value(loader, "--workers") == str(cores()) and value(loader, "--batch") == "256"
+    assert step[step.index("bench"):][:2] == ["bench", "step"] and value(step, "--data") == jpegs
+    assert (value(step, "--model"), value(step, "--precision"), value(step, "--batch")) == \
+        ("resnet50", "fp16", "256")
+    assert value(step, "--decode") == "gpu" and "--cuda-graph" in step
+    assert step_cpu == step[:step.index("--decode") + 1] + ["cpu"] + step[step.index("--decode") + 2:]
+    assert "--json" in loader and "--json" in step
+    for name in ("tests", "nccl", "bench resnet50 fp16 graph", "profile alexnet"):
+        assert steps[name] == {"skipped": True}
+
+
+def test_check_gpu_skips_the_shared_and_data_steps_when_asked(tmp_path):
+    out = tmp_path / "check"
+    r = subprocess.run([sys.executable, "-m", "mpitrain.tools.check_gpu", "--dry-run", "--out-dir",
+                        str(out), "--skip", "shared", "data", "bench", "profile", "tests"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    steps = json.loads((out / "report.json").read_text())["steps"]
+    skipped = [name for name in steps if name.startswith(("shared ", "data "))]
+    assert len(skipped) > 3 and all(steps[name] == {"skipped": True} for name in skipped)
+    assert "command" in steps["compare fp32"]
 
 
 def test_check_gpu_starts_no_step_past_its_budget(tmp_path):
@@ -327,6 +395,29 @@ def test_check_gpu_starts_no_step_past_its_budget(tmp_path):
     assert r.returncode == 0, r.stderr
     steps = json.loads((out / "report.json").read_text())["steps"]
     assert steps["tests"] == {"skipped": True}
-    assert steps["bench resnet50 fp16 graph"]["reason"] == "out of time (--budget 0)"
+    for name in ("bench resnet50 fp16 graph", "shared hybrid", "shared topk", "data convert",
+                 "data step gpu"):
+        assert steps[name]["reason"] == "out of time (--budget 0)"
     assert all(s.get("skipped") for name, s in steps.items() if name != "environment")
     assert "SKIP  nccl: out of time (--budget 0)" in r.stdout
+
+
+@pytest.mark.launches
+@pytest.mark.one_mpi
+@pytest.mark.parametrize("options,hidden", [(("--allreduce", "2d"), True),
+                                            (("--shard-update",), False)])
+def test_a_shared_step_reports_its_job(options, hidden, monkeypatch):
+    """What a shared step makes of its job's output and metrics, from the same job on
+    the CPU: the last epoch's images/s and accuracy, the replicas equal, and the share of
+    the all-reduce hidden (none to report for the sharded update's reduce-scatter)."""
+    from mpitrain.tools import check_gpu
+    monkeypatch.setattr(check_gpu, "SHARED_TRAIN", ("--device", "cpu", "--data", "digits",
+                                                    "--epochs", "1", "--check-replicas", "1"))
+    result = check_gpu.shared(options)
+    assert result["passed"], result
+    assert result["images_per_s"] > 0 and 0 < result["val_top1"] <= 1
+    assert result["replicas"] == "equal after every step"
+    assert ("hidden_fraction" in result) == hidden
+    if hidden:
+        assert 0 <= result["hidden_fraction"] <= 1 and result["comm_total_ms"] > 0
+    assert "images/s" in check_gpu._detail("shared 2d", result)

@@ -24,18 +24,32 @@ the install step put in place is what the later steps import:
     bench        `bench step --device gpu` at 224x224 on ResNet-50 fp16 batch 256
                  with CUDA graphs and eagerly, fp32 batch 128 (eager: its fully
                  connected layer is cuBLAS's, which CuPy does not capture), and
-                 AlexNet fp16 batch 512 (BENCH), against PyTorch where it sees the GPU
+                 AlexNet fp16 batch 512 with CUDA graphs and eagerly (BENCH),
+                 against PyTorch where it sees the GPU
     profile      `bench step --device gpu --profile N` of ResNet-50 and AlexNet in
                  fp16: device time per layer type and phase, kernels per step
+    shared       a `train` MPI job of two ranks sharing the GPU (--ranks-per-gpu 2:
+                 their sums go through MPI, staged in host memory) per entry of
+                 SHARED: every all-reduce algorithm, one also after backward, fp16
+                 on the wire, the sharded update, top-k; digits, 2 epochs, the
+                 replicas compared after every step (a difference stops the job);
+                 the last epoch's images/s and the share of the all-reduce that
+                 backward hid
+    data         `convert synthetic` of --jpegs 500x375 JPEGs, then `bench data
+                 --device gpu` (GPU decoding against the CPU loader, a worker on
+                 every core each) and `bench step --data --cuda-graph` of ResNet-50
+                 fp16 batch 256, the loader decoding on the GPU, then on the CPU,
+                 each against a random batch
 
 The order puts the measurements first: install, build, environment, bench,
-profile, then tests, compare and nccl. `--budget SECONDS` bounds the whole
-check: a step starts only while time is left, and its commands may run only
-as long as what is left; the steps that did not fit are reported as skipped
-for time. `--out-dir DIR` keeps the report (DIR/report.json) and each step's
-whole output (DIR/STEP.log) there, each written as its step ends. `--dry-run`
-goes through the same steps without a GPU and without running their commands,
-recording each command line: the control flow, checked where there is no GPU.
+profile, shared, data, then tests, compare and nccl. `--budget SECONDS` bounds
+the whole check: a step starts only while time is left, and its commands may
+run only as long as what is left; the steps that did not fit are reported as
+skipped for time. `--out-dir DIR` keeps the report (DIR/report.json) and each
+step's whole output (DIR/STEP.log) there, each written as its step ends.
+`--dry-run` goes through the same steps without a GPU and without running their
+commands, recording each command line: the control flow, checked where there is
+no GPU.
 
 Exit status: 0 every step passed, 1 a step failed, 2 no GPU (or CuPy does not
 see it, or no MPI library) or bad arguments. This module imports only the
@@ -46,14 +60,17 @@ import argparse
 import glob
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STEPS = ("install", "build", "bench", "profile", "tests", "compare", "nccl")
+STEPS = ("install", "build", "bench", "profile", "shared", "data", "tests", "compare",
+         "nccl")
 
 # fp32: the largest |gpu - cpu| / max |cpu| each quantity may show. The fp32 step runs
 # cuDNN without TF32 (kernels/cudnn.py TF32), so both sides compute in fp32 and differ in
@@ -70,9 +87,25 @@ FP16_MARGIN, FP16_FLOOR = 2.0, 2.0 ** -11
 
 # (model, precision, batch, CUDA graphs) of the throughput runs at 224x224
 BENCH = (("resnet50", "fp16", 256, True), ("resnet50", "fp16", 256, False),
-         ("resnet50", "fp32", 128, False), ("alexnet", "fp16", 512, False))
+         ("resnet50", "fp32", 128, False), ("alexnet", "fp16", 512, True),
+         ("alexnet", "fp16", 512, False))
 # (model, batch) of the profiles, in fp16
 PROFILE = (("resnet50", 256), ("alexnet", 512))
+# (name, train options) of the shared step's jobs: every all-reduce algorithm (those of
+# comm.ALGORITHMS, not imported here: it would start MPI; a test holds them equal) with
+# the GPU's default overlap, 2d also after backward, flat with fp16 on the wire, the
+# sharded update and top-k; each on SHARED_TRAIN, for at most SHARED_TIMEOUT seconds
+SHARED = (("hybrid", ("--allreduce", "hybrid")),
+          ("hierarchical", ("--allreduce", "hierarchical")),
+          ("2d", ("--allreduce", "2d")),
+          ("2d no-overlap", ("--allreduce", "2d", "--no-overlap")),
+          ("shm", ("--allreduce", "shm")),
+          ("flat fp16", ("--allreduce", "flat", "--precision", "fp16", "--comm-dtype", "fp16")),
+          ("shard-update", ("--shard-update",)),
+          ("topk", ("--compress", "topk", "--density", "0.1")))
+SHARED_TRAIN = ("--device", "gpu", "--ranks-per-gpu", "2", "--data", "digits", "--epochs", "2",
+                "--check-replicas", "1")
+SHARED_RANKS, SHARED_TIMEOUT = 2, 300
 
 
 class CheckError(Exception):
@@ -98,6 +131,12 @@ def add_arguments(parser):
                              "going first (bench step --rounds; default: 1)")
     parser.add_argument("--profile-steps", type=positive_int, default=5, metavar="N",
                         help="steps per profile (default: 5)")
+    # 2048: bench step --data's 8 batches of 256 in one pass; `convert synthetic` makes
+    # them on one core in about a minute (30 ms a JPEG), which leaves the data steps
+    # about 3 minutes in all
+    parser.add_argument("--jpegs", type=positive_int, default=2048, metavar="N",
+                        help="JPEGs of the data steps' synthetic file (at least a batch of "
+                             "256; default: 2048)")
     parser.add_argument("--budget", type=nonnegative_int, metavar="SECONDS",
                         help="stop starting steps once this many seconds have passed, and "
                              "stop a step's commands there (default: no limit)")
@@ -187,6 +226,14 @@ def _all_steps(args, wheels, report, save):
              group="bench")
     for model, batch in PROFILE:
         step(f"profile {model}", profile, model, batch, args.profile_steps, group="profile")
+    for name, options in SHARED:
+        step(f"shared {name}", shared, options, group="shared")
+    with tempfile.TemporaryDirectory() as tmp:
+        jpegs = os.path.join(tmp, "synthetic.h5")
+        step("data convert", convert_jpegs, jpegs, args.jpegs, group="data")
+        step("data loader", bench_data, jpegs, group="data")
+        for decode in ("gpu", "cpu"):
+            step(f"data step {decode}", bench_step_data, jpegs, decode, group="data")
     step("tests", run_tests)
     for precision in ("fp32", "fp16"):
         step(f"compare {precision}", _call, "compare_step", precision, group="compare")
@@ -287,14 +334,7 @@ def bench(model, precision, batch, torch, steps, warmup, rounds=1, graph=False):
                        "--rounds", str(rounds), "--json", *(["--cuda-graph"] if graph else []))
     if torch:
         argv += ["--reference", "torch"]
-    r = _command_step(argv, 1800)
-    if CLOCK.dry_run:
-        return r
-    try:                                # its figures, even when the PyTorch side failed
-        figures = json.loads(r["stdout"].strip().splitlines()[-1])
-    except (KeyError, IndexError, ValueError):
-        return r
-    return {**figures, "passed": r["passed"], "failures": r.get("failures", [])}
+    return _json_command(argv, 1800)
 
 
 def profile(model, batch, steps):
@@ -302,6 +342,78 @@ def profile(model, batch, steps):
     r = _command_step(_bench_argv(model, "fp16", batch, "--steps", "3", "--warmup", "2",
                                   "--profile", str(steps)), 1800)
     return {**r, "output": r.get("stdout", "")}
+
+
+def shared(options):
+    """`train` (SHARED_TRAIN and `options`) as an MPI job of SHARED_RANKS ranks on one GPU,
+    started as launch.sh starts one (the venv's mpiexec, each rank its share of the cores);
+    passed when it exits 0: --check-replicas stops a job whose replicas differ. Its last
+    epoch's images/s and final accuracy, and from rank 0's metrics.jsonl the last log's
+    all-reduce time per step, the part of it the step waited for, and the share hidden."""
+    from mpitrain.launcher import (cores, find_mpiexec, job_environment, launch_options,
+                                   mpiexec_family)
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        return {"passed": False, "failures": ["no mpiexec beside this Python or on PATH: put "
+                                              "the mpich wheel in the wheels folder"]}
+    family = mpiexec_family(mpiexec)
+    with tempfile.TemporaryDirectory() as run_dir:
+        argv = [mpiexec, *launch_options(SHARED_RANKS, family), "-np", str(SHARED_RANKS),
+                sys.executable, "-m", "mpitrain", "train", *SHARED_TRAIN, *options,
+                "--run-dir", run_dir]
+        r = _command_step(argv, SHARED_TIMEOUT,
+                          job_environment(family, max(1, cores() // SHARED_RANKS)))
+        if CLOCK.dry_run or not r["passed"]:
+            return r
+        out = {**r, "replicas": "equal after every step"}
+        rates = re.findall(r"([\d,]+) images/s", r["stdout"])
+        accuracy = re.search(r"final validation accuracy: ([\d.]+)% top-1", r["stdout"])
+        if rates:
+            out["images_per_s"] = float(rates[-1].replace(",", ""))
+        if accuracy:
+            out["val_top1"] = float(accuracy.group(1)) / 100
+        metrics, logs = os.path.join(run_dir, "metrics.jsonl"), []
+        if os.path.exists(metrics):
+            with open(metrics) as f:
+                logs = [json.loads(line) for line in f if line.strip()]
+    times = [log["time"] for log in logs if log.get("kind") == "step"][-1:]
+    # "bucket": the all-reduce's own time; "comm": the step's wait for it (comm/buckets.py;
+    # the sharded update's reduce-scatter has no buckets)
+    if times and "bucket" in times[0]:
+        from mpitrain.tools.bench.step import hidden_fraction
+        wait, total = 1e3 * times[0]["comm"], 1e3 * times[0]["bucket"]
+        out.update(comm_wait_ms=wait, comm_total_ms=total,
+                   hidden_fraction=hidden_fraction(wait, total))
+    return out
+
+
+def convert_jpegs(path, count):
+    """convert synthetic: `count` JPEGs of 500x375 into `path`, the data steps' file."""
+    argv = [sys.executable, "-m", "mpitrain", "convert", "synthetic", path, "--count", str(count)]
+    t0 = time.perf_counter()
+    r = {**_command_step(argv, 900), "jpegs": count}
+    if r["passed"] and not CLOCK.dry_run:
+        r["ms_per_jpeg"] = 1e3 * (time.perf_counter() - t0) / count
+    return r
+
+
+def bench_data(path):
+    """bench data --device gpu on `path`: the loader decoding on the GPU with a worker per
+    core against the CPU loader with as many; its JSON result."""
+    from mpitrain.launcher import cores
+    return _json_command([sys.executable, "-m", "mpitrain", "bench", "data", "--device", "gpu",
+                          "--data", path, "--workers", str(cores()), "--batch", "256",
+                          "--batches", "5", "--json"], 600)
+
+
+def bench_step_data(path, decode):
+    """bench step --data on `path`: ResNet-50 fp16 batch 256 with CUDA graphs fed by the
+    loader decoding on the GPU or on the CPU (`decode`; a worker per core), against a random
+    batch; its JSON result."""
+    from mpitrain.launcher import cores
+    return _json_command(_bench_argv("resnet50", "fp16", 256, "--data", path, "--decode", decode,
+                                     "--workers", str(cores()), "--cuda-graph", "--steps", "6",
+                                     "--warmup", "3", "--json"), 900)
 
 
 class Clock:
@@ -319,15 +431,17 @@ CLOCK = Clock()
 CLOCK.start(None)
 
 
-def _command_step(argv, timeout):
-    """Run argv in the checkout, for at most `timeout` seconds and what is left of the
-    budget; {"passed", "stdout", "output_tail", "failures"}. A dry run records argv."""
+def _command_step(argv, timeout, env=None):
+    """Run argv in the checkout (in `env`, default this environment), for at most `timeout`
+    seconds and what is left of the budget; {"passed", "stdout", "output_tail", "failures"}.
+    A dry run records argv."""
     if CLOCK.dry_run:
         return {"passed": True, "command": argv, "stdout": "",
                 "output_tail": f"dry run: {shlex.join(argv)}\n"}
     timeout = max(1, min(timeout, CLOCK.left()))
     try:
-        r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                           env=env)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
         return {"passed": False, "output_tail": out[-4000:], "output": out,
@@ -338,6 +452,20 @@ def _command_step(argv, timeout):
         out["failures"] = [f"{' '.join(argv[:6])} ... exited {r.returncode}: "
                            f"{r.stderr.strip()[-600:]}"]
     return out
+
+
+def _json_command(argv, timeout):
+    """_command_step of a command that prints one JSON object last (--json): that object,
+    with the command's pass and failures (its figures even when part of it failed)."""
+    r = _command_step(argv, timeout)
+    if CLOCK.dry_run:
+        return r
+    try:
+        figures = json.loads(r["stdout"].strip().splitlines()[-1])
+    except (KeyError, IndexError, ValueError):
+        return r
+    return {**figures, "passed": r["passed"], "failures": r.get("failures", []),
+            "output": r["output_tail"]}
 
 
 def _call(function, *args, timeout=1200):
@@ -548,6 +676,24 @@ def _detail(name, s):
             text += (f", PyTorch {s['torch']['images_per_s']:.0f} images/s, "
                      f"ratio {s['ratio']:.2f}x")
         return text
+    if name.startswith("shared") and "images_per_s" in s:
+        return (f": {s['images_per_s']:,.0f} images/s"
+                + (f", {s['hidden_fraction']:.0%} of {s['comm_total_ms']:.1f} ms all-reduce "
+                   f"hidden" if "hidden_fraction" in s else "")
+                + (f", val top-1 {s['val_top1']:.1%}" if "val_top1" in s else "")
+                + f", replicas {s['replicas']}")
+    if name == "data convert" and "ms_per_jpeg" in s:
+        return f": {s['jpegs']} JPEGs of 500x375, {s['ms_per_jpeg']:.0f} ms each on one core"
+    if name == "data loader" and "cpu_every_core" in s:
+        return (f": decoding on the GPU {s['mpitrain']['images_per_s']:.0f} images/s, the CPU "
+                f"loader {s['cpu_every_core']['images_per_s']:.0f} ({s['workers']} workers "
+                f"each; {s['gpu_over_cpu']:.2f}x)")
+    if name.startswith("data step") and "fed" in s:
+        return (f": {s['model']} {s['precision']} batch {s['batch']}, decoding on the "
+                f"{s['decode'].upper()}: random batch "
+                f"{s['random']['images_per_s']:.0f} images/s, loader-fed "
+                f"{s['fed']['images_per_s']:.0f} ({s['ratio']:.2f}x; waiting "
+                f"{s['fed']['wait_share']:.0%} of the time)")
     if name == "nccl" and "nccl" in s:
         return f": NCCL {s['nccl']}, {s.get('buckets')} buckets through the Reducer"
     return ""

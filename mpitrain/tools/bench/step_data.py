@@ -5,7 +5,9 @@ steps (after `warmup`) on one random batch, as `bench step` times them, then as
 many on the batches the Loader gives from FILE as `train` reads it (training
 mode: random-resized-crop, flip, normalise at --image-size; --workers threads,
 two batches prefetched; on a GPU into pinned memory, copied to the device in the
-step). A fed step's time runs from asking for its batch to the end of its
+step, or, with decode="gpu", decoded and augmented on the GPU as `train --decode
+gpu` does). With graph, both take their forward and backward from CUDA graphs, as
+`bench step --cuda-graph` does. A fed step's time runs from asking for its batch to the end of its
 update, so whatever the loader did not hide is in it; the wait for the batch is
 also reported on its own. The ratio fed / random says what the data costs the
 step. The figures: docs/benchmarks.md.
@@ -24,7 +26,7 @@ class DataStepError(ValueError):
 
 
 def bench_step_data(path, model_name, image_size=224, batch=32, steps=10, warmup=2, workers=2,
-                    seed=0, device="cpu", precision="fp32"):
+                    seed=0, device="cpu", precision="fp32", decode="cpu", graph=False):
     """Time training steps of `model_name` (with the file's classes) on a random batch and
     on the loader's batches from `path`; returns a dict (see the module docstring)."""
     from mpitrain import backend
@@ -45,11 +47,12 @@ def bench_step_data(path, model_name, image_size=224, batch=32, steps=10, warmup
     xp = backend.xp
     x, y = random_batch(model, batch, image_size, classes, seed)
     random = time_ours(model, xp.asarray(x), xp.asarray(y), steps, warmup, precision,
-                       gflops=False)
-    step = OneStep(model, precision)
+                       gflops=False, graph=graph)
+    step = OneStep(model, precision, graph=graph)
     seconds, waits, images = [], [], 0
     with Loader(path, batch, train=True, image_size=image_size, workers=workers, prefetch=2,
-                dtype=model.dtype, seed=seed, pinned=xp is not np) as loader:
+                dtype=model.dtype, seed=seed, pinned=xp is not np and decode == "cpu",
+                decode=decode) as loader:
         batches = _forever(loader)
         for i in range(warmup + steps):
             start = _clock()
@@ -64,10 +67,14 @@ def bench_step_data(path, model_name, image_size=224, batch=32, steps=10, warmup
     fed = {"images_per_s": batch / _median(seconds), "step_ms": 1e3 * _median(seconds),
            "wait_ms": 1e3 * _median(waits), "wait_share": sum(waits) / sum(seconds),
            "images": images}
+    if graph:
+        fed["cuda_graph"] = step.graph_outcome()
     return {"model": model_name, "file": path, "records": records, "classes": classes,
             "image_size": image_size, "batch": batch, "steps": steps, "warmup": warmup,
             "workers": workers, "device": backend.device, "precision": precision,
-            "random": {k: random[k] for k in ("images_per_s", "step_ms")}, "fed": fed,
+            "decode": decode,
+            "random": {k: random[k] for k in ("images_per_s", "step_ms", "cuda_graph")
+                       if k in random}, "fed": fed,
             "ratio": fed["images_per_s"] / random["images_per_s"]}
 
 
@@ -78,14 +85,17 @@ def _forever(loader):
 
 def format_result(r):
     f, q = r["fed"], r["random"]
+    graph = f" (CUDA graphs: {f['cuda_graph']})" if "cuda_graph" in f else ""
+    decoder = ("on the GPU (--decode gpu)" if r["decode"] == "gpu" else
+               f"by {r['workers']} loader worker(s)")
     return "\n".join([
         f"bench step --data {r['file']} ({r['records']} records, {r['classes']} classes): "
         f"{r['model']} at {r['image_size']}x{r['image_size']}, batch {r['batch']}, median of "
         f"{r['steps']} steps after {r['warmup']} warm-up (one process, no all-reduce), "
-        f"{r['device']}, {r['precision']}",
+        f"{r['device']}, {r['precision']}{graph}",
         f"  random batch  {q['images_per_s']:8.1f} images/s, step {q['step_ms']:.1f} ms",
         f"  loader-fed    {f['images_per_s']:8.1f} images/s, step {f['step_ms']:.1f} ms "
-        f"({r['workers']} loader worker(s); waiting for the batch {f['wait_ms']:.1f} ms median, "
+        f"(decoded {decoder}; waiting for the batch {f['wait_ms']:.1f} ms median, "
         f"{f['wait_share']:.0%} of the steps' time)",
         f"  ratio fed / random: {r['ratio']:.2f}x images/s"])
 
@@ -99,6 +109,9 @@ def main(args):
                                           ("--profile", args.profile),
                                           ("--rounds", args.rounds > 1),
                                           ("--native-openblas", args.native_openblas)) if value]
+        if args.decode == "gpu" and args.device != "gpu":
+            raise DataStepError("--decode gpu decodes on the GPU the steps run on: add "
+                                "--device gpu, or drop --decode gpu")
         if given:
             raise DataStepError(f"{', '.join(given)} cannot be used with --data (they time "
                                 f"bench step on random data): drop "
@@ -110,7 +123,7 @@ def main(args):
                                     "mpirun (train reports data wait under mpirun)")
         result = bench_step_data(args.data, args.model, args.image_size, args.batch,
                                  args.steps, args.warmup, args.workers, args.seed, args.device,
-                                 args.precision)
+                                 args.precision, args.decode, args.cuda_graph)
     except (DataStepError, DeviceError) as e:       # every rank alike: rank 0 says it
         if launched_rank() == 0:
             sys.stderr.write(f"python -m mpitrain bench step: error: {e}\n")
