@@ -445,6 +445,18 @@ run_phase() {   # name, time limit in seconds, command...
     fi
 }
 
+# pytest-xdist's options for the single-process phase: a test process per core, up to 4
+# (most of these tests keep one core busy, and their MPI jobs are small); each file's tests
+# stay in one process, in order, so a module's fixture (a Slurm cluster, a converted data
+# set) is made once. None where there is one core or no pytest-xdist.
+test_processes() {
+    local n
+    n=$(nproc)
+    (( n > 4 )) && n=4
+    (( n > 1 )) && "$PY" -c "import xdist" 2>/dev/null && echo "-n $n --dist loadfile"
+    return 0
+}
+
 # $1: all (every test) or mpi (those that start MPI jobs, then the MPI tests)
 run_tests() {
     local summary=() failed=0 n words select=() what="single-process tests" color=no
@@ -454,7 +466,7 @@ run_tests() {
     [[ ! -t 1 ]] || color=yes        # Open MPI gives its ranks a terminal even for a log
     # shellcheck disable=SC2046
     run_phase "$what" 1800 env $(thread_env 1) "$PY" -m pytest tests --ignore=tests/mpi \
-        --ignore=tests/test_nodes.py -q "${select[@]}"
+        --ignore=tests/test_nodes.py -q $(test_processes) "${select[@]}"
     # jobs on emulated hosts: the MPI tests and training across node boundaries
     # shellcheck disable=SC2046
     run_phase "tests across emulated hosts (tests/test_nodes.py)" 900 env $(thread_env 1) \

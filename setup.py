@@ -39,7 +39,7 @@ setup(
         "gpu-cu13": ["cupy-cuda13x[ctk]>=14", "numba-cuda[cu13]>=0.30", "nvidia-nccl-cu13",
                      "nvidia-cudnn-cu13", "nvidia-cudnn-frontend",
                      "nvidia-nvimgcodec-cu13[nvjpeg]"],
-        "test": ["pytest>=7", "matplotlib",
+        "test": ["pytest>=7", "pytest-xdist", "matplotlib",
                  "safetensors>=0.4", "onnx>=1.14", "onnxruntime>=1.16"],   # export's tests
         "plot": ["matplotlib"],
         # the CPU's GEMMs on MKL (kernels/gemm.py team_blas), where Intel publishes it
