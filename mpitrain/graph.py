@@ -57,6 +57,9 @@ class StepGraph:
 
     forward(x, y, scale) -> the loss (a 0-d device array, updated by each replay);
     backward() -> None: the gradients are in model.arena.grad, scale times the loss's.
+    correct: None, or an int64 (1,) device array to which every forward, eager or
+    replayed, adds how many of its images have their label as the top logit (the
+    logits never leave the graph; train_step's `correct`).
     The first `eager_steps` calls run eagerly (and build every plan); the next one
     captures, then replays, as does every later one. From the capture on, the graph
     draws the model's dropout keys before each replay (Dropout.key_drawn_ahead). Every
@@ -64,12 +67,12 @@ class StepGraph:
     nowhere).
     """
 
-    def __init__(self, model, label_smoothing=0.0, eager_steps=2, say=None):
+    def __init__(self, model, label_smoothing=0.0, eager_steps=2, say=None, correct=None):
         import cupy
 
         from mpitrain.nets.activation import Dropout
         self.cupy, self.model, self.label_smoothing = cupy, model, label_smoothing
-        self.eager_steps, self.say = eager_steps, say
+        self.eager_steps, self.say, self.correct = eager_steps, say, correct
         self.steps = 0
         # capture needs a stream of its own (not the legacy default stream); the replays
         # run on the caller's current stream, in order with the rest of the step
@@ -117,10 +120,12 @@ class StepGraph:
             self.model.backward(self.dlogits)
 
     def _forward(self):
-        from mpitrain.nets.losses import softmax_cross_entropy
+        from mpitrain.nets.losses import accuracy_counts, softmax_cross_entropy
         logits = self.model.forward(self.x, train=True)
         self.loss, self.dlogits = softmax_cross_entropy(
             logits, self.y, label_smoothing=self.label_smoothing, scale=self.scale)
+        if self.correct is not None:    # in place: a replay adds into the same array
+            self.correct += accuracy_counts(logits, self.y, topk=(1,))
 
     def _draw_keys(self):
         """Each dropout layer's next key into its device buffer, where the graphs' kernels

@@ -186,7 +186,7 @@ def train_step(model, optimizer, reducer, x, y, lr, label_smoothing=0.0, scaler=
     backward from CUDA graphs (with label_smoothing its own); None: they run eagerly.
     correct: None, or an int64 array of one element on the model's device, to which the
     step adds how many of its images have their label as the top logit (training top-1),
-    without reading it back; only eager steps count (a graph keeps its logits to itself).
+    without reading it back; a graph adds into the array it was made with instead.
     """
     scaler = scaler or LossScaler(1.0)
     # running statistics may move only on a step that is applied: keep them to put back
@@ -348,9 +348,9 @@ class Run:
         self.make_loaders(data)
         self.make_optimizer()
         self.say_what_runs(data)
-        self.capture_graph()
         open_run(cfg, self.comm, self.say)      # config.json and environment.json
         self.start_counters(data)
+        self.capture_graph()                    # counts into start_counters' `correct`
         self.resume(resume_from)
         self.make_reducer(resume_from)
         self.start_watching(launcher)
@@ -470,7 +470,8 @@ class Run:
             return
         why_not = refusal(self.model, self.comm.size)
         if why_not is None:
-            self.graph = StepGraph(self.model, self.cfg.label_smoothing, say=self.say)
+            self.graph = StepGraph(self.model, self.cfg.label_smoothing, say=self.say,
+                                   correct=self.correct)
         self.say("--cuda-graph: " + (f"the step runs eagerly: {why_not}" if why_not else
                                      f"forward, loss and backward replayed from CUDA graphs "
                                      f"from step {self.graph.eager_steps + 1}"), flush=True)
@@ -484,8 +485,8 @@ class Run:
         self.loss_sum = np.zeros(2)             # the ranks' summed losses, and steps, since
         self.loss_watch = LossWatch()           # the last log line
         # this rank's top-1 hits on the device and images counted since the last log line
-        # (None under CUDA graphs: a replayed step's logits stay inside the graph)
-        self.correct = backend.xp.zeros(1, np.int64) if self.graph is None else None
+        # (always written in place: a CUDA graph adds into this very array)
+        self.correct = backend.xp.zeros(1, np.int64)
         self.counted = 0
         self.saved_step = None                  # global step of the newest checkpoint written
         self.skipped = 0                        # bad training records skipped by all ranks
@@ -572,7 +573,7 @@ class Run:
         self.train_data.load_state_dict({"epoch": meta["epoch"], "step": meta["step"]})
         self.loss_sum[:] = meta["progress"].get("loss_sum", (0.0, 0.0))
         counts = meta["progress"].get("top1_counts")
-        if counts and self.correct is not None and self.comm.rank == 0:   # all ranks' sums
+        if counts and self.comm.rank == 0:     # all ranks' sums
             self.correct[...] = int(counts[0])
             self.counted = int(counts[1])
         self.loss_watch.load_state_dict(meta["progress"])
@@ -654,8 +655,8 @@ class Run:
 
     def log_step(self, epoch, s, lr, global_step):
         """The mean loss over the ranks and the steps since the last log, and the top-1
-        accuracy of the images they trained on (None under CUDA graphs): the progress text
-        and a metrics.jsonl record. Collective."""
+        accuracy of the images they trained on: the progress text and a metrics.jsonl
+        record. Collective."""
         self.result["loss"] = loss = float(self.loss_sum[0] / self.loss_sum[1])
         top1 = self.training_accuracy()
         now = time.perf_counter()
@@ -680,10 +681,8 @@ class Run:
 
     def training_accuracy(self):
         """Collective: the fraction of the images trained on since the last call, over
-        all ranks, whose label was the top logit (None under CUDA graphs, or when none
-        were counted); the counts start again from zero."""
-        if self.correct is None:
-            return None
+        all ranks, whose label was the top logit (None when none were counted); the counts
+        start again from zero."""
         hits, images = self.top1_counts()
         self.correct[...] = 0
         self.counted = 0
@@ -740,8 +739,7 @@ class Run:
         if global_step == self.saved_step:
             return
         progress = {"loss_sum": self.loss_sum.tolist(), **self.loss_watch.state_dict()}
-        if self.correct is not None:
-            progress["top1_counts"] = self.top1_counts().tolist()
+        progress["top1_counts"] = self.top1_counts().tolist()
         if self.tuner:
             progress["fusion"] = self.tuner.state_dict()
         residual = self.reducer.residual

@@ -167,7 +167,7 @@ def test_plot_draws_the_curves(tmp_path):
 
 
 def test_plot_says_which_curves_a_run_did_not_record(tmp_path, monkeypatch):
-    """Steps replayed from CUDA graphs record no training accuracy (null), an older
+    """Records with a null training accuracy (an older run's CUDA graphs), an older
     metrics.jsonl no field at all: the plot draws the rest and says why on the axes."""
     pytest.importorskip("matplotlib")
     from mpitrain.tools import plot
@@ -185,8 +185,8 @@ def test_plot_says_which_curves_a_run_did_not_record(tmp_path, monkeypatch):
         log.close()
         assert len(plot.plot_run(str(run_dir))) == 4
     assert said == ["validation loss not finite",
-                    "training accuracy not recorded: the steps ran from CUDA graphs "
-                    "(--cuda-graph)",
+                    "training accuracy not recorded: null in these records (an older run "
+                    "with --cuda-graph)",
                     "validation loss not in this metrics.jsonl (an older run)",
                     "training accuracy not recorded: not in this metrics.jsonl (an older run)"]
 

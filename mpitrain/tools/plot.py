@@ -2,7 +2,7 @@
 
     loss.png        training loss per logged step (x: epochs), validation loss per evaluation
     accuracy.png    training top-1 per logged step (of the images trained on since the
-                    previous record; not recorded when the steps ran from CUDA graphs),
+                    previous record; null in the records of an older run's CUDA graphs),
                     validation top-1 / top-5 per evaluation
     lr.png          learning rate (and the loss scale, when there is one)
     throughput.png  images/s, and the time per step of each phase stacked (the
@@ -91,7 +91,8 @@ def plot_run(run_dir, out=None):
             ax.plot(*zip(*[(xi, 100 * a) for xi, a in counted]), marker=".", label="train top1")
         else:
             missing(ax, "training accuracy not recorded: " + (
-                "the steps ran from CUDA graphs (--cuda-graph)" if any("top1" in r for r in steps)
+                "null in these records (an older run with --cuda-graph)"
+                if any("top1" in r for r in steps)
                 else "not in this metrics.jsonl (an older run)"))
         ex = [r["epoch"] for r in evals]
         for key in ("top1", "top5"):
