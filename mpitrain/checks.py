@@ -73,6 +73,20 @@ def comm_options(cfg, world_size):
                                   f"{getattr(cfg, key)} does not apply: {fix}")
 
 
+# options that only some optimizers take (mpitrain.train.optimizer_options): the others
+# would ignore them without a word
+OPTIMIZER_OPTIONS = {"nesterov": ("sgd", "lars"), "lars_eta": ("lars",), "lars_eps": ("lars",)}
+
+
+def check_optimizer_options(cfg):
+    """Refuse an option of one optimizer given to another, which would ignore it."""
+    for key, takers in OPTIMIZER_OPTIONS.items():
+        if getattr(cfg, key) != DEFAULTS[key] and cfg.optimizer not in takers:
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(f"{flag} is an option of --optimizer {' and '.join(takers)}; "
+                              f"--optimizer {cfg.optimizer} would ignore it: drop {flag}")
+
+
 def check_topk_wire(compress, comm_dtype):
     """--compress topk sends fp32 values (train and bench step alike)."""
     if compress == "topk" and comm_dtype != "fp32":

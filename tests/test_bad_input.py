@@ -258,6 +258,16 @@ def test_bad_compression_options_are_refused():
     refused(quick("train", "--compress-warmup", "-1"), "--compress-warmup", "must be >= 0")
 
 
+def test_an_option_of_another_optimizer_is_refused_not_ignored():
+    refused(quick("train", "--optimizer", "lamb", "--nesterov"),
+            "--nesterov is an option of --optimizer sgd and lars; --optimizer lamb would "
+            "ignore it: drop --nesterov")
+    refused(quick("train", "--optimizer", "sgd", "--lars-eta", "0.01"),
+            "--lars-eta is an option of --optimizer lars; --optimizer sgd would ignore it")
+    for optimizer in ("neumann", "nlcg"):
+        refused(quick("train", "--optimizer", optimizer, "--nesterov"), "drop --nesterov")
+
+
 def test_ranks_per_gpu_is_refused_without_a_gpu_to_share(digits, tmp_path):
     run_dir = tmp_path / "run"
     r = quick("train", "--data-dir", str(digits), *BATCH, "--device", "cpu", "--ranks-per-gpu", "2",
