@@ -14,6 +14,9 @@
 #   ./launch.sh COMMAND ARGS... any other mpitrain command alike: eval, convert imagefolder,
 #                               bench step and bench comm as MPI jobs, the others (predict,
 #                               export, plot, inspect, study, simulate, ...) in one process
+#                               (train and the others run in the directory launch.sh was
+#                               started from: their relative paths are the caller's; the
+#                               default job runs in the checkout)
 #   ./launch.sh setup           set up only: the venv, editable install, Cython kernels
 #   ./launch.sh gpu-check       on a GPU machine without network: prove the GPU path and
 #                               write a JSON report (WHEELS=DIR installs from a folder of
@@ -61,6 +64,7 @@ find_root() {
         "path in the checkout (sbatch /path/to/mpitrain/launch.sh ...), or set MPITRAIN_ROOT"
 }
 
+CALLER=$PWD                     # where mpitrain's commands run: their paths are the caller's
 ROOT=$(find_root)
 cd "$ROOT"
 VENV=${MPITRAIN_VENV:-$ROOT/.venv}
@@ -515,5 +519,5 @@ case $command in
     *)
         [[ " ${COMMANDS[*]} " == *" $command "* ]] || die "unknown command '$command' (use:" \
             "setup, test, test-mpi, gpu-check, nothing, or one of mpitrain's: ${COMMANDS[*]})"
-        setup; run_command "$@" ;;
+        setup; cd "$CALLER"; run_command "$@" ;;
 esac

@@ -52,6 +52,15 @@ def test_other_commands_run_in_one_process(tmp_path):
     assert calls(log, "mpiexec") == ""
 
 
+def test_commands_take_paths_relative_to_where_launch_sh_was_started(tmp_path):
+    """launch.sh sets itself up in the checkout, then runs the command in the caller's
+    directory: a relative output path lands there."""
+    r, _, _ = launch(tmp_path, "mpich", "convert", "synthetic", "mine.h5", "--count", "2",
+                     "--size", "40x30", "--classes", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "mine.h5").exists() and not (ROOT / "mine.h5").exists()
+
+
 def test_every_command_of_mpitrain_is_one_of_launch_sh(tmp_path):
     commands = build_parser()._subparsers._group_actions[0].choices
     for command in [*commands, "trian"]:
