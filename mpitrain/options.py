@@ -171,8 +171,8 @@ OPTIONS = (
            "eps); biases and BatchNorm gamma/beta take neither LARS nor weight decay", OPTIM,
            positive_float),
     Option("lars_eps", 1e-9, "LARS: the eps of the trust ratio", OPTIM, nonnegative_float),
-    Option("schedule", "cosine", "decay after warm-up: cosine to 0, poly (power --poly-power) to 0, step "
-           "(x0.1 at each of --milestones), constant", OPTIM,
+    Option("schedule", "cosine", "decay after warm-up: cosine to 0, poly (power --poly-power) "
+           "to 0, step (x0.1 at each of --milestones), constant", OPTIM,
            choices=("cosine", "poly", "step", "constant")),
     Option("poly_power", 2.0, "--schedule poly: lr = peak * (1 - t) ** P", OPTIM,
            positive_float, metavar="P"),
@@ -187,8 +187,8 @@ OPTIONS = (
            "fp32", OPTIM, loss_scale, metavar="S|dynamic"),
     Option("cuda_graph", False, "on a GPU with one rank: replay forward, loss and backward "
            "from CUDA graphs captured after 2 eager steps (mpitrain/graph.py); the run says "
-           "when a model cannot be captured (fp32 fully connected layers) and runs it eagerly", OPTIM,
-           kind="on-off"),
+           "when a model cannot be captured (fp32 fully connected layers) and runs it "
+           "eagerly", OPTIM, kind="on-off"),
 
     # ----- the run around the loop -----
     Option("run_dir", None, "where config.json, environment.json, metrics.jsonl and the "

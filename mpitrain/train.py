@@ -54,8 +54,8 @@ from threadpoolctl import threadpool_limits
 from . import backend, checkpoint
 from .checks import (ConfigError, check_batch, check_decode, check_free_space, check_image_size,
                      check_launch, check_layers, check_optimizer_options, check_threads,
-                     comm_options, describe_data,
-                     find_resume, free_space, prepare_run_dir, resolve_data)
+                     comm_options, describe_data, find_resume, free_space, prepare_run_dir,
+                     resolve_data)
 from .comm import Communicator, syncbn
 from .comm.autotune import FusionTuner
 from .comm.buckets import Reducer, share_gradients

@@ -308,8 +308,8 @@ def test_check_gpu_dry_run_goes_through_every_step_measurements_first(tmp_path):
                      "bench resnet50 fp16", "bench resnet50 fp32", "bench alexnet fp16 graph",
                      "bench alexnet fp16", "profile resnet50", "profile alexnet",
                      *(f"shared {name}" for name, _ in SHARED), "data convert",
-                     "data loader", "data step gpu", "data step cpu", "tests", "compare fp32", "compare fp16",
-                     "nccl"]
+                     "data loader", "data step gpu", "data step cpu", "tests", "compare fp32",
+                     "compare fp16", "nccl"]
     bench = report["steps"]["bench alexnet fp16"]["command"]
     assert bench[bench.index("--model") + 1] == "alexnet" and "--reference" in bench
     assert "--cuda-graph" not in bench
@@ -369,7 +369,8 @@ def test_check_gpu_dry_run_shares_the_gpu_with_every_algorithm_then_times_the_da
     assert (value(step, "--model"), value(step, "--precision"), value(step, "--batch")) == \
         ("resnet50", "fp16", "256")
     assert value(step, "--decode") == "gpu" and "--cuda-graph" in step
-    assert step_cpu == step[:step.index("--decode") + 1] + ["cpu"] + step[step.index("--decode") + 2:]
+    at = step.index("--decode") + 1
+    assert step_cpu == step[:at] + ["cpu"] + step[at + 1:]
     assert "--json" in loader and "--json" in step
     for name in ("tests", "nccl", "bench resnet50 fp16 graph", "profile alexnet"):
         assert steps[name] == {"skipped": True}
@@ -406,14 +407,13 @@ def test_check_gpu_starts_no_step_past_its_budget(tmp_path):
 @pytest.mark.one_mpi
 @pytest.mark.parametrize("options,hidden", [(("--allreduce", "2d"), True),
                                             (("--shard-update",), False)])
-def test_a_shared_step_reports_its_job(options, hidden, monkeypatch):
+def test_a_shared_step_reports_its_job(options, hidden):
     """What a shared step makes of its job's output and metrics, from the same job on
     the CPU: the last epoch's images/s and accuracy, the replicas equal, and the share of
     the all-reduce hidden (none to report for the sharded update's reduce-scatter)."""
     from mpitrain.tools import check_gpu
-    monkeypatch.setattr(check_gpu, "SHARED_TRAIN", ("--device", "cpu", "--data", "digits",
-                                                    "--epochs", "1", "--check-replicas", "1"))
-    result = check_gpu.shared(options)
+    result = check_gpu.shared(options, train=("--device", "cpu", "--data", "digits",
+                                              "--epochs", "1", "--check-replicas", "1"))
     assert result["passed"], result
     assert result["images_per_s"] > 0 and 0 < result["val_top1"] <= 1
     assert result["replicas"] == "equal after every step"

@@ -344,12 +344,13 @@ def profile(model, batch, steps):
     return {**r, "output": r.get("stdout", "")}
 
 
-def shared(options):
-    """`train` (SHARED_TRAIN and `options`) as an MPI job of SHARED_RANKS ranks on one GPU,
-    started as launch.sh starts one (the venv's mpiexec, each rank its share of the cores);
-    passed when it exits 0: --check-replicas stops a job whose replicas differ. Its last
-    epoch's images/s and final accuracy, and from rank 0's metrics.jsonl the last log's
-    all-reduce time per step, the part of it the step waited for, and the share hidden."""
+def shared(options, train=SHARED_TRAIN):
+    """`python -m mpitrain train` with the options `train` and `options`, as an MPI job of
+    SHARED_RANKS ranks on one GPU, started as launch.sh starts one (the venv's mpiexec, each
+    rank its share of the cores); passed when it exits 0: --check-replicas stops a job whose
+    replicas differ. Its last epoch's images/s and final accuracy, and from rank 0's
+    metrics.jsonl the last log's all-reduce time per step, the part of it the step waited
+    for, and the share hidden."""
     from mpitrain.launcher import (cores, find_mpiexec, job_environment, launch_options,
                                    mpiexec_family)
     mpiexec = find_mpiexec()
@@ -359,7 +360,7 @@ def shared(options):
     family = mpiexec_family(mpiexec)
     with tempfile.TemporaryDirectory() as run_dir:
         argv = [mpiexec, *launch_options(SHARED_RANKS, family), "-np", str(SHARED_RANKS),
-                sys.executable, "-m", "mpitrain", "train", *SHARED_TRAIN, *options,
+                sys.executable, "-m", "mpitrain", "train", *train, *options,
                 "--run-dir", run_dir]
         r = _command_step(argv, SHARED_TIMEOUT,
                           job_environment(family, max(1, cores() // SHARED_RANKS)))
