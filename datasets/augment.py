@@ -292,32 +292,59 @@ def _axpy(y, a, x):
         y[e] += a * x[e]
 
 
+@numba.njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _resize_row(row, x_first, xw, taps, flip, mean, inv_std, out):
+    """One output row from one row of the vertical pass:
+
+        out[jo, c] = (sum_k xw[j, k] * row[(x_first[j] + k) * 3 + c] - mean[c]) * inv_std[c]
+
+    for k < taps, jo = W-1-j when flip. row: (box columns + taps) * 3, x_first
+    counted from the box's first column."""
+    ow = out.shape[0]
+    for j in range(ow):
+        jo = ow - 1 - j if flip else j
+        b = x_first[j] * 3
+        r, g, bl = row.dtype.type(0), row.dtype.type(0), row.dtype.type(0)
+        for k in range(taps):
+            w = xw[j, k]
+            r += w * row[b]
+            g += w * row[b + 1]
+            bl += w * row[b + 2]
+            b += 3
+        out[jo, 0] = (r - mean[0]) * inv_std[0]
+        out[jo, 1] = (g - mean[1]) * inv_std[1]
+        out[jo, 2] = (bl - mean[2]) * inv_std[2]
+
+
 @numba.njit(nogil=True, cache=True, fastmath=True)
 def _resize_normalise(pixels, x_first, x_count, x_weights, y_first, y_count, y_weights,
                       flip, mean, inv_std, out):
-    """The two passes of the resize as contiguous multiply-adds: each output row
-    is a weighted sum of source rows (over the box's columns), stored transposed
-    so each output column is then a weighted sum of those rows' columns."""
+    """Row by row: the vertical pass as contiguous multiply-adds of source rows
+    (over the box's columns), then the horizontal pass of that one row, normalised
+    into the output row. Every output column sums the same number of taps (the
+    largest count, the rest weighted 0), and that number is a constant at each
+    call of _resize_row, so the compiler unrolls its inner sum."""
     height, width, C = pixels.shape
     oh, ow = out.shape[0], out.shape[1]
     xa, xb = x_first[0], x_first[ow - 1] + x_count[ow - 1]     # columns the box reads
-    xw, yw = x_weights.astype(out.dtype), y_weights.astype(out.dtype)
-    rows = pixels.reshape(height, width * C)
-    row = np.empty((xb - xa) * C, out.dtype)                   # (box columns * C,)
-    cols = np.empty((xb - xa, oh * C), out.dtype)              # (box columns, oh * C)
-    for i in range(oh):
-        row[:] = 0
-        for k in range(y_count[i]):
-            _axpy(row, yw[i, k], rows[y_first[i] + k, xa * C:xb * C])
-        for x in range(xb - xa):
-            for c in range(C):
-                cols[x, i * C + c] = row[x * C + c]
-    col = np.empty(oh * C, out.dtype)                          # (oh * C,)
+    taps = x_count.max()
+    first = x_first - xa
+    xw = np.zeros((ow, taps), out.dtype)                       # (ow, taps)
     for j in range(ow):
-        col[:] = 0
-        for k in range(x_count[j]):
-            _axpy(col, xw[j, k], cols[x_first[j] - xa + k])
-        jo = ow - 1 - j if flip else j
-        for i in range(oh):
-            for c in range(C):
-                out[i, jo, c] = (col[i * C + c] - mean[c]) * inv_std[c]
+        xw[j, :x_count[j]] = x_weights[j, :x_count[j]]
+    yw = y_weights.astype(out.dtype)
+    rows = pixels.reshape(height, width * C)
+    n = (xb - xa) * C
+    row = np.zeros(n + taps * C, out.dtype)    # (box columns + taps) * C: padded taps read 0
+    for i in range(oh):
+        row[:n] = 0
+        for k in range(y_count[i]):
+            _axpy(row[:n], yw[i, k], rows[y_first[i] + k, xa * C:xb * C])
+        if taps == 2:
+            _resize_row(row, first, xw, 2, flip, mean, inv_std, out[i])
+        elif taps == 3:
+            _resize_row(row, first, xw, 3, flip, mean, inv_std, out[i])
+        elif taps == 4:
+            _resize_row(row, first, xw, 4, flip, mean, inv_std, out[i])
+        else:
+            _resize_row(row, first, xw, taps, flip, mean, inv_std, out[i])

@@ -387,13 +387,16 @@ def resize_reference(pixels, box, size):
         return taps / taps.sum(1, keepdims=True)
     wy = weights(box[1], box[3], pixels.shape[0], size)
     wx = weights(box[0], box[2], pixels.shape[1], size)
-    return np.einsum("iy,jx,yxc->ijc", wy, wx, pixels.astype(np.float64))
+    return np.einsum("iy,jx,yxc->ijc", wy, wx, pixels.astype(np.float64), optimize=True)
 
 
 @pytest.mark.parametrize("box,size", [((37, 20, 437, 320), 56),         # reduction
                                       ((10.5, 3.25, 41.75, 30.0), 64),  # enlargement, fractions
                                       ((0, 0, 90, 60), 60),             # mixed
-                                      ((0, 0, 90, 60), 45)])
+                                      ((0, 0, 90, 60), 45),
+                                      # a training crop at the image's right and bottom
+                                      # edges, where the last pixels have fewer taps
+                                      ((130.0, 41.5, 450, 330), 224)])
 def test_resize_matches_the_float64_formula_and_pillow(box, size):
     rng = np.random.default_rng(1)
     pixels = rng.integers(0, 256, (330, 450, 3), dtype=np.uint8)

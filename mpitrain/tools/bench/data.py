@@ -140,7 +140,7 @@ def run(path, workers=2, batch=32, image_size=224, reference=None, json_out=Fals
         device="cpu"):
     """Benchmark the loader on `path` (and the reference); prints and returns the results.
 
-    batches: how many batches to time (default: two epochs' worth, at least 8).
+    batches: how many batches to time (default: two epochs' worth, at least 96).
     device="gpu": the loader decoding on the GPU with `workers` threads, against the CPU
     loader with a worker per core (the caller has checked that a GPU and nvImageCodec
     are there: mpitrain.checks.check_decode).
@@ -148,7 +148,7 @@ def run(path, workers=2, batch=32, image_size=224, reference=None, json_out=Fals
     with Reader(path) as r:
         n, storage = len(r), r.storage
         mean_bytes = r.offsets[-1] / n if storage == "encoded" else None
-    count = batches or max(8, 2 * (n // batch))
+    count = batches or max(96, 2 * (n // batch))
     result = {"file": path, "records": n, "mean_record_bytes": mean_bytes,
               "workers": workers, "batch": batch, "image_size": image_size,
               "timed_batches": count,
