@@ -3,7 +3,8 @@
 
     Ho = (H + 2p - k) // s + 1, window of output (oh, ow): rows oh*s - p + [0, k), cols ow*s - p + [0, k)
     max:  y[n, oh, ow, c] = max over the window (padding is -inf), argmax[n, oh, ow, c] = ih*W + iw
-          of the first maximum in row-major window order (NaN wins, as in PyTorch)
+          of the first maximum in row-major window order, a NaN above every number (the
+          first NaN, as NumPy's argmax; PyTorch's kernels take the last)
           dx[n, ih, iw, c] = sum of dy[n, oh, ow, c] over the outputs whose argmax is ih*W + iw
     avg:  y = (sum over the window) / k^2  (padding counts as zeros: count_include_pad=True)
           dx[n, ih, iw, c] = sum over the windows containing (ih, iw) of dy[n, oh, ow, c] / k^2
@@ -44,9 +45,10 @@ cdef void _max_row(const floating* x, floating* y, int* arg, Py_ssize_t r,
                 pos = <int>((ih0 + i) * W + iw0 + j)
                 xp = x + ((n * H + ih0 + i) * W + iw0 + j) * C
                 for c in range(C):
-                    # as selects rather than a branch, so that the channels vectorise
+                    # as selects rather than a branch, so that the channels vectorise;
+                    # a NaN is taken unless the maximum so far is one
                     v = xp[c]
-                    take = (v > yp[c]) | (v != v)
+                    take = (v > yp[c]) | ((v != v) & (yp[c] == yp[c]))
                     yp[c] = v if take else yp[c]
                     ap[c] = pos if take else ap[c]
 

@@ -339,7 +339,7 @@ __global__ void pool_forward(const T* x, int avg, int N, int H, int W, int C, in
                     const A a = (A)load(xs.v, v);
                     if (avg) {
                         acc[v] += a;
-                    } else if (a > acc[v] || a != a) {
+                    } else if (a > acc[v] || (a != a && acc[v] == acc[v])) {   // first NaN
                         acc[v] = a;
                         pos[v] = q;
                     }

@@ -268,8 +268,8 @@ def _pool_args(x_shape, y_shape, k, stride, pad):
 
 def pool_forward(x, y_shape, k, stride, pad, avg):
     """Max pooling (avg False): (y, argmax), both y_shape (N, Ho, Wo, C), the window maxima
-    and ih*W + iw of each (int32; the first maximum in row-major window order, or the last
-    NaN). Average pooling (avg True): y = window sums (padding as zeros) / k^2, summed in
+    and ih*W + iw of each (int32; the first maximum in row-major window order, a NaN above
+    every number). Average pooling (avg True): y = window sums (padding as zeros) / k^2, summed in
     acc_dtype. One thread per output pixel and Pack of channels."""
     import cupy
     x = cupy.ascontiguousarray(x)

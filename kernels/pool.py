@@ -5,7 +5,8 @@ ceil_mode=False). The window of output (oh, ow) covers input rows
 oh*s - p + [0, k) and columns ow*s - p + [0, k).
 
     max:  y = max over the window, padding -inf; argmax = ih*W + iw (int32) of the
-          first maximum in row-major window order. Backward: dx[n, ih, iw, c]
+          first maximum in row-major window order, a NaN above every number (the
+          first NaN, as NumPy's argmax). Backward: dx[n, ih, iw, c]
           = sum of dy[n, oh, ow, c] over the outputs whose argmax is (ih, iw).
     avg:  y = sum over the window / k^2, padding counted as zeros
           (count_include_pad=True, PyTorch's default). Backward: every input

@@ -180,8 +180,8 @@ class MaxPool2d:
     """y[n, oh, ow, c] = max of the k x k window at (oh*s - p, ow*s - p), padding -inf.
 
     Backward routes dy to the window's argmax, the first maximum in row-major window
-    order (a tie goes to the upper, then the left, element, as in nets/pool.py's
-    kernels); the others get 0.
+    order (a tie goes to the upper, then the left, element, and a NaN, above every
+    number, to the first NaN, as in nets/pool.py's kernels); the others get 0.
     """
 
     def __init__(self, k, stride=None, padding=0):

@@ -294,11 +294,12 @@ def test_pool_kernels_emulated(emulated_cupy, N, H, W, C, k, s, p, dtype):
 
 def compare_pooling(x, k, s, p, to_device, to_host, gpu_forward=None, gpu_backward=None):
     """Max and average pooling of the device kernels against the CPU kernels: the maxima
-    and their positions exactly (a tie planted: the first one wins), the rest within the
+    and their positions exactly (a tie and two NaNs planted: the first wins), the rest within the
     dtype's rounding. gpu_forward/backward: how the device kernels are reached (default:
     kernels.pool's dispatch on device arrays)."""
     x = x.copy()
     x[0, 0, 0, 0] = x[0, 0, 1, 0] = x.max()
+    x[0, 0, 0, -1] = x[0, 0, 1, -1] = np.nan       # two NaNs in a window: the first wins
     fwd = gpu_forward or (lambda a, avg: (pool.avg_pool_forward if avg else pool.max_pool_forward)(
         a, k, s, p))
     bwd = gpu_backward or (lambda d, arg, shape: pool.max_pool_backward(d, arg, shape, k, s, p)

@@ -149,6 +149,22 @@ def test_max_pool_ties_pick_the_first_and_float16_is_exact():
     np.testing.assert_array_equal(y, pool.max_pool_forward_generic(x, 3, 2, 1)[0])
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_max_pool_takes_the_first_nan(dtype):
+    """A NaN is above every number, and of two NaNs in a window the first is the argmax,
+    as the generic version's argmax (and the plain layer) takes it."""
+    x = rand((2, 6, 6, 3), dtype)
+    x[0, 1, 1, 0] = x[0, 1, 2, 0] = x[0, 2, 1, 0] = np.nan    # several windows of 3 x 3
+    x[1, 0, 0, 2] = np.nan                                    # a corner, under padding
+    x[1, 4, 5, 1] = -np.inf
+    for k, s, p in ((3, 1, 1), (3, 2, 1), (2, 2, 0)):
+        y, arg = pool.max_pool_forward(x, k, s, p)
+        y_ref, arg_ref = pool.max_pool_forward_generic(x, k, s, p)
+        assert np.isnan(y).any()
+        np.testing.assert_array_equal(y, y_ref)
+        np.testing.assert_array_equal(arg, arg_ref)
+
+
 def test_pool_rejects_padding_over_half_the_kernel():
     with pytest.raises(ValueError, match="padding"):
         pool.max_pool_forward(np.zeros((1, 4, 4, 1)), 2, 2, 2)

@@ -200,6 +200,20 @@ def test_max_pool(k, s, p, channels, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k,s,p", POOLS)
+def test_max_pool_nans_go_to_the_first_nan(k, s, p, dtype):
+    """A NaN is above every number; of several in a window both send dy to the first."""
+    x = np.random.default_rng(1).integers(0, 3, (2, 7, 6, 16)).astype(dtype)
+    x[np.random.default_rng(2).random(x.shape) < 0.2] = np.nan
+    fast, plain_pool = MaxPool2d(k, s, p), plain.MaxPool2d(k, s, p)
+    y, y_plain = fast.forward(x.copy()), plain_pool.forward(x.copy())
+    assert np.isnan(y).any() and not np.isnan(y).all()
+    np.testing.assert_array_equal(y, y_plain)
+    dy = rand(y.shape, dtype, seed=7)
+    close(fast.backward(dy.copy()), plain_pool.backward(dy.copy()), "dx")   # sums' order
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k,s,p", POOLS)
 def test_max_pool_ties_go_to_the_first_maximum(k, s, p, dtype):
     """Values from {0, 1, 2}: most windows hold their maximum more than once; both send dy
     to the first in row-major window order."""
