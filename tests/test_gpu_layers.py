@@ -154,8 +154,10 @@ void launch(void (*kernel)(Args...), void** argv, bool threaded) {
 
 class EmulatedModule:
     """cupy.RawModule's interface on the host: the source compiled by g++ with EMULATION,
-    one extern "C" launcher per name expression (cuLaunchKernel's argument convention)."""
+    one extern "C" launcher per name expression (cuLaunchKernel's argument convention).
+    While `recording` is a list (Recording), a launch is appended to it instead of run."""
     _built = {}
+    recording = None
 
     def __init__(self, code, options=(), name_expressions=()):
         self.names = list(name_expressions)
@@ -188,6 +190,12 @@ class EmulatedModule:
         threaded = name.split("<")[0] in self.synced
 
         def kernel(grid, block, args):
+            if EmulatedModule.recording is not None:
+                EmulatedModule.recording.append((run, grid, block, args))
+            else:
+                run(grid, block, args)
+
+        def run(grid, block, args):
             holders = [ctypes.c_void_p(a.ctypes.data) if isinstance(a, np.ndarray)
                        else ctypes.create_string_buffer(np.asarray(a).tobytes()) for a in args]
             for a in args:
@@ -334,19 +342,14 @@ class Recording:
     numbers by value, as cuLaunchKernel takes them); replay() runs the recorded launches."""
 
     def __init__(self):
-        self.launches, self.patch = [], pytest.MonkeyPatch()
+        self.launches = []
 
     def __enter__(self):
-        real = gpu._kernel
-
-        def recorded(*args, **kw):
-            kernel = real(*args, **kw)
-            return lambda grid, block, argv: self.launches.append((kernel, grid, block, argv))
-        self.patch.setattr(gpu, "_kernel", recorded)
+        EmulatedModule.recording = self.launches
         return self
 
     def __exit__(self, *exc):
-        self.patch.undo()
+        EmulatedModule.recording = None
 
     def replay(self):
         for kernel, grid, block, argv in self.launches:
