@@ -406,6 +406,12 @@ class Loader:
         raise DataError(f"{self.path}: records {i}..{r} are all bad; giving up")
 
 
+def pinned_for(xp, decode):
+    """Whether a loader feeding a step on the array module xp keeps its ring in page-locked
+    memory: batches decoded on the host for a GPU, so that their copies run asynchronously."""
+    return xp is not np and decode == "cpu"
+
+
 def _empty(shape, dtype, pinned):
     if pinned:
         import cupyx

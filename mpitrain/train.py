@@ -62,7 +62,7 @@ from .comm.buckets import Reducer, share_gradients
 from .comm.replicas import ReplicaMismatch, check_replicas
 from .config import describe, environment, link_latest, save_json
 from .control import Heartbeats, LauncherWatch, LossWatch, StopSignals, Watchdog, stop_signal
-from .datasets.loader import Loader
+from .datasets.loader import Loader, pinned_for
 from .graph import StepGraph, refusal
 from .kernels.gemm import blas_threads
 from .metrics import MetricsLog, StepProgress, Timeline
@@ -426,7 +426,7 @@ class Run:
                       workers=cfg.workers, prefetch=cfg.prefetch, dtype=self.model.dtype,
                       seed=cfg.seed, num_classes=len(data.class_names),
                       skip_bad_records=cfg.skip_bad_records,
-                      pinned=backend.xp is not np and cfg.decode == "cpu", decode=data.decode)
+                      pinned=pinned_for(backend.xp, cfg.decode), decode=data.decode)
         self.train_data = Loader(data.train_file, self.batch, train=True, **data.transform,
                                  **shared)
         self.val_data = Loader(data.val_file, self.batch, train=False,

@@ -16,8 +16,6 @@ import json
 import os
 import sys
 
-import numpy as np
-
 from .step import OneStep, _clock, _median, new_model, random_batch, time_ours, under_mpirun
 
 
@@ -31,7 +29,7 @@ def bench_step_data(path, model_name, image_size=224, batch=32, steps=10, warmup
     on the loader's batches from `path`; returns a dict (see the module docstring)."""
     from mpitrain import backend
     from mpitrain.datasets.h5format import FormatError, Reader
-    from mpitrain.datasets.loader import Loader
+    from mpitrain.datasets.loader import Loader, pinned_for
     backend.use_device(device)
     if not os.path.exists(path):
         raise DataStepError(f"{path} does not exist; make it with `python -m mpitrain convert`")
@@ -51,7 +49,7 @@ def bench_step_data(path, model_name, image_size=224, batch=32, steps=10, warmup
     step = OneStep(model, precision, graph=graph)
     seconds, waits, images = [], [], 0
     with Loader(path, batch, train=True, image_size=image_size, workers=workers, prefetch=2,
-                dtype=model.dtype, seed=seed, pinned=xp is not np and decode == "cpu",
+                dtype=model.dtype, seed=seed, pinned=pinned_for(xp, decode),
                 decode=decode) as loader:
         batches = _forever(loader)
         for i in range(warmup + steps):
