@@ -132,19 +132,16 @@ class Timeline:
     # categories drawn in the trace but not summed into phase times: they nest inside one
     NESTED = {"layers"}
 
-    def trace_layer_groups(self, model):
-        """Show forward and backward of each top-level layer group of `model` (conv1, layer1,
-        ..., fc) in the trace, category "layers", by wrapping their methods on the instance."""
-        for name, group in model.named_modules():
-            if name.count(".") == 1:            # "layer1.", not "layer1.0." nor the model ""
-                for phase in ("forward", "backward"):
-                    setattr(group, phase, self._timed(getattr(group, phase), f"{phase} {name[:-1]}"))
+    def trace_layers(self, net, model):
+        """Show forward and backward of each layer `net` runs in turn in the trace, category
+        "layers", named as in `model` (the fast network's conv1, layer1, ..., fc; the plain
+        layers' conv1, layer1.0, ..., their own ReLU by its type), through the network's
+        layer_span hook (nets/module.py)."""
+        names = {id(m): name[:-1] for name, m in model.named_modules() if name}
 
-    def _timed(self, method, name):
-        def run(*args):
-            with self.span(name, "layers"):
-                return method(*args)
-        return run
+        def layer_span(phase, layer):
+            return self.span(f"{phase} {names.get(id(layer), type(layer).__name__)}", "layers")
+        net.layer_span = layer_span
 
     @classmethod
     def off(cls):

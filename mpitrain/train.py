@@ -506,7 +506,7 @@ class Run:
         cfg, comm, model = self.cfg, self.comm, self.model
         self.timeline = timeline = Timeline(cfg.trace, comm.rank)
         if cfg.trace:
-            timeline.trace_layer_groups(model)
+            timeline.trace_layers(self.net, model)
         overlap = backend.xp is not np if cfg.overlap == "auto" else bool(cfg.overlap)
         if cfg.shard_update:
             self.reducer = ShardedReducer(self.optimizer.shard, comm)

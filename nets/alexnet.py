@@ -66,13 +66,15 @@ class AlexNet(Module):
     def forward(self, x, train=True):
         check_input(x, 3, self.dtype)
         for stage in self.stages:
-            x = stage.forward(x, train)
+            with self.layer_span("forward", stage):
+                x = stage.forward(x, train)
         return x
 
     def backward(self, dy):
         # reverse registration order: the arena's order, so buckets complete in sequence
         for stage in reversed(self.stages):
-            dy = stage.backward(dy)
+            with self.layer_span("backward", stage):
+                dy = stage.backward(dy)
         return dy
 
 

@@ -11,13 +11,25 @@ assignment order, which gives torchvision's state_dict names
 (`layer1.0.conv1.weight`). `Module.bind()` on the top-level network lays every
 parameter into one arena (mpitrain.arena) and initialises it from the seed.
 """
+import contextlib
+
 import numpy as np
 
 from mpitrain.arena import Arena, Buffer, BufferArena, Param
 from mpitrain.backend import array_module
 
 
+def untimed(phase, layer):
+    """A network's layer_span by default: nothing (a timeline sets its own)."""
+    return contextlib.nullcontext()
+
+
 class Module:
+    # the hook through which a network runs each of its top-level layers:
+    # `with self.layer_span("forward", layer): ...`; mpitrain.metrics.Timeline.trace_layers
+    # sets it to draw them in the trace
+    layer_span = staticmethod(untimed)
+
     def __setattr__(self, name, value):
         if isinstance(value, (Module, Param, Buffer)):
             self.__dict__.setdefault("_members", {})[name] = value

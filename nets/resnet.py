@@ -137,12 +137,14 @@ class ResNet(Module):
     def forward(self, x, train=True):
         check_input(x, 3, self.dtype)
         for layer in self.sequence:
-            x = layer.forward(x, train)
+            with self.layer_span("forward", layer):
+                x = layer.forward(x, train)
         return x
 
     def backward(self, dy):
         for layer in reversed(self.sequence):
-            dy = layer.backward(dy)
+            with self.layer_span("backward", layer):
+                dy = layer.backward(dy)
         return dy
 
 

@@ -5,6 +5,7 @@ rounding, and the gradients announced in the fast layers' order), several steps 
 float64 (the same to float64 rounding: nothing drifts), the digits job trained from the
 command line on either layers, its checkpoint scored on the fast layers, and what
 --layers plain refuses."""
+import collections
 import json
 import os
 import re
@@ -159,13 +160,15 @@ def test_refusals_exit_2_naming_the_option(args, named, tmp_path):
 @pytest.fixture(scope="module")
 def digits_runs(tmp_path_factory):
     """The digits job for 3 epochs, on the fast and on the plain layers: {layers: (the
-    command's result, its run directory)}. (After 2 epochs the accuracy is still
-    climbing fast, and the two runs, parted by rounding, may differ by 6 points.)"""
+    command's result, its run directory)}, each with a trace in the run directory's
+    parent. (After 2 epochs the accuracy is still climbing fast, and the two runs,
+    parted by rounding, may differ by 6 points.)"""
     runs = {}
     for layers in ("fast", "plain"):
         run_dir = tmp_path_factory.mktemp(layers) / "run"
         r = mpitrain("train", "--layers", layers, "--data", "digits", "--epochs", "3",
-                     "--data-dir", DATA, "--run-dir", str(run_dir), timeout=300)
+                     "--data-dir", DATA, "--run-dir", str(run_dir),
+                     "--trace", str(run_dir.parent) + "/", timeout=300)
         runs[layers] = r, run_dir
     return runs
 
@@ -182,6 +185,27 @@ def test_the_digits_job_trains_on_the_plain_layers(digits_runs):
     assert "resnet_small on the plain layers of nets/plain.py" in plain.stdout
     assert "plain layers" not in fast.stdout
     assert final_top1(plain) >= 93 and abs(final_top1(plain) - final_top1(fast)) <= 3
+
+
+def test_the_trace_shows_the_layers_each_network_runs(digits_runs):
+    """--trace: the fast network's top-level layers, the plain layers one by one (a
+    residual block whole, a fused ReLU as the ReLU of its own), each forward and backward
+    once a step (44 steps of 32 a training epoch, 3 epochs)."""
+    names = {}
+    for layers, (r, run_dir) in digits_runs.items():
+        assert r.returncode == 0, r.stdout + r.stderr
+        with open(run_dir.parent / "trace.rank0.json") as f:
+            spans = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "layers"]
+        names[layers] = collections.Counter(e["name"] for e in spans)
+    assert set(names["fast"]) == {f"{phase} {name}" for phase in ("forward", "backward")
+                                  for name in ("conv1", "bn1", "layer1", "layer2", "layer3",
+                                               "avgpool", "fc")}
+    blocks = {"layer1.0", "layer2.0", "layer3.0"}
+    assert {f"forward {name}" for name in blocks | {"conv1", "bn1", "ReLU", "fc"}} \
+        <= set(names["plain"])
+    for layers in names:
+        assert names[layers]["backward conv1"] == 3 * 44, names[layers]
+        assert names[layers]["forward fc"] >= 3 * 44            # and evaluation's forward
 
 
 def test_a_checkpoint_of_the_plain_layers_is_the_fast_layers_network(digits_runs):
