@@ -14,7 +14,7 @@ import traceback
 
 from .argtypes import (fraction, nonnegative_float, nonnegative_int, number, positive_float,
                        positive_int, workers)
-from .options import BY_NAME, IMAGE_SIZE, add_arguments
+from .options import BY_NAME, DEFAULTS, IMAGE_SIZE, add_arguments
 
 REFUSAL_GRACE = 1.0     # seconds the other ranks wait before exiting on a refusal
 
@@ -61,25 +61,35 @@ class Parser(argparse.ArgumentParser):
         return f"unrecognized arguments: {' '.join(extras)} (--help lists the options)"
 
 
-# ----- argument types: each returns the value or raises ArgumentTypeError (the numbers'
-# in mpitrain/argtypes.py) -----
-
+# ----- the commands and their options: one add_* function a command -----
 
 # the checkpoint of eval, predict and export
 CHECKPOINT = "a checkpoint-*.h5 file, or a run directory (its newest complete checkpoint)"
 
+# export and predict --data
+STAND_IN = ("the training data file (or its validation file) for mean, std and class "
+            "names, when it is not where the checkpoint's config says")
+
+# the names --model takes
+MODELS = BY_NAME["model"].choices
+
 # predict --tolerance: mpitrain.tools.onnx_predict.TOLERANCE, which is not imported (NumPy would be)
 ONNX_TOLERANCE = 1e-3
 
-def build_parser():
-    from mpitrain.options import DEFAULTS as D
-    models = BY_NAME["model"].choices
 
+def build_parser():
     parser = Parser(
         prog="python -m mpitrain",
         description="Parameter-server-free MPI data-parallel training of convolutional networks.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
+    for add in (add_train, add_inspect, add_convert, add_bench, add_check_gpu, add_eval,
+                add_plot, add_export, add_predict, add_preview, add_study, add_simulate):
+        add(commands)
+    return parser
 
+
+def add_train(commands):
+    """`train`: every option of mpitrain/options.py, and --config."""
     train = commands.add_parser(
         "train", help="train a network (launch under mpirun/srun for several ranks)",
         description="Train a network data-parallel: every MPI rank holds a replica, gradients "
@@ -91,16 +101,19 @@ def build_parser():
                             "underscores); flags given on the command line override it")
     train.set_defaults(command_parser=train)     # for errors found after parsing
 
+
+def add_inspect(commands):
+    """`inspect`: the table of a network's layers (mpitrain/tools/inspect.py)."""
     inspect = commands.add_parser(
         "inspect", help="table of layers: output shape, parameters, multiply-adds",
         description="Print every layer of a network with its output shape, parameters and "
                     "forward multiply-adds, and the totals. The number of classes (and so "
                     "of parameters) is the data's with --data, as train builds the model.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    inspect.add_argument("--model", choices=models, default="resnet50")
+    inspect.add_argument("--model", choices=MODELS, default="resnet50")
     inspect.add_argument("--data", help="take the classes and the image size from this "
                                         "training file, or 'digits' or 'fashion-mnist'")
-    inspect.add_argument("--data-dir", default=D["data_dir"],
+    inspect.add_argument("--data-dir", default=DEFAULTS["data_dir"],
                          help="where named data sets are converted to")
     inspect.add_argument("--image-size", type=positive_int,
                          help="default: the data's with --data, else 224")
@@ -108,6 +121,10 @@ def build_parser():
                          help="default: the data's with --data, else 1000")
     inspect.set_defaults(command_parser=inspect)
 
+
+def add_convert(commands):
+    """`convert SOURCE`: HDF5 data files from image folders, the digits, Fashion-MNIST or
+    synthetic JPEGs (mpitrain/datasets/convert.py)."""
     convert = commands.add_parser(
         "convert", help="make HDF5 data files (image folders, the digits, Fashion-MNIST, "
                         "synthetic images)",
@@ -131,7 +148,7 @@ def build_parser():
     folder.set_defaults(command_parser=folder)
     digits = sources.add_parser("digits", help="the bundled digits -> DST_DIR/digits_{train,val}.h5",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    digits.add_argument("dst_dir", nargs="?", default=D["data_dir"])
+    digits.add_argument("dst_dir", nargs="?", default=DEFAULTS["data_dir"])
     fashion = sources.add_parser(
         "fashion-mnist", help="Fashion-MNIST (Debian's dataset-fashion-mnist, fetched with "
                               "apt-get download where not installed) -> "
@@ -139,7 +156,7 @@ def build_parser():
         description="60,000 training images split into training (54,000) and a stratified "
                     "validation file (6,000); the 10,000 test images into a test file.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    fashion.add_argument("dst_dir", nargs="?", default=D["data_dir"])
+    fashion.add_argument("dst_dir", nargs="?", default=DEFAULTS["data_dir"])
     fashion.add_argument("--seed", type=nonnegative_int, default=0, help="the validation draw")
     fashion.set_defaults(command_parser=fashion)
     synthetic = sources.add_parser(
@@ -151,10 +168,19 @@ def build_parser():
     synthetic.add_argument("--classes", type=positive_int, default=10)
     synthetic.add_argument("--seed", type=nonnegative_int, default=0)
 
+
+def add_bench(commands):
+    """`bench BENCHMARK`: step, data, update and comm (mpitrain/tools/bench/)."""
     bench = commands.add_parser("bench", help="benchmarks (step, update, comm, data)",
                                 description="Benchmarks; each reports against a reference "
                                             "measured in the same run.")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="benchmark")
+    for add in (add_bench_step, add_bench_data, add_bench_update, add_bench_comm):
+        add(benches)
+
+
+def add_bench_step(benches):
+    """`bench step`: full training steps (mpitrain/tools/bench/step.py)."""
     step = benches.add_parser(
         "step", help="training-step throughput on random data (under mpirun: scaling)",
         description="Throughput (images/s) of full training steps (forward + loss, backward, "
@@ -164,7 +190,7 @@ def build_parser():
                     "all-reduce overlapped and not, against one rank with N times the "
                     "threads (scaling efficiency) and the share of communication hidden.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    step.add_argument("--model", choices=models, default="resnet50")
+    step.add_argument("--model", choices=MODELS, default="resnet50")
     step.add_argument("--image-size", type=positive_int, default=64)
     step.add_argument("--batch", type=positive_int, default=32)
     step.add_argument("--num-classes", type=positive_int, default=1000)
@@ -214,7 +240,7 @@ def build_parser():
                       help="one process: also time the steps fed by the loader from FILE (a "
                            "file made by `convert`, training crops at --image-size), against "
                            "the steps on a random batch (mpitrain/tools/bench/step_data.py)")
-    step.add_argument("--workers", type=nonnegative_int, default=D["workers"],
+    step.add_argument("--workers", type=nonnegative_int, default=DEFAULTS["workers"],
                       help="with --data: loader threads")
     BY_NAME["decode"].add_to(step, help="with --data: where the loader decodes and augments "
                                         "(gpu: as train --decode gpu, with --device gpu)")
@@ -222,6 +248,10 @@ def build_parser():
                       help="re-run this command with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE "
                            "removed from the environment (OpenBLAS picks its own core type)")
     step.set_defaults(command_parser=step)
+
+
+def add_bench_data(benches):
+    """`bench data`: the loader (mpitrain/tools/bench/data.py)."""
     data = benches.add_parser(
         "data", help="loader throughput: read + decode + augment, images/s",
         description="Images/s of the loader (read, decode, augment into batches) per worker "
@@ -242,6 +272,10 @@ def build_parser():
                            "core")
     data.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     data.set_defaults(command_parser=data)
+
+
+def add_bench_update(benches):
+    """`bench update`: one optimizer step (mpitrain/tools/bench/update.py)."""
     update = benches.add_parser(
         "update", help="one optimizer step over a model's arena, per kernel implementation",
         description="Time one LARS step (norms + fused update, fp32 master, fp16 working "
@@ -249,7 +283,7 @@ def build_parser():
                     "available here, against the NumPy reference and against this machine's "
                     "memory bandwidth measured in the same run.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    update.add_argument("--model", choices=models, default="resnet50")
+    update.add_argument("--model", choices=MODELS, default="resnet50")
     update.add_argument("--repeats", type=positive_int, default=7, help="timed runs (median)")
     update.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     update.add_argument("--shard-update", action="store_true",
@@ -257,6 +291,10 @@ def build_parser():
                              "with weight-update sharding (train --shard-update) and without")
     update.add_argument("--optimizer", choices=BY_NAME["optimizer"].choices, default="lars",
                         help="the optimizer of --shard-update")
+
+
+def add_bench_comm(benches):
+    """`bench comm`: the gradient all-reduce (mpitrain/tools/bench/comm.py)."""
     comm = benches.add_parser(
         "comm", help="gradient all-reduce: algorithms, fused vs per-tensor, fp16 vs fp32",
         description="Under mpirun: time one step's gradient sum of a model's arena for each "
@@ -264,7 +302,7 @@ def build_parser():
                     "with fp32 and fp16 on the wire, and a sweep of buffer sizes; reports "
                     "milliseconds and algorithmic bus bandwidth.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    comm.add_argument("--model", choices=models, default="resnet50")
+    comm.add_argument("--model", choices=MODELS, default="resnet50")
     comm.add_argument("--algorithms", default="flat,hierarchical,2d,shm,hybrid",
                       help="comma-separated algorithms")
     comm.add_argument("--fusion-mib", default="1,4,16", help="fusion bucket sizes in MiB")
@@ -277,6 +315,10 @@ def build_parser():
     comm.add_argument("--densities", default="0.1,0.01", metavar="D,D",
                       help="top-k densities timed against dense sums over the model's "
                            "buckets ('' for none)")
+
+
+def add_check_gpu(commands):
+    """`check-gpu`: the GPU check (its options: mpitrain/tools/check_gpu.py)."""
     check = commands.add_parser(
         "check-gpu", help="prove the GPU path on this machine (tests, CPU-vs-GPU step, NCCL, "
                           "throughput) and write a JSON report",
@@ -290,6 +332,10 @@ def build_parser():
                     "Exit status 0: all passed; 1: something failed; 2: no GPU or bad input.")
     from mpitrain.tools import check_gpu
     check_gpu.add_arguments(check)
+
+
+def add_eval(commands):
+    """`eval`: a checkpoint's accuracy on a data file (mpitrain/tools/evaluate.py)."""
     evaluate = commands.add_parser(
         "eval", help="top-1/top-5 accuracy of a checkpoint on a data file (distributed)",
         description="Score a checkpoint's model on an HDF5 file made by `convert`; under "
@@ -300,15 +346,18 @@ def build_parser():
     evaluate.add_argument("--data", required=True, help="an HDF5 file made by `convert`")
     evaluate.add_argument("--batch-size", type=positive_int,
                           help="GLOBAL batch (default: the checkpoint's training batch)")
-    evaluate.add_argument("--workers", type=workers, default=D["workers"],
+    evaluate.add_argument("--workers", type=workers, default=DEFAULTS["workers"],
                           help="loader threads (at most the cores this process may run on)")
     evaluate.add_argument("--image-size", type=positive_int,
                           help="square side of the images (default: the checkpoint's, which "
                                "its run took from its data or its --image-size)")
-    evaluate.add_argument("--device", choices=["cpu", "gpu", "auto"], default=D["device"])
+    evaluate.add_argument("--device", choices=["cpu", "gpu", "auto"], default=DEFAULTS["device"])
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
     evaluate.set_defaults(command_parser=evaluate)
 
+
+def add_plot(commands):
+    """`plot`: a run's curves as PNG files (mpitrain/tools/plot.py)."""
     plot = commands.add_parser(
         "plot", help="PNG curves (loss, accuracy, learning rate, throughput) of a run",
         description="Draw RUN_DIR/metrics.jsonl as PNG files in RUN_DIR (or --out): "
@@ -319,8 +368,9 @@ def build_parser():
     plot.add_argument("--out", help="directory for the PNG files (default: RUN_DIR)")
     plot.set_defaults(command_parser=plot)
 
-    stand_in = ("the training data file (or its validation file) for mean, std and class "
-                "names, when it is not where the checkpoint's config says")
+
+def add_export(commands):
+    """`export`: a checkpoint as safetensors or ONNX (mpitrain/tools/export.py)."""
     export = commands.add_parser(
         "export", help="write a checkpoint's model as safetensors (PyTorch) or ONNX",
         description="Write the eval-mode model of a checkpoint for other frameworks, with "
@@ -335,9 +385,12 @@ def build_parser():
     export.add_argument("--format", required=True, choices=["safetensors", "onnx"],
                         help="the file format to write")
     export.add_argument("out", help="the file to write (its directory must exist)")
-    export.add_argument("--data", metavar="FILE", help=stand_in)
+    export.add_argument("--data", metavar="FILE", help=STAND_IN)
     export.set_defaults(command_parser=export)
 
+
+def add_predict(commands):
+    """`predict`: the top classes of image files (mpitrain/tools/predict.py)."""
     predict = commands.add_parser(
         "predict", help="top-5 classes of image files under a checkpoint's model (one process)",
         description="Classify image files with a checkpoint's model, prepared as its run "
@@ -364,13 +417,9 @@ def build_parser():
                          help="classes shown per image (at most the model's classes)")
     predict.add_argument("--batch-size", type=positive_int, default=32,
                          help="images per forward pass")
-    predict.add_argument("--data", metavar="FILE", help=stand_in)
+    predict.add_argument("--data", metavar="FILE", help=STAND_IN)
     predict.add_argument("--json", action="store_true", help="print one JSON object")
     predict.set_defaults(command_parser=predict)
-    add_preview(commands, D)
-    add_study(commands, D)
-    add_simulate(commands, models, D)
-    return parser
 
 
 # the train options that preview and study share with train
@@ -390,7 +439,7 @@ def run_preview(args):
         args.command_parser.error(str(e))
 
 
-def add_preview(commands, D):
+def add_preview(commands):
     """`preview`: one batch as the loader gives it, as a PNG grid (mpitrain/tools/preview.py)."""
     preview = commands.add_parser(
         "preview", help="write one batch as the loader gives it to the network, as a PNG grid",
@@ -408,7 +457,7 @@ def add_preview(commands, D):
     preview.set_defaults(command_parser=preview)
 
 
-def add_study(commands, D):
+def add_study(commands):
     """`study large-batch`: accuracy against the global batch (mpitrain/tools/study.py)."""
     study = commands.add_parser("study", help="experiments made of many training runs "
                                               "(large-batch)")
@@ -467,7 +516,7 @@ def run_study(args, argv):
         args.command_parser.error(str(e))
 
 
-def add_simulate(commands, models, D):
+def add_simulate(commands):
     """The `simulate` command: the α-β cost model of mpitrain/tools/simulate.py, and its
     calibration against this host."""
     from mpitrain.tools.simulate import DEVICES
@@ -481,7 +530,7 @@ def add_simulate(commands, models, D):
                     "--calibrate measures this host instead (bench comm and bench step on "
                     "1 to --max-ranks ranks) and prints predicted against measured.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    sim.add_argument("--model", choices=models, default="resnet50")
+    sim.add_argument("--model", choices=MODELS, default="resnet50")
     sim.add_argument("--ranks", type=positive_int, default=1024, metavar="N",
                      help="ranks (devices) in the job")
     sim.add_argument("--ranks-per-node", type=positive_int, metavar="K",
@@ -499,7 +548,7 @@ def add_simulate(commands, models, D):
     sim.add_argument("--allreduce", choices=["flat", "hierarchical", "2d", "shm", "hybrid", "all"],
                      default="all", help="algorithm (shm: CPU hosts only; hybrid: the fastest "
                                          "per bucket)")
-    sim.add_argument("--fusion-threshold", type=positive_int, default=D["fusion_threshold"],
+    sim.add_argument("--fusion-threshold", type=positive_int, default=DEFAULTS["fusion_threshold"],
                      metavar="BYTES", help="gradient bucket size, as train's")
     sim.add_argument("--comm-dtype", choices=["fp32", "fp16"], default="fp32",
                      help="gradient dtype on the wire")
