@@ -361,23 +361,41 @@ def synthetic_image(rng, label, classes, size=(500, 375)):
     coarse = rng.integers(0, 256, (4, 5, 3), dtype=np.uint8)
     field = np.asarray(Image.fromarray(coarse).resize((width, height), Image.BICUBIC),
                        np.float32)
-    tint = 255 * np.array([np.cos(2 * np.pi * (label / classes + k / 3)) for k in range(3)])
-    noisy = 0.7 * field + 0.3 * (tint + 128) / 2 + rng.normal(0, 12, (height, width, 3))
-    return np.clip(noisy, 0, 255).astype(np.uint8)
+    tint = 255 * np.array([np.cos(2 * np.pi * (label / classes + k / 3)) for k in range(3)],
+                          np.float32)
+    noisy = rng.standard_normal((height, width, 3), np.float32)
+    noisy *= 12
+    noisy += 0.7 * field
+    noisy += 0.3 * (tint + 128) / 2
+    return np.clip(noisy, 0, 255, out=noisy).astype(np.uint8)
+
+
+def _synthetic_jpeg(seed, i, classes, size, quality):
+    """Image i of convert_synthetic: (label, JPEG bytes, its (3, 256) histogram), from a
+    generator of its own, so that images can be made in any order and on any thread."""
+    label = i % classes
+    rgb = synthetic_image(np.random.default_rng([seed, i]), label, classes, size)
+    return label, _save(Image.fromarray(rgb), "JPEG", quality=quality), histogram(rgb)
 
 
 def convert_synthetic(dst, count, size=(500, 375), classes=10, seed=0, quality=90,
-                      progress=None):
-    """dst: `count` generated JPEGs of `size` (width, height), labels i mod classes."""
-    rng = np.random.default_rng(seed)
+                      progress=None, threads=None):
+    """dst: `count` generated JPEGs of `size` (width, height), labels i mod classes, made
+    by `threads` threads (default: one per core this process may run on; NumPy's noise
+    and Pillow's resize and encoding run without the GIL) and written in order."""
+    from concurrent.futures import ThreadPoolExecutor
+    from mpitrain.launcher import cores
+    threads = threads or cores()
     hist = np.zeros((3, 256), np.int64)
-    with Writer(dst, [f"class{c}" for c in range(classes)]) as w:
-        for i in range(count):
-            label = i % classes
-            rgb = synthetic_image(rng, label, classes, size)
-            hist += histogram(rgb)
-            w.add(label, _save(Image.fromarray(rgb), "JPEG", quality=quality), f"synthetic/{i}")
-            if progress is not None and ((i + 1) % 64 == 0 or i + 1 == count):
-                progress(i + 1, count)
+    with Writer(dst, [f"class{c}" for c in range(classes)]) as w, \
+            ThreadPoolExecutor(threads) as pool:
+        for start in range(0, count, 64):
+            images = pool.map(_synthetic_jpeg, [seed] * 64, range(start, min(start + 64, count)),
+                              [classes] * 64, [size] * 64, [quality] * 64)
+            for i, (label, jpeg, counts) in enumerate(images, start):
+                hist += counts
+                w.add(label, jpeg, f"synthetic/{i}")
+            if progress is not None:
+                progress(min(start + 64, count), count)
         w.commit(*mean_std(hist))
     return Conversion({"train": dst}, {"train": count})

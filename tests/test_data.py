@@ -9,7 +9,8 @@ from PIL import Image
 
 from mpitrain.datasets.augment import (Augment, decode, draft_factor, filter_taps,
                                        random_resized_crop_box, resize_normalise, simplejpeg)
-from mpitrain.datasets.convert import convert_digits, convert_imagefolder, val_path
+from mpitrain.datasets.convert import (convert_digits, convert_imagefolder, convert_synthetic,
+                                       val_path)
 from mpitrain.datasets.h5format import FormatError, Reader, Writer
 from mpitrain.datasets.loader import DataError, Loader, ShardedSampler
 from mpitrain.datasets.split import stratified_val
@@ -617,3 +618,19 @@ def test_loader_reports_waiting_and_reuses_its_buffers(tmp_path):
     assert len(buffers) == 2                              # double-buffered
     assert loader.wait_time == pytest.approx(sum(waits)) and loader.wait_time > 0
     loader.close()
+
+
+def test_synthetic_jpegs_are_the_same_on_any_number_of_threads(tmp_path):
+    """convert_synthetic draws image i from (seed, i): one thread and three write the same
+    records, labels and statistics; another seed, other images."""
+    files = {}
+    for threads, seed in ((1, 0), (3, 0), (2, 1)):
+        path = str(tmp_path / f"s{threads}.h5")
+        convert_synthetic(path, 70, (40, 30), classes=3, seed=seed, threads=threads)
+        with Reader(path) as r:
+            files[threads] = ([bytes(r.record(i)) for i in range(len(r))], r.labels.tolist(),
+                              r.mean.tolist(), r.std.tolist())
+    assert files[1] == files[3]
+    assert files[1][1] == [i % 3 for i in range(70)]
+    assert all(Image.open(io.BytesIO(b)).size == (40, 30) for b in files[1][0])
+    assert not set(files[1][0]) & set(files[2][0])

@@ -308,7 +308,8 @@ def test_check_gpu_dry_run_goes_through_every_step_measurements_first(tmp_path):
                      "bench resnet50 fp16", "bench resnet50 fp32", "bench alexnet fp16 graph",
                      "bench alexnet fp16", "profile resnet50", "profile alexnet",
                      *(f"shared {name}" for name, _ in SHARED), "data convert",
-                     "data loader", "data step gpu", "data step cpu", "tests", "compare fp32",
+                     "data loader", "data step gpu", "data step cpu", "data train gpu",
+                     "data train cpu", "tests", "compare fp32",
                      "compare fp16", "nccl"]
     bench = report["steps"]["bench alexnet fp16"]["command"]
     assert bench[bench.index("--model") + 1] == "alexnet" and "--reference" in bench
@@ -331,7 +332,7 @@ def test_check_gpu_dry_run_shares_the_gpu_with_every_algorithm_then_times_the_da
     """The shared steps: a train job of 2 ranks on one GPU per configuration, every
     all-reduce algorithm among them, overlap off for one, the sharded update and top-k,
     each checking its replicas after every step; the data steps: --jpegs synthetic JPEGs,
-    then bench data and bench step --data on that file, a worker per core."""
+    then bench data, bench step --data and train on that file, a worker per core."""
     from mpitrain.comm import ALGORITHMS
     from mpitrain.launcher import cores
     out = tmp_path / "check"
@@ -372,6 +373,15 @@ def test_check_gpu_dry_run_shares_the_gpu_with_every_algorithm_then_times_the_da
     at = step.index("--decode") + 1
     assert step_cpu == step[:at] + ["cpu"] + step[at + 1:]
     assert "--json" in loader and "--json" in step
+    train, train_cpu = (steps[f"data train {decode}"]["command"] for decode in ("gpu", "cpu"))
+    assert train[train.index("mpitrain"):][:2] == ["mpitrain", "train"]
+    assert value(train, "--data") == value(train, "--val-data") == jpegs
+    assert (value(train, "--model"), value(train, "--precision"), value(train, "--batch-size"),
+            value(train, "--image-size"), value(train, "--device")) == \
+        ("resnet50", "fp16", "256", "224", "gpu")
+    assert value(train, "--decode") == "gpu" and value(train_cpu, "--decode") == "cpu"
+    assert value(train, "--workers") == str(cores()) and "--cuda-graph" in train
+    assert value(train, "--run-dir") != value(train_cpu, "--run-dir")
     for name in ("tests", "nccl", "bench resnet50 fp16 graph", "profile alexnet"):
         assert steps[name] == {"skipped": True}
 

@@ -37,9 +37,11 @@ the install step put in place is what the later steps import:
                  backward hid
     data         `convert synthetic` of --jpegs 500x375 JPEGs, then `bench data
                  --device gpu` (GPU decoding against the CPU loader, a worker on
-                 every core each) and `bench step --data --cuda-graph` of ResNet-50
+                 every core each), `bench step --data --cuda-graph` of ResNet-50
                  fp16 batch 256, the loader decoding on the GPU, then on the CPU,
-                 each against a random batch
+                 each against a random batch, and `train` of the same on the file
+                 for 2 epochs, decoding on the GPU, then on the CPU (train_data):
+                 its last images/s against bench step's on the random batch
 
 The order puts the measurements first: install, build, environment, bench,
 profile, shared, data, then tests, compare and nccl. `--budget SECONDS` bounds
@@ -131,12 +133,11 @@ def add_arguments(parser):
                              "going first (bench step --rounds; default: 1)")
     parser.add_argument("--profile-steps", type=positive_int, default=5, metavar="N",
                         help="steps per profile (default: 5)")
-    # 2048: bench step --data's 8 batches of 256 in one pass; `convert synthetic` makes
-    # them on one core in about a minute (30 ms a JPEG), which leaves the data steps
-    # about 3 minutes in all
-    parser.add_argument("--jpegs", type=positive_int, default=2048, metavar="N",
+    # 20,000: the training runs' file; `convert synthetic` makes them with a thread per
+    # core (about 16 ms a JPEG on one core: 40 s on 8)
+    parser.add_argument("--jpegs", type=positive_int, default=20000, metavar="N",
                         help="JPEGs of the data steps' synthetic file (at least a batch of "
-                             "256; default: 2048)")
+                             "256; default: 20000)")
     parser.add_argument("--budget", type=nonnegative_int, metavar="SECONDS",
                         help="stop starting steps once this many seconds have passed, and "
                              "stop a step's commands there (default: no limit)")
@@ -234,6 +235,12 @@ def _all_steps(args, wheels, report, save):
         step("data loader", bench_data, jpegs, group="data")
         for decode in ("gpu", "cpu"):
             step(f"data step {decode}", bench_step_data, jpegs, decode, group="data")
+        for decode in ("gpu", "cpu"):
+            step(f"data train {decode}", train_data, jpegs, decode, group="data")
+            random = steps.get(f"data step {decode}", {}).get("random", {}).get("images_per_s")
+            trained = steps[f"data train {decode}"].get("images_per_s")
+            if random and trained:
+                steps[f"data train {decode}"]["over_random"] = trained / random
     step("tests", run_tests)
     for precision in ("fp32", "fp16"):
         step(f"compare {precision}", _call, "compare_step", precision, group="compare")
@@ -389,12 +396,14 @@ def shared(options, train=SHARED_TRAIN):
 
 
 def convert_jpegs(path, count):
-    """convert synthetic: `count` JPEGs of 500x375 into `path`, the data steps' file."""
+    """convert synthetic: `count` JPEGs of 500x375 into `path`, the data steps' file (a
+    thread per core)."""
+    from mpitrain.launcher import cores
     argv = [sys.executable, "-m", "mpitrain", "convert", "synthetic", path, "--count", str(count)]
     t0 = time.perf_counter()
-    r = {**_command_step(argv, 900), "jpegs": count}
+    r = {**_command_step(argv, 900), "jpegs": count, "threads": cores()}
     if r["passed"] and not CLOCK.dry_run:
-        r["ms_per_jpeg"] = 1e3 * (time.perf_counter() - t0) / count
+        r["jpegs_per_s"] = count / (time.perf_counter() - t0)
     return r
 
 
@@ -415,6 +424,34 @@ def bench_step_data(path, decode):
     return _json_command(_bench_argv("resnet50", "fp16", 256, "--data", path, "--decode", decode,
                                      "--workers", str(cores()), "--cuda-graph", "--steps", "6",
                                      "--warmup", "3", "--json"), 900)
+
+
+# train_data's run: bench_step_data's step, as a user trains on JPEG records
+TRAIN_DATA = ("--device", "gpu", "--model", "resnet50", "--precision", "fp16", "--batch-size",
+              "256", "--image-size", "224", "--cuda-graph", "--epochs", "2")
+
+
+def train_data(path, decode):
+    """`python -m mpitrain train` (TRAIN_DATA) on `path`, which is also its validation file,
+    the loader decoding on `decode` with a worker per core: the last progress line's
+    images/s (the second epoch's last quarter) and the share of that time the step waited
+    for data, from metrics.jsonl."""
+    from mpitrain.launcher import cores
+    with tempfile.TemporaryDirectory() as run_dir:
+        argv = [sys.executable, "-m", "mpitrain", "train", *TRAIN_DATA, "--data", path,
+                "--val-data", path, "--decode", decode, "--workers", str(cores()),
+                "--run-dir", run_dir]
+        r = {**_command_step(argv, 900), "decode": decode, "jpegs_file": path}
+        metrics = os.path.join(run_dir, "metrics.jsonl")
+        if CLOCK.dry_run or not r["passed"] or not os.path.exists(metrics):
+            return r
+        with open(metrics) as f:
+            logs = [json.loads(line) for line in f if line.strip()]
+    last = [log for log in logs if log.get("kind") == "step"][-1:]
+    if last:
+        r["images_per_s"] = last[0]["images_per_s"]
+        r["wait_share"] = last[0]["time"]["data"] / sum(last[0]["time"].values())
+    return r
 
 
 class Clock:
@@ -683,8 +720,9 @@ def _detail(name, s):
                    f"hidden" if "hidden_fraction" in s else "")
                 + (f", val top-1 {s['val_top1']:.1%}" if "val_top1" in s else "")
                 + f", replicas {s['replicas']}")
-    if name == "data convert" and "ms_per_jpeg" in s:
-        return f": {s['jpegs']} JPEGs of 500x375, {s['ms_per_jpeg']:.0f} ms each on one core"
+    if name == "data convert" and "jpegs_per_s" in s:
+        return (f": {s['jpegs']} JPEGs of 500x375, {s['jpegs_per_s']:.0f} a second "
+                f"({s['threads']} threads)")
     if name == "data loader" and "cpu_every_core" in s:
         return (f": decoding on the GPU {s['mpitrain']['images_per_s']:.0f} images/s, the CPU "
                 f"loader {s['cpu_every_core']['images_per_s']:.0f} ({s['workers']} workers "
@@ -695,6 +733,12 @@ def _detail(name, s):
                 f"{s['random']['images_per_s']:.0f} images/s, loader-fed "
                 f"{s['fed']['images_per_s']:.0f} ({s['ratio']:.2f}x; waiting "
                 f"{s['fed']['wait_share']:.0%} of the time)")
+    if name.startswith("data train") and "images_per_s" in s:
+        return (f": ResNet-50 fp16 batch 256 trained on the JPEGs, decoding on the "
+                f"{s['decode'].upper()}: {s['images_per_s']:.0f} images/s"
+                + (f" ({s['over_random']:.2f}x bench step's random batch)"
+                   if "over_random" in s else "")
+                + f", waiting for data {s['wait_share']:.0%} of the time")
     if name == "nccl" and "nccl" in s:
         return f": NCCL {s['nccl']}, {s.get('buckets')} buckets through the Reducer"
     return ""
