@@ -270,6 +270,10 @@ def add_bench_data(benches):
                       help="gpu: decode and augment on the GPU (train --decode gpu) with "
                            "--workers threads, against the CPU loader with a worker on every "
                            "core")
+    data.add_argument("--rounds", type=positive_int, default=1, metavar="N",
+                      help="time the loader (and --reference) N times, taking turns at going "
+                           "first, and report each round and the median ratio (a host's speed "
+                           "drifts between runs a minute apart)")
     data.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     data.set_defaults(command_parser=data)
 
@@ -894,7 +898,7 @@ def main(argv=None):
         if args.device == "gpu":
             gpu_decode_or_refuse(args)
         run(args.data, args.workers, args.batch, data_image_size(args), args.reference,
-            args.json, args.batches, args.device)
+            args.json, args.batches, args.device, args.rounds)
     elif args.bench == "update":
         from mpitrain.tools.bench.update import run, run_sharded
         if args.shard_update:

@@ -323,6 +323,31 @@ def test_bench_data_times_full_batches(tmp_path):
     assert result["mpitrain"]["images"] == 3 * 4
 
 
+@pytest.mark.torch
+def test_bench_data_rounds_take_turns_and_quote_the_median(tmp_path):
+    """--rounds 3 --reference torch: the loader and the DataLoader take turns at going first;
+    each ratio is the median of the rounds' ratios, each side's figures its median round's
+    by images per CPU-second."""
+    pytest.importorskip("torch")
+    jpegs = tmp_path / "synthetic.h5"
+    synthetic_jpegs(jpegs, count=16)
+    r = run("bench", "data", "--data", str(jpegs), "--image-size", "48", "--batch", "4",
+            "--workers", "1", "--batches", "3", "--rounds", "3", "--reference", "torch", "--json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    rounds = result["rounds"]
+    assert [k["first"] for k in rounds] == ["mpitrain", "torch", "mpitrain"]
+    for key in ("ratio", "ratio_cpu"):
+        assert result[key] == sorted(k[key] for k in rounds)[1]
+    for side in ("mpitrain", "torch"):
+        middle = sorted(k[side]["images_per_cpu_s"] for k in rounds)[1]
+        assert result[side]["images_per_cpu_s"] == middle
+        assert result[side]["images"] == 3 * 4
+    for k in rounds:
+        assert k["ratio_cpu"] == pytest.approx(k["mpitrain"]["images_per_cpu_s"]
+                                               / k["torch"]["images_per_cpu_s"])
+
+
 def synthetic_jpegs(path, count=8):
     r = run("convert", "synthetic", str(path), "--count", str(count), "--size", "96x64",
             "--classes", "2")

@@ -26,6 +26,8 @@ from mpitrain.datasets.h5format import Reader
 from mpitrain.datasets.loader import Loader
 from mpitrain.launcher import cores
 
+from .step import _median
+
 
 def _children():
     """Process ids of this process's children (Linux /proc; empty elsewhere)."""
@@ -137,59 +139,93 @@ def bench_torch(path, workers, batch, image_size, count):
 
 
 def run(path, workers=2, batch=32, image_size=224, reference=None, json_out=False, batches=None,
-        device="cpu"):
+        device="cpu", rounds=1):
     """Benchmark the loader on `path` (and the reference); prints and returns the results.
 
     batches: how many batches to time (default: two epochs' worth, at least 96).
     device="gpu": the loader decoding on the GPU with `workers` threads, against the CPU
     loader with a worker per core (the caller has checked that a GPU and nvImageCodec
     are there: mpitrain.checks.check_decode).
+    rounds: time the loader (and the reference) this many times, taking turns at going
+    first; each side's figures are those of its median round by images per CPU-second,
+    each ratio the median of the rounds' ratios (a host's speed drifts from one minute
+    to the next, and a round's two sides run within a minute of each other).
     """
+    if reference not in (None, "torch"):
+        raise ValueError(f"unknown reference {reference!r} (torch is the one there is)")
     with Reader(path) as r:
         n, storage = len(r), r.storage
         mean_bytes = r.offsets[-1] / n if storage == "encoded" else None
     count = batches or max(96, 2 * (n // batch))
     result = {"file": path, "records": n, "mean_record_bytes": mean_bytes,
               "workers": workers, "batch": batch, "image_size": image_size,
-              "timed_batches": count,
+              "timed_batches": count, "device": device,
               "jpeg_decoder": "libjpeg-turbo (simplejpeg)" if simplejpeg else "Pillow"}
-    ours = bench_mpitrain(path, workers, batch, image_size, count, decode=device)
-    ours["per_worker"] = ours["images_per_s"] / max(workers, 1)
-    result["mpitrain"] = ours
-    result["device"] = device
+    runs = []
+    for k in range(rounds):
+        sides = ["mpitrain", "torch"] if reference else ["mpitrain"]
+        run = {"first": sides[k % len(sides)]}
+        for side in sides[k % len(sides):] + sides[:k % len(sides)]:
+            run[side] = bench_mpitrain(path, workers, batch, image_size, count, decode=device) \
+                if side == "mpitrain" else bench_torch(path, workers, batch, image_size, count)
+            run[side]["per_worker"] = run[side]["images_per_s"] / max(workers, 1)
+        if reference:
+            run["ratio"] = run["mpitrain"]["images_per_s"] / run["torch"]["images_per_s"]
+            run["ratio_cpu"] = run["mpitrain"]["images_per_cpu_s"] / run["torch"]["images_per_cpu_s"]
+        runs.append(run)
+    for side in ("mpitrain", "torch")[:1 + bool(reference)]:
+        by_cpu = sorted(runs, key=lambda run: run[side]["images_per_cpu_s"])
+        result[side] = by_cpu[(rounds - 1) // 2][side]
+    if reference:
+        result["ratio"] = _median([run["ratio"] for run in runs])
+        result["ratio_cpu"] = _median([run["ratio_cpu"] for run in runs])
+    if rounds > 1:
+        result["rounds"] = [{key: run[key] if key in ("first", "ratio", "ratio_cpu") else
+                             {"images_per_s": run[key]["images_per_s"],
+                              "images_per_cpu_s": run[key]["images_per_cpu_s"]}
+                             for key in run} for run in runs]
     if device == "gpu":
         every = cores()
         host = bench_mpitrain(path, every, batch, image_size, count)
         host.update(workers=every, per_worker=host["images_per_s"] / every)
         result["cpu_every_core"] = host
-        result["gpu_over_cpu"] = ours["images_per_s"] / host["images_per_s"]
-    if reference == "torch":
-        ref = bench_torch(path, workers, batch, image_size, count)
-        ref["per_worker"] = ref["images_per_s"] / max(workers, 1)
-        result["torch"] = ref
-        result["ratio"] = ours["images_per_s"] / ref["images_per_s"]
-        result["ratio_cpu"] = ours["images_per_cpu_s"] / ref["images_per_cpu_s"]
-    elif reference is not None:
-        raise ValueError(f"unknown reference {reference!r} (torch is the one there is)")
+        result["gpu_over_cpu"] = result["mpitrain"]["images_per_s"] / host["images_per_s"]
     if json_out:
         print(json.dumps(result))
     else:
-        decoder = "nvImageCodec on the GPU" if device == "gpu" else result["jpeg_decoder"]
-        print(f"{path}: {n} records, {workers} workers, batch {batch}, "
-              f"{image_size}x{image_size} training crops, {count} batches timed, "
-              f"JPEG decoder: {decoder}")
-        rows = [("mpitrain" if device == "cpu" else "gpu", ours)]
-        if device == "gpu":
-            rows.append((f"cpu x{result['cpu_every_core']['workers']}",
-                         result["cpu_every_core"]))
-        rows += [("torch", result["torch"])] if "torch" in result else []
-        for name, r in rows:
-            print(f"  {name:9s} {r['images_per_s']:8.1f} images/s  "
-                  f"{r['per_worker']:7.1f} per worker  {r['images_per_cpu_s']:7.1f} per CPU-second")
-        if device == "gpu":
-            print(f"  the GPU decodes {result['gpu_over_cpu']:.2f}x the images/s of the CPU "
-                  f"loader on every core")
-        if "ratio" in result:
-            print(f"  ratio     {result['ratio']:.2f}x images/s, "
-                  f"{result['ratio_cpu']:.2f}x per CPU-second")
+        _print(result)
     return result
+
+
+def _print(result):
+    decoder = "nvImageCodec on the GPU" if result["device"] == "gpu" else result["jpeg_decoder"]
+    print(f"{result['file']}: {result['records']} records, {result['workers']} workers, batch "
+          f"{result['batch']}, {result['image_size']}x{result['image_size']} training crops, "
+          f"{result['timed_batches']} batches timed, JPEG decoder: {decoder}")
+    for k, run in enumerate(result.get("rounds", [])):
+        line = f"  round {k + 1} ({run['first']} first): mpitrain " + \
+            f"{run['mpitrain']['images_per_s']:.1f} images/s, " \
+            f"{run['mpitrain']['images_per_cpu_s']:.1f} per CPU-second"
+        if "torch" in run:
+            line += (f"; torch {run['torch']['images_per_s']:.1f}, "
+                     f"{run['torch']['images_per_cpu_s']:.1f}; ratio {run['ratio_cpu']:.2f}x "
+                     f"per CPU-second")
+        print(line)
+    # (name, figures, whether they are a median round's)
+    rows = [("mpitrain" if result["device"] == "cpu" else "gpu", result["mpitrain"], True)]
+    if "cpu_every_core" in result:
+        rows.append((f"cpu x{result['cpu_every_core']['workers']}", result["cpu_every_core"],
+                     False))
+    rows += [("torch", result["torch"], True)] if "torch" in result else []
+    for name, r, rounded in rows:
+        print(f"  {name:9s} {r['images_per_s']:8.1f} images/s  "
+              f"{r['per_worker']:7.1f} per worker  {r['images_per_cpu_s']:7.1f} per CPU-second"
+              + (" (median round)" if rounded and "rounds" in result else ""))
+    if "gpu_over_cpu" in result:
+        print(f"  the GPU decodes {result['gpu_over_cpu']:.2f}x the images/s of the CPU "
+              f"loader on every core")
+    if "ratio" in result:
+        print(f"  ratio     {result['ratio']:.2f}x images/s, "
+              f"{result['ratio_cpu']:.2f}x per CPU-second"
+              + (f" (median of {len(result['rounds'])} rounds)" if "rounds" in result else ""))
+
