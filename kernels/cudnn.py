@@ -43,7 +43,8 @@ plan where the input has few channels (the heuristics rank those worst), and
 no more than a few plans that cuDNN compiles at run time (each costs seconds).
 The choice is kept on disk by plan name (PLAN_CACHE), keyed by the geometry,
 the GPU and the cuDNN and frontend versions, so a machine tunes once. TF32
-says whether fp32 convolutions may use TF32 tensor cores.
+says whether fp32 convolutions may use TF32 tensor cores, DETERMINISTIC whether
+plans that may give other bits on another run are left out (by default they are).
 
 Every graph runs on CuPy's current stream (the handle's stream is set before
 each execution) and shares one workspace, grown when a graph needs more: the
@@ -73,6 +74,10 @@ PLAN_CACHE = os.environ.get("MPITRAIN_PLAN_CACHE",
 # fp32 convolutions may run on TF32 tensor cores (10-bit mantissa products, fp32 sums),
 # as PyTorch allows by default; False keeps them in full fp32 (an exact comparison).
 TF32 = True
+# plans whose results may differ from run to run (atomic adds) are left out, so a step's
+# bits repeat; False lets cuDNN's heuristics offer them (bench step
+# --nondeterministic-plans: what leaving them out costs)
+DETERMINISTIC = True
 
 _graphs = {}         # key -> (graph, tensor a, tensor b, tensor out), or the Unsupported raised
 _handle = None
@@ -229,7 +234,7 @@ def _graph(kind, a, b, out, stride, pad):
     output (cached; so is a failure to build, raised again as Unsupported)."""
     global _handle
     key = (kind, a.shape, b.shape, out.shape, a.dtype.str, b.dtype.str, out.dtype.str,
-           stride, pad, TF32)
+           stride, pad, TF32, DETERMINISTIC)
     entry = _graphs.get(key)
     if entry is None:
         import cudnn
@@ -270,7 +275,8 @@ def _build(cudnn, kind, a, b, out, stride, pad):
     g.validate()
     g.build_operation_graph()
     g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    g.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC])   # same bits each run
+    if DETERMINISTIC:                           # same bits each run
+        g.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC])
     if not TF32 and a.dtype == np.float32:      # as torch.backends.cudnn.allow_tf32 = False
         g.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE,
                                   cudnn.numerical_note.DOWN_CONVERT_INPUTS])
@@ -296,13 +302,13 @@ def plans_to_time(count, channels, compiled):
 
 
 def plan_key(kind, a, b, out, stride, pad, device):
-    """The disk cache's key of a graph: its geometry, dtypes, TF32, the GPU's name and
+    """The disk cache's key of a graph: its geometry, dtypes, TF32, DETERMINISTIC, the GPU's name and
     compute capability, and the cuDNN and frontend versions (a plan chosen under one may
     not exist or be best under another)."""
     v = version()
     return "|".join(str(part) for part in (
         kind, a.shape, b.shape, out.shape, a.dtype.str, b.dtype.str, out.dtype.str, stride,
-        pad, TF32, device, v["cudnn"], v["cudnn_frontend"]))
+        pad, TF32, DETERMINISTIC, device, v["cudnn"], v["cudnn_frontend"]))
 
 
 def load_plans(path=None):

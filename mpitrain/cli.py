@@ -232,6 +232,10 @@ def add_bench_step(benches):
                            "graphs captured after 2 eager steps (mpitrain/graph.py; the "
                            "warm-up steps include the capture); an fp32 model with fully "
                            "connected layers runs eagerly, and the output says so")
+    step.add_argument("--nondeterministic-plans", action="store_true",
+                      help="on a GPU: let cuDNN's heuristics offer convolution plans whose "
+                           "bits may differ from run to run, which train leaves out "
+                           "(kernels/cudnn.py DETERMINISTIC): what leaving them out costs")
     step.add_argument("--rounds", type=positive_int, default=1, metavar="N",
                       help="one process: time mpitrain (and --reference) N times, taking turns "
                            "at going first, and report each round and the median ratio (a "

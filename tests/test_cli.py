@@ -348,6 +348,14 @@ def test_bench_data_rounds_take_turns_and_quote_the_median(tmp_path):
                                                / k["torch"]["images_per_cpu_s"])
 
 
+def test_bench_step_nondeterministic_plans_need_a_gpu():
+    r = run("bench", "step", "--nondeterministic-plans", "--model", "resnet_small",
+            "--image-size", "32", "--steps", "1", "--warmup", "1")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--nondeterministic-plans chooses among cuDNN's plans, on a GPU: add --device gpu" \
+        in r.stderr and "images/s" not in r.stdout
+
+
 def synthetic_jpegs(path, count=8):
     r = run("convert", "synthetic", str(path), "--count", str(count), "--size", "96x64",
             "--classes", "2")

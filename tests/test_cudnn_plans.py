@@ -25,7 +25,7 @@ def test_plans_compiled_at_run_time_are_timed_only_the_first_few():
     assert cudnn.plans_to_time(8, 64, lambda i: True) == list(range(cudnn.TUNE_COMPILED))
 
 
-def test_the_cache_key_names_the_geometry_the_device_and_the_versions():
+def test_the_cache_key_names_the_geometry_the_device_and_the_versions(monkeypatch):
     x, w = np.empty((2, 8, 8, 3), np.float16), np.empty((4, 3, 3, 3), np.float16)
     y = np.empty((2, 8, 8, 4), np.float16)
     key = cudnn.plan_key("fprop", x, w, y, 1, 1, "GPU sm_90")
@@ -34,6 +34,8 @@ def test_the_cache_key_names_the_geometry_the_device_and_the_versions():
     assert key != cudnn.plan_key("fprop", x, w, y, 1, 1, "GPU sm_80")
     assert key != cudnn.plan_key("fprop", x, w, y.astype(np.float32), 1, 1, "GPU sm_90")
     assert key != cudnn.plan_key("wgrad", x, w, y, 1, 1, "GPU sm_90")
+    monkeypatch.setattr(cudnn, "DETERMINISTIC", False)
+    assert key != cudnn.plan_key("fprop", x, w, y, 1, 1, "GPU sm_90")
 
 
 def test_chosen_plans_are_kept_in_one_file_replaced_whole(tmp_path):

@@ -306,7 +306,8 @@ def test_check_gpu_dry_run_goes_through_every_step_measurements_first(tmp_path):
     from mpitrain.tools.check_gpu import SHARED
     assert names == ["install", "build", "environment", "bench resnet50 fp16 graph",
                      "bench resnet50 fp16", "bench resnet50 fp32", "bench alexnet fp16 graph",
-                     "bench alexnet fp16", "profile resnet50", "profile alexnet",
+                     "bench alexnet fp16", "bench resnet50 fp16 graph nondeterministic",
+                     "profile resnet50", "profile alexnet",
                      *(f"shared {name}" for name, _ in SHARED), "data convert",
                      "data loader", "data step gpu", "data step cpu", "data train gpu",
                      "data train cpu", "tests", "compare fp32",
@@ -314,8 +315,12 @@ def test_check_gpu_dry_run_goes_through_every_step_measurements_first(tmp_path):
     bench = report["steps"]["bench alexnet fp16"]["command"]
     assert bench[bench.index("--model") + 1] == "alexnet" and "--reference" in bench
     assert "--cuda-graph" not in bench
-    for graph in ("bench resnet50 fp16 graph", "bench alexnet fp16 graph"):
+    for graph in ("bench resnet50 fp16 graph", "bench alexnet fp16 graph",
+                  "bench resnet50 fp16 graph nondeterministic"):
         assert "--cuda-graph" in report["steps"][graph]["command"]
+    assert [name for name, s in report["steps"].items()
+            if "--nondeterministic-plans" in s.get("command", [])] == \
+        ["bench resnet50 fp16 graph nondeterministic"]
     assert bench[bench.index("--steps") + 1] == "7" and bench[bench.index("--rounds") + 1] == "2"
     profile = report["steps"]["profile resnet50"]["command"]
     assert profile[profile.index("--profile") + 1] == "4"

@@ -24,8 +24,9 @@ the install step put in place is what the later steps import:
     bench        `bench step --device gpu` at 224x224 on ResNet-50 fp16 batch 256
                  with CUDA graphs and eagerly, fp32 batch 128 (eager: its fully
                  connected layer is cuBLAS's, which CuPy does not capture), and
-                 AlexNet fp16 batch 512 with CUDA graphs and eagerly (BENCH),
-                 against PyTorch where it sees the GPU
+                 AlexNet fp16 batch 512 with CUDA graphs and eagerly, and ResNet-50
+                 fp16 with graphs and cuDNN's non-deterministic plans allowed
+                 (BENCH), against PyTorch where it sees the GPU
     profile      `bench step --device gpu --profile N` of ResNet-50 and AlexNet in
                  fp16: device time per layer type and phase, kernels per step
     shared       a `train` MPI job of two ranks sharing the GPU (--ranks-per-gpu 2:
@@ -87,10 +88,13 @@ TOLERANCE = {"logits": 1e-4, "loss": 1e-5, "grad": 2e-3, "update": 2e-3, "master
 # the CPU's own distance, or by one fp16 rounding (FP16_FLOOR), whichever is larger.
 FP16_MARGIN, FP16_FLOOR = 2.0, 2.0 ** -11
 
-# (model, precision, batch, CUDA graphs) of the throughput runs at 224x224
-BENCH = (("resnet50", "fp16", 256, True), ("resnet50", "fp16", 256, False),
-         ("resnet50", "fp32", 128, False), ("alexnet", "fp16", 512, True),
-         ("alexnet", "fp16", 512, False))
+# (model, precision, batch, bench step options) of the throughput runs at 224x224; each
+# option names its run as in BENCH_NAMES
+GRAPH, NONDETERMINISTIC = ("--cuda-graph",), ("--cuda-graph", "--nondeterministic-plans")
+BENCH = (("resnet50", "fp16", 256, GRAPH), ("resnet50", "fp16", 256, ()),
+         ("resnet50", "fp32", 128, ()), ("alexnet", "fp16", 512, GRAPH),
+         ("alexnet", "fp16", 512, ()), ("resnet50", "fp16", 256, NONDETERMINISTIC))
+BENCH_NAMES = {"--cuda-graph": "graph", "--nondeterministic-plans": "nondeterministic"}
 # (model, batch) of the profiles, in fp16
 PROFILE = (("resnet50", 256), ("alexnet", 512))
 # (name, train options) of the shared step's jobs: every all-reduce algorithm (those of
@@ -221,9 +225,10 @@ def _all_steps(args, wheels, report, save):
     if not env.get("passed"):               # no GPU for CuPy, no MPI, or mpitrain broken
         raise CheckError(env.get("missing") or "; ".join(env.get("failures", [])))
     save()
-    for model, precision, batch, graph in BENCH:
-        step(f"bench {model} {precision}{' graph' if graph else ''}", bench, model, precision,
-             batch, env["torch_cuda"], args.steps, args.warmup, args.rounds, graph,
+    for model, precision, batch, options in BENCH:
+        step(" ".join(["bench", model, precision, *(BENCH_NAMES[o] for o in options)]), bench,
+             model, precision, batch, env["torch_cuda"], args.steps, args.warmup, args.rounds,
+             options,
              group="bench")
     for model, batch in PROFILE:
         step(f"profile {model}", profile, model, batch, args.profile_steps, group="profile")
@@ -334,11 +339,11 @@ def _bench_argv(model, precision, batch, *options):
             *options]
 
 
-def bench(model, precision, batch, torch, steps, warmup, rounds=1, graph=False):
+def bench(model, precision, batch, torch, steps, warmup, rounds=1, options=()):
     """bench step --device gpu on `model` at 224x224 (with --reference torch when PyTorch
-    sees the GPU), `rounds` rounds, with --cuda-graph where `graph`; its JSON result."""
+    sees the GPU), `rounds` rounds, with the further `options`; its JSON result."""
     argv = _bench_argv(model, precision, batch, "--steps", str(steps), "--warmup", str(warmup),
-                       "--rounds", str(rounds), "--json", *(["--cuda-graph"] if graph else []))
+                       "--rounds", str(rounds), "--json", *options)
     if torch:
         argv += ["--reference", "torch"]
     return _json_command(argv, 1800)

@@ -727,6 +727,7 @@ def main_step(args, argv):
         return
     if args.native_openblas:
         result["native_openblas"] = {"removed": os.environ.get(REEXEC_MARK) or "nothing was set"}
+    result["cudnn_deterministic"] = not args.nondeterministic_plans
     print(json.dumps(result) if args.json else format_result(result))
     if "torch_error" in result:         # asked for, and missing: the figures alone, and say so
         sys.exit(1)
@@ -735,6 +736,13 @@ def main_step(args, argv):
 def _run_step(args):
     """bench_step's result in one process; bench_step_parallel's under mpirun -np N > 1
     (None on the ranks other than 0, which print nothing)."""
+    if args.nondeterministic_plans:
+        from mpitrain.checks import ConfigError
+        from mpitrain.kernels import cudnn
+        if args.device != "gpu":
+            raise ConfigError("--nondeterministic-plans chooses among cuDNN's plans, on a GPU: "
+                              "add --device gpu")
+        cudnn.DETERMINISTIC = False
     if under_mpirun():
         from mpi4py import MPI
         if MPI.COMM_WORLD.size > 1:
@@ -805,7 +813,9 @@ def format_result(r):
         where = (f"{r['device']} ({g.get('gpu')}, CuPy {g.get('cupy')}, CUDA "
                  f"{g.get('cuda_runtime')}, cuDNN {g.get('cudnn') if g.get('cudnn_reason') is None else 'not used: ' + g['cudnn_reason']})"
                  if "gpu" in r else r["device"])
-        lines.append(f"device {where}, precision {r['precision']}")
+        lines.append(f"device {where}, precision {r['precision']}"
+                     + ("" if r.get("cudnn_deterministic", True) else
+                        ", cuDNN's non-deterministic plans allowed"))
     if "native_openblas" in r:
         lines.append(f"--native-openblas: removed from the environment: "
                      f"{r['native_openblas']['removed']}")
