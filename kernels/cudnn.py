@@ -302,9 +302,9 @@ def plans_to_time(count, channels, compiled):
 
 
 def plan_key(kind, a, b, out, stride, pad, device):
-    """The disk cache's key of a graph: its geometry, dtypes, TF32, DETERMINISTIC, the GPU's name and
-    compute capability, and the cuDNN and frontend versions (a plan chosen under one may
-    not exist or be best under another)."""
+    """The disk cache's key of a graph: its geometry, dtypes, TF32, DETERMINISTIC, the
+    GPU's name and compute capability, and the cuDNN and frontend versions (a plan chosen
+    under one may not exist or be best under another)."""
     v = version()
     return "|".join(str(part) for part in (
         kind, a.shape, b.shape, out.shape, a.dtype.str, b.dtype.str, out.dtype.str, stride,

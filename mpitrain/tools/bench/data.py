@@ -161,29 +161,30 @@ def run(path, workers=2, batch=32, image_size=224, reference=None, json_out=Fals
               "workers": workers, "batch": batch, "image_size": image_size,
               "timed_batches": count, "device": device,
               "jpeg_decoder": "libjpeg-turbo (simplejpeg)" if simplejpeg else "Pillow"}
-    runs = []
+    timings = []
     for k in range(rounds):
         sides = ["mpitrain", "torch"] if reference else ["mpitrain"]
-        run = {"first": sides[k % len(sides)]}
+        timing = {"first": sides[k % len(sides)]}
         for side in sides[k % len(sides):] + sides[:k % len(sides)]:
-            run[side] = bench_mpitrain(path, workers, batch, image_size, count, decode=device) \
+            timing[side] = bench_mpitrain(path, workers, batch, image_size, count, decode=device) \
                 if side == "mpitrain" else bench_torch(path, workers, batch, image_size, count)
-            run[side]["per_worker"] = run[side]["images_per_s"] / max(workers, 1)
+            timing[side]["per_worker"] = timing[side]["images_per_s"] / max(workers, 1)
         if reference:
-            run["ratio"] = run["mpitrain"]["images_per_s"] / run["torch"]["images_per_s"]
-            run["ratio_cpu"] = run["mpitrain"]["images_per_cpu_s"] / run["torch"]["images_per_cpu_s"]
-        runs.append(run)
+            ours, theirs = timing["mpitrain"], timing["torch"]
+            timing["ratio"] = ours["images_per_s"] / theirs["images_per_s"]
+            timing["ratio_cpu"] = ours["images_per_cpu_s"] / theirs["images_per_cpu_s"]
+        timings.append(timing)
     for side in ("mpitrain", "torch")[:1 + bool(reference)]:
-        by_cpu = sorted(runs, key=lambda run: run[side]["images_per_cpu_s"])
+        by_cpu = sorted(timings, key=lambda timing: timing[side]["images_per_cpu_s"])
         result[side] = by_cpu[(rounds - 1) // 2][side]
     if reference:
-        result["ratio"] = _median([run["ratio"] for run in runs])
-        result["ratio_cpu"] = _median([run["ratio_cpu"] for run in runs])
+        result["ratio"] = _median([timing["ratio"] for timing in timings])
+        result["ratio_cpu"] = _median([timing["ratio_cpu"] for timing in timings])
     if rounds > 1:
-        result["rounds"] = [{key: run[key] if key in ("first", "ratio", "ratio_cpu") else
-                             {"images_per_s": run[key]["images_per_s"],
-                              "images_per_cpu_s": run[key]["images_per_cpu_s"]}
-                             for key in run} for run in runs]
+        result["rounds"] = [{key: value if key in ("first", "ratio", "ratio_cpu") else
+                             {"images_per_s": value["images_per_s"],
+                              "images_per_cpu_s": value["images_per_cpu_s"]}
+                             for key, value in timing.items()} for timing in timings]
     if device == "gpu":
         every = cores()
         host = bench_mpitrain(path, every, batch, image_size, count)
@@ -202,14 +203,15 @@ def _print(result):
     print(f"{result['file']}: {result['records']} records, {result['workers']} workers, batch "
           f"{result['batch']}, {result['image_size']}x{result['image_size']} training crops, "
           f"{result['timed_batches']} batches timed, JPEG decoder: {decoder}")
-    for k, run in enumerate(result.get("rounds", [])):
-        line = f"  round {k + 1} ({run['first']} first): mpitrain " + \
-            f"{run['mpitrain']['images_per_s']:.1f} images/s, " \
-            f"{run['mpitrain']['images_per_cpu_s']:.1f} per CPU-second"
-        if "torch" in run:
-            line += (f"; torch {run['torch']['images_per_s']:.1f}, "
-                     f"{run['torch']['images_per_cpu_s']:.1f}; ratio {run['ratio_cpu']:.2f}x "
-                     f"per CPU-second")
+    for k, timing in enumerate(result.get("rounds", [])):
+        ours = timing["mpitrain"]
+        line = (f"  round {k + 1} ({timing['first']} first): mpitrain "
+                f"{ours['images_per_s']:.1f} images/s, {ours['images_per_cpu_s']:.1f} per "
+                f"CPU-second")
+        if "torch" in timing:
+            theirs = timing["torch"]
+            line += (f"; torch {theirs['images_per_s']:.1f}, {theirs['images_per_cpu_s']:.1f}; "
+                     f"ratio {timing['ratio_cpu']:.2f}x per CPU-second")
         print(line)
     # (name, figures, whether they are a median round's)
     rows = [("mpitrain" if result["device"] == "cpu" else "gpu", result["mpitrain"], True)]
