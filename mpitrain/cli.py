@@ -686,8 +686,9 @@ def apply_config_file(args, parser, argv):
 
 
 def run_train(args, parser=None, argv=()):
+    from mpitrain.control import EXIT_STATUS, record_early
+    record_early()                               # before the imports and set-up: seconds
     from mpi4py import MPI
-    from mpitrain.control import EXIT_STATUS
     from mpitrain.precision import LossScaleError
     from mpitrain.checks import ConfigError
     from mpitrain.train import TrainingError, describe_nonfinite, train

@@ -144,6 +144,22 @@ class LauncherWatch:
         return None
 
 
+# the stop signals a run received before its StopSignals existed (record_early)
+EARLY = set()
+
+
+def record_early():
+    """From the start of `train` until its StopSignals exists, a SIGUSR1 is recorded in
+    EARLY (StopSignals takes it over): Slurm's --signal may come within seconds of a
+    job's start, and a run asked to stop then still checkpoints at its first step and
+    exits 0. Without it the signal's default action ends the process before MPI starts,
+    and after it the signal is lost (MPICH's own handler passes it on only to a handler
+    set before it). SIGTERM and SIGINT end the process at once as before: there is
+    nothing to save yet."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, lambda signum, frame: EARLY.add("SIGUSR1"))
+
+
 class StopSignals:
     """SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 (what Slurm sends before a time limit, with
     --signal) only record themselves here; after each step the ranks agree on
@@ -165,7 +181,8 @@ class StopSignals:
     and ends the job (status LAUNCHER_GONE) once the launcher is gone: nothing else
     would stop the ranks then, nor read what they print.
 
-    Installed only in the main thread; `restore()` puts the previous handlers back.
+    Installed only in the main thread; `restore()` puts the previous handlers back. A
+    SIGUSR1 that came before (record_early) counts as received.
     """
 
     MIN_GRACE = 30.0
@@ -173,7 +190,8 @@ class StopSignals:
     def __init__(self, comm, grace=None, stream=None, launcher=None):
         self.comm, self.fixed_grace, self.launcher = comm, grace, launcher
         self.stream = stream or sys.stderr
-        self.received = set()               # names of the signals the main thread has seen
+        self.received = set(EARLY)          # names of the signals the main thread has seen
+        EARLY.clear()
         self.previous = {}
         self._longest, self._last_mark = 0.0, time.monotonic()
         self._acted = threading.Event()

@@ -453,7 +453,7 @@ class PlainNetwork:
     layer_span = staticmethod(untimed)     # the fast networks' hook (nets/module.py)
 
     def forward(self, x, train=True):
-        for (fast, layer) in self.pairs:
+        for fast, layer in self.pairs:
             with self.layer_span("forward", fast or layer):
                 x = layer.forward(x, train)
         return x

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 from mpitrain import checkpoint
-from launcher import BackgroundJob, signal_as_step_starts
+from launcher import BackgroundJob, environment, signal_as_step_starts
 from test_checkpoint import command, run
 
 # every test here starts its own MPI job (CI runs them under MPICH and Open MPI)
@@ -57,6 +58,38 @@ def stopped_at(out, name):
 
 
 # ----- signals -----
+def catches(pid, signum):
+    """Whether process pid has a handler of its own for signal signum (/proc: SigCgt)."""
+    with open(f"/proc/{pid}/status") as f:
+        caught = next(line for line in f if line.startswith("SigCgt:"))
+    return bool(int(caught.split()[1], 16) >> (signum - 1) & 1)
+
+
+def test_sigusr1_before_the_first_step_stops_at_it(tmp_path, digits):
+    """A SIGUSR1 that comes while `train` is still importing and setting up (before its run
+    directory exists), as Slurm's --signal may: the run stops at its first step with a
+    checkpoint and exits 0. (Before, such a signal ended the process, or once MPI had
+    started was lost and the run went on.)"""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "mpitrain", *JOB, "--data-dir", str(digits),
+                             "--epochs", "2", "--run-dir", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=environment(1))
+    try:
+        end = time.monotonic() + 60
+        while not catches(proc.pid, signal.SIGUSR1):
+            assert proc.poll() is None and time.monotonic() < end, proc.communicate()[0]
+            time.sleep(0.002)
+        assert not run_dir.exists()                  # still setting up
+        proc.send_signal(signal.SIGUSR1)
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    epoch, step, path = stopped_at(out, "SIGUSR1")
+    assert (epoch, step) == ("1", "1") and checkpoint.read(path)["step"] == 1, out
+
+
 @pytest.mark.parametrize("to", ["one rank", "every rank"])
 def test_ctrl_c_checkpoints_and_exits_130(job, to):
     """SIGINT, to one rank or (as a launcher forwards Ctrl-C) to all, is a stop request:
