@@ -17,12 +17,11 @@ import select
 import signal
 import socket
 import stat
+import statistics
 import sys
 import termios
 import threading
 import time
-
-import numpy as np
 
 # status of a run that stopped on a signal: 0 after SIGUSR1 (stopped on request, resumable),
 # 128 + the signal's number otherwise, as a shell reports a process ended by it
@@ -455,7 +454,7 @@ class LossWatch:
         """Record one step's mean loss; True when the run has diverged."""
         recent = self.history[-self.WINDOW:]
         if len(recent) >= self.WARMUP:
-            median = float(np.median(recent))
+            median = statistics.median(recent)
             if loss > self.FACTOR * median and loss > median + self.MARGIN:
                 self.streak += 1
                 self.since = self.since or global_step
