@@ -390,8 +390,8 @@ def convert_synthetic(dst, count, size=(500, 375), classes=10, seed=0, quality=9
     with Writer(dst, [f"class{c}" for c in range(classes)]) as w, \
             ThreadPoolExecutor(threads) as pool:
         for start in range(0, count, 64):
-            images = pool.map(_synthetic_jpeg, [seed] * 64, range(start, min(start + 64, count)),
-                              [classes] * 64, [size] * 64, [quality] * 64)
+            images = pool.map(lambda i: _synthetic_jpeg(seed, i, classes, size, quality),
+                              range(start, min(start + 64, count)))
             for i, (label, jpeg, counts) in enumerate(images, start):
                 hist += counts
                 w.add(label, jpeg, f"synthetic/{i}")
