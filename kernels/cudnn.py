@@ -42,7 +42,11 @@ keeps the fastest (TUNE_PLANS; PyTorch's cudnn.benchmark does the same), every
 plan where the input has few channels (the heuristics rank those worst), and
 no more than a few plans that cuDNN compiles at run time (each costs seconds).
 The choice is kept on disk by plan name (PLAN_CACHE), keyed by the geometry,
-the GPU and the cuDNN and frontend versions, so a machine tunes once. TF32
+the GPU and the cuDNN and frontend versions, so a machine tunes once. A network's
+first convolution, whose input has an image's 3 channels, may run faster on input
+and filter zero-padded to PAD_CHANNELS (the pad's weight gradient is 0, and dropped):
+`padded_channels` times its forward and weight gradient both ways once, the pad
+included, and keeps the faster in the same file (`padding_report` says what it measured). TF32
 says whether fp32 convolutions may use TF32 tensor cores, DETERMINISTIC whether
 plans that may give other bits on another run are left out (by default they are).
 
@@ -78,11 +82,15 @@ TF32 = True
 # bits repeat; False lets cuDNN's heuristics offer them (bench step
 # --nondeterministic-plans: what leaving them out costs)
 DETERMINISTIC = True
+# a first convolution's input with fewer channels than this may be zero-padded to it
+# (NVIDIA's ResNet-50 pads its images to 4 channels), where that times faster; 0: never
+PAD_CHANNELS = 4
 
 _graphs = {}         # key -> (graph, tensor a, tensor b, tensor out), or the Unsupported raised
 _handle = None
 _workspace = None    # (bytes,) uint8 CuPy array shared by every graph
 _probe = None        # the probe's outcome (see _probed)
+_padding = {}        # geometry -> padded_channels' choice (see padding_report)
 
 
 class Unsupported(RuntimeError):
@@ -305,10 +313,14 @@ def plan_key(kind, a, b, out, stride, pad, device):
     """The disk cache's key of a graph: its geometry, dtypes, TF32, DETERMINISTIC, the
     GPU's name and compute capability, and the cuDNN and frontend versions (a plan chosen
     under one may not exist or be best under another)."""
+    return _key(kind, a.shape, b.shape, out.shape, a.dtype.str, b.dtype.str, out.dtype.str,
+                stride, pad, TF32, DETERMINISTIC, device)
+
+
+def _key(*parts):
+    """A disk cache key: the parts, then the cuDNN and frontend versions."""
     v = version()
-    return "|".join(str(part) for part in (
-        kind, a.shape, b.shape, out.shape, a.dtype.str, b.dtype.str, out.dtype.str, stride,
-        pad, TF32, DETERMINISTIC, device, v["cudnn"], v["cudnn_frontend"]))
+    return "|".join(str(part) for part in (*parts, v["cudnn"], v["cudnn_frontend"]))
 
 
 def load_plans(path=None):
@@ -414,6 +426,60 @@ def _tune(entry, a, b, out, key):
         if names[best] is not None:
             save_plan(key, names[best])
     g.build_plans()                 # the plan that runs: the fastest, else the first that builds
+
+
+def padded_channels(x, w, stride, pad):
+    """The input channels a first convolution (no input gradient) of x (N, H, W, C) and w
+    (O, kh, kw, C) runs on: C, or PAD_CHANNELS where C is fewer and forward plus weight
+    gradient on the zero-padded input and filter, the pad included, timed faster at the
+    first call of this geometry on this GPU (kept on disk as the plans are)."""
+    C = x.shape[3]
+    if C >= PAD_CHANNELS:
+        return C
+    geometry = (x.shape, w.shape, x.dtype.str, stride, pad, PAD_CHANNELS, TF32, DETERMINISTIC)
+    entry = _padding.get(geometry)
+    if entry is None:
+        key = _key("pad", *geometry, _device_name())
+        entry = {"x": list(x.shape), "w": list(w.shape), "dtype": x.dtype.name}
+        cached = load_plans().get(key)
+        if cached in (str(C), str(PAD_CHANNELS)):
+            entry.update(channels=int(cached), ms=None)
+        else:
+            ms = {c: _first_conv_ms(x, w, stride, pad, c) for c in (C, PAD_CHANNELS)}
+            entry.update(channels=min(ms, key=ms.get), ms=ms)
+            save_plan(key, str(entry["channels"]))
+        _padding[geometry] = entry
+    return entry["channels"]
+
+
+def padding_report():
+    """[{"x": x's shape, "w": w's shape, "dtype", "channels": the chosen, "ms": {channels:
+    ms of pad + forward + weight gradient} or None where the choice came from the disk
+    cache}], one for each first convolution padded_channels has decided in this process."""
+    return list(_padding.values())
+
+
+def _first_conv_ms(x, w, stride, pad, channels):
+    """ms of zero-padding x and w to `channels`, forward, and the weight gradient (of the
+    forward's output as dy), the mean of 3 after one that builds and tunes the plans;
+    inf where cuDNN cannot build one of them."""
+    import cupy
+    from .elementwise import zero_padded
+
+    def run():
+        xc, wc = zero_padded(x, channels), zero_padded(w, channels)
+        conv_backward_filter(xc, conv_forward(xc, wc, stride, pad), wc.shape, stride, pad)
+    try:
+        run()
+    except Unsupported:
+        return float("inf")
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(3):
+        run()
+    stop.record()
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) / 3
 
 
 def workspace():

@@ -6,6 +6,8 @@
                                                    first convolution cannot add its own
                                                    into the shortcut's: nets/conv.py)
     column_sums(a, out)  out_c = sum_m a_mc        (a bias's gradient from dy, (M, C))
+    zero_padded(a, c)  a (..., C) with c - C zero channels after its own (a first
+                       convolution's images and filter: nets/conv.py)
 
 Each returns a new array (add_into: a itself). On NumPy arrays one pass of a Numba
 kernel on the thread pool, each thread a block of elements: NumPy's own
@@ -111,3 +113,12 @@ def column_sums(a, out):
         out[...] = gpu.column_sums(array_module(a).ascontiguousarray(a))
         return out
     return a.sum(axis=0, dtype=out.dtype, out=out)
+
+
+def zero_padded(a, channels):
+    """a (..., C) widened to (..., channels), the new channels 0; a itself where C == channels."""
+    if a.shape[-1] == channels:
+        return a
+    out = array_module(a).zeros(a.shape[:-1] + (channels,), a.dtype)
+    out[..., :a.shape[-1]] = a
+    return out

@@ -14,7 +14,9 @@ as its beta = 1, or inside col2im's sums, so that the block's add is no pass of 
 On a GPU with the cuDNN frontend, forward and both gradients go to cuDNN instead;
 dW lands in the fp32 gradient arena (from fp16 x and dy: cuDNN's fp16 result,
 widened; where cuDNN cannot build a geometry, dW alone takes the GEMM above with
-fp32 output).
+fp32 output). A network's first convolution (no dx) may run on its images and filter
+zero-padded from 3 channels to 4 where cuDNN times that faster (kernels/cudnn.py,
+padded_channels): y is the same sum, and dW's pad channel, dy^T @ zeros, is dropped.
 
 Its plain counterpart, im2col plus one product and nothing else, is nets/plain.py's
 Conv2d (tests/test_plain_layers.py checks one against the other on each CPU path above).
@@ -159,7 +161,9 @@ class Conv2d(Module):
 
     input_grad=False: backward computes the weight gradients only and returns None
     (a network's first convolution: the images need no gradient, and dx would cost
-    a GEMM and a col2im).
+    a GEMM and a col2im). Such a layer may run on x and W zero-padded to `pad_to`
+    channels: None (the default) lets cuDNN's timing decide on a GPU and pads nothing
+    on the CPU; a number pads to it on every device.
 
     On the CPU a 3x3 convolution of stride 1 runs as Winograd's F(2x2, 3x3)
     (kernels/winograd.py) where its 16 GEMMs are large enough and its tiles many
@@ -178,6 +182,8 @@ class Conv2d(Module):
                             he_normal(out_channels * kernel_size * kernel_size))
         self.bias = Param((out_channels,), constant(0.0), decay=False, lars=False) if bias else None
         self.pointwise = kernel_size == 1 and padding == 0   # a GEMM on x itself, no im2col
+        self.pad_to = None
+        self.channels = in_channels     # those the kernels ran on in the last forward
         self.winograd = kernel_size == 3 and stride == 1      # F(2x2, 3x3) on the CPU
         self.x = self.col = self.V = self.U = None
 
@@ -187,6 +193,24 @@ class Conv2d(Module):
 
     def _use_cudnn(self, x):
         return array_module(x) is not np and cudnn.available(x.dtype)
+
+    def _kernel_channels(self, x):
+        """The input channels forward runs on: in_channels, or more, zero-padded, for a
+        layer without input gradient where pad_to says so or cuDNN times it faster."""
+        if self.input_grad:
+            return self.in_channels
+        if self.pad_to is not None:
+            return max(self.pad_to, self.in_channels)
+        if self._use_cudnn(x):
+            return cudnn.padded_channels(x, self.weight.data, self.stride, self.padding)
+        return self.in_channels
+
+    def _weight_grad_done(self, gw):
+        """Announce the weight gradient, computed into gw: the arena view itself, or the
+        padded channels' (O, k, k, channels), whose first in_channels go to the arena."""
+        if gw is not self.weight.grad:
+            self.weight.grad[...] = gw[..., :self.in_channels]
+        self.weight.grad_ready()                                # its bucket may be summed now
 
     def _use_winograd(self, x, y_shape):
         N, Ho, Wo = y_shape[:3]
@@ -206,11 +230,13 @@ class Conv2d(Module):
     def forward(self, x, train=True):
         if x.ndim != 4 or x.shape[3] != self.in_channels:
             raise ValueError(f"Conv2d expects (N, H, W, {self.in_channels}), got {x.shape}")
+        self.x_shape = x.shape
+        self.channels = self._kernel_channels(x)
+        x = elementwise.zero_padded(x, self.channels)           # (N, H, W, C), C = channels
+        w = elementwise.zero_padded(self.weight.data, self.channels)    # (O, k, k, C)
         N, H, W, C = x.shape
         k, s, p, O = self.k, self.stride, self.padding, self.out_channels
         Ho, Wo = conv_output_size(H, k, s, p), conv_output_size(W, k, s, p)
-        w = self.weight.data                                    # (O, k, k, C)
-        self.x_shape = x.shape
         if self._use_cudnn(x):
             y = cudnn.conv_forward(x, w, s, p)
             self.x = x if train else None                       # (N, H, W, C)
@@ -240,8 +266,10 @@ class Conv2d(Module):
         dx to the shortcut's gradient inside the GEMM (beta = 1) or col2im that makes it,
         where those can, else after."""
         k, s, p, O = self.k, self.stride, self.padding, self.out_channels
-        w = self.weight.data
+        w = self.weight.data                                    # (O, k, k, C); dx: unpadded
         gw = self.weight.grad                                   # (O, k, k, C) arena view
+        if self.channels != self.in_channels:                   # padded: the pad's dW too
+            gw = array_module(dy).empty((O, k, k, self.channels), gw.dtype)
         if self.bias is not None:
             elementwise.column_sums(dy.reshape(-1, O), self.bias.grad)
             self.bias.grad_ready()
@@ -253,7 +281,7 @@ class Conv2d(Module):
             except cudnn.Unsupported:
                 dy2 = dy.reshape(-1, O)                         # (N*Ho*Wo, O), contiguous
                 matmul(dy2.T, self._columns(x), out=gw.reshape(O, -1))
-            self.weight.grad_ready()
+            self._weight_grad_done(gw)
             if not self.input_grad:
                 return None
             return _added(add_to, cudnn.conv_backward_data(dy, w, self.x_shape, s, p))
@@ -268,7 +296,7 @@ class Conv2d(Module):
             col, = workspace(xp, ((dy2.shape[0], k * k * x.shape[3]), x.dtype))
             col = self._columns(x, out=col)
         matmul(dy2.T, col, out=gw.reshape(O, -1))
-        self.weight.grad_ready()                                # its bucket may be summed now
+        self._weight_grad_done(gw)
         if not self.input_grad:
             return None
         w2 = w.reshape(O, -1)                                   # (O, k*k*C)
@@ -336,7 +364,7 @@ class Conv2d(Module):
         # dU[:, k] = dM[k].T @ V[k]
         batched_matmul(dM.transpose(0, 2, 1), V, dU.transpose(1, 0, 2), flops)
         winograd.filter_tiles_grad(dU, gw)
-        self.weight.grad_ready()
+        self._weight_grad_done(gw)
         if not self.input_grad:
             return None
         # dV[k] = dM[k] @ U[:, k], written over the tiles, which are done with

@@ -89,3 +89,23 @@ def test_cudnn_matmul_of_plain_and_transposed_operands_against_float64(dtype, ta
     # fp32 sums either way; fp16: the result rounded once
     np.testing.assert_allclose(got, want, rtol=1e-5 if dtype == np.float32 else 1e-3,
                                atol=1e-4 if dtype == np.float32 else 2e-2)
+
+
+def test_only_an_input_with_fewer_channels_than_the_pad_is_considered_for_padding(monkeypatch):
+    """padded_channels keeps C (and touches no GPU) where C is PAD_CHANNELS or more, or
+    where padding is off (PAD_CHANNELS 0); bench step prints what it chose and measured."""
+    from mpitrain.tools.bench.step import padding_line
+    for C in (cudnn.PAD_CHANNELS, 8, 64):
+        x, w = np.empty((2, 8, 8, C), np.float16), np.empty((4, 3, 3, C), np.float16)
+        assert cudnn.padded_channels(x, w, 1, 1) == C
+    monkeypatch.setattr(cudnn, "PAD_CHANNELS", 0)
+    x, w = np.empty((2, 8, 8, 3), np.float16), np.empty((4, 3, 3, 3), np.float16)
+    assert cudnn.padded_channels(x, w, 1, 1) == 3
+    assert cudnn.padding_report() == []
+    measured = {"x": [256, 224, 224, 3], "w": [64, 7, 7, 3], "dtype": "float16", "channels": 4,
+                "ms": {"3": 1.5, "4": 1.25}}
+    assert padding_line(measured) == (
+        "first convolution (256x224x224x3, float16): input on 4 channels (pad, forward and "
+        "weight gradient: 3 channels 1.500 ms against 4 channels 1.250 ms)")
+    assert padding_line(dict(measured, ms=None)).endswith(
+        "input on 4 channels, as chosen before (plan cache)")

@@ -270,6 +270,9 @@ def test_bench_step_on_the_gpu_against_torch_amp():
     assert result["torch"]["memory_format"] == "channels_last"
     assert result["torch"]["first_loss"] == pytest.approx(result["mpitrain"]["first_loss"],
                                                           rel=2e-2)
+    padded, = result["padded_inputs"]                   # the stem's images, 3 channels
+    assert padded["x"] == [16, 32, 32, 3] and padded["channels"] in (3, 4), padded
+    assert padded["ms"] is None or set(padded["ms"]) == {"3", "4"}, padded
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])

@@ -6,6 +6,7 @@ import pytest
 from gradcheck import assert_close, check_layer
 from mpitrain.kernels import cudnn, pool
 from mpitrain.kernels.im2col import col2im, col2im_generic, im2col, im2col_generic
+from mpitrain.nets import conv as conv_module
 from mpitrain.nets.conv import Conv2d
 from mpitrain.nets.pool import AdaptiveAvgPool2d, AvgPool2d, GlobalAvgPool2d, MaxPool2d
 
@@ -213,7 +214,6 @@ def test_conv2d_layers_share_one_workspace_and_stay_correct():
     """Two layers, their calls interleaved as in a network (forward a, forward b, backward
     b, backward a), both filling the one im2col workspace: each step equals fresh layers,
     and the workspace is allocated once."""
-    from mpitrain.nets import conv as conv_module
     a, b = bound_conv(3, 4, 3, 1, 1, False), bound_conv(4, 5, 3, 2, 1, False)
     for step in range(3):
         x, dz = rand((2, 7, 7, 3), seed=10 + step), rand((2, 4, 4, 5), seed=20 + step)
@@ -282,6 +282,49 @@ def test_conv2d_adds_its_input_gradient_into_add_to(k, s, p, dtype):
     assert layers[1].backward(dy, add_to=into) is into
     np.testing.assert_array_equal(into, base + dx)
     np.testing.assert_array_equal(layers[1].weight.grad, layers[0].weight.grad)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("k,s,p,H,winograd", [(7, 2, 3, 11, False), (3, 1, 1, 12, True),
+                                              (3, 2, 1, 9, False), (1, 1, 0, 6, False),
+                                              (1, 2, 0, 7, False)])
+def test_a_first_convolution_on_zero_padded_channels_gives_the_same_bits(
+        k, s, p, H, winograd, dtype, monkeypatch):
+    """pad_to=4 on a layer without input gradient (a network's first convolution): x and W
+    zero-padded from 3 channels to 4, y the same sum with zero terms, and the arena's dW
+    (3 channels) the padded dW's first 3. Whole numbers make every sum exact, so the bits
+    are those of the unpadded layer, on every CPU path (im2col, Winograd, pointwise)."""
+    from mpitrain.kernels.elementwise import zero_padded
+    if winograd:
+        monkeypatch.setattr(conv_module, "WINOGRAD_MACS", 0)
+        monkeypatch.setattr(conv_module, "WINOGRAD_TILES_PER_CHANNEL", 0)
+    working = np.float16 if dtype == np.float16 else None
+    layers = []
+    for pad_to in (None, 4):
+        conv = Conv2d(3, 8, k, stride=s, padding=p, bias=True, input_grad=False).bind(
+            dtype=np.float32 if working else dtype, working_dtype=working, seed=0)
+        conv.weight.master[...] = integers(conv.weight.shape, np.float32, seed=3) / 8
+        conv.bias.master[...] = integers(8, np.float32, seed=7)
+        conv.arena.sync_working()
+        conv.pad_to = pad_to
+        layers.append(conv)
+    plain, padded = layers
+    assert plain._use_winograd(np.empty(0), (2, H, H)) == winograd
+    x = integers((2, H, H + 1, 3), dtype, seed=4) / 4
+    y = plain.forward(x)
+    np.testing.assert_array_equal(padded.forward(x), y)
+    assert (plain.channels, padded.channels) == (3, 4)
+    dy = integers(y.shape, dtype, seed=5) / 4
+    assert plain.backward(dy) is None and padded.backward(dy) is None
+    assert padded.weight.grad.shape == (8, k, k, 3)
+    np.testing.assert_array_equal(padded.weight.grad, plain.weight.grad)
+    np.testing.assert_array_equal(padded.bias.grad, plain.bias.grad)
+    assert zero_padded(x, 3) is x
+    np.testing.assert_array_equal(zero_padded(x, 5)[..., 3:], 0)
+    inner = Conv2d(3, 8, k, stride=s, padding=p).bind(seed=0)    # dx wanted: never padded
+    inner.pad_to = 4
+    inner.forward(x.astype(np.float64))
+    assert inner.channels == 3
 
 
 # ----- pooling layers -----
@@ -536,6 +579,43 @@ def test_conv2d_fp16_weight_gradient_at_loss_scale_2_16(path, monkeypatch):
         assert np.isfinite(gw).all()
         assert_close(gw.astype(np.float64), ref, 1e-4, 1e-6, "dW")
     assert dx.dtype == np.float16 and bool(cupy.isfinite(dx).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_a_first_convolution_on_the_gpu_pads_its_input_where_cudnn_times_it_faster(
+        dtype, monkeypatch, tmp_path):
+    """pad_to None on a GPU: cudnn.padded_channels times the convolution on 3 and on 4
+    channels once, reports both and keeps the faster (on disk too); whichever it is, and
+    pad_to=4, gives the unpadded layer's bits (whole numbers: exact sums)."""
+    import cupy
+    if not cudnn.available(dtype):
+        pytest.skip(f"cuDNN {np.dtype(dtype).name}: {cudnn.report()}")
+    monkeypatch.setattr(cudnn, "PLAN_CACHE", str(tmp_path / "plans.json"))
+    monkeypatch.setattr(cudnn, "TF32", False)
+    monkeypatch.setattr(cudnn, "_padding", {})
+    x = cupy.asarray(integers((16, 32, 32, 3), dtype, seed=4) / 4)
+    dy = cupy.asarray(integers((16, 16, 16, 16), dtype, seed=5) / 4)
+    got = {}
+    for pad_to in (3, None, 4):
+        conv = Conv2d(3, 16, 7, stride=2, padding=3, input_grad=False).bind(
+            dtype=np.float32, working_dtype=dtype if dtype == np.float16 else None, seed=0,
+            xp=cupy)
+        conv.weight.master[...] = cupy.asarray(integers(conv.weight.shape, np.float32, 3) / 8)
+        conv.arena.sync_working()
+        conv.pad_to = pad_to
+        y = conv.forward(x)
+        conv.backward(dy)
+        got[pad_to] = conv.channels, cupy.asnumpy(y), cupy.asnumpy(conv.weight.grad)
+    report, = cudnn.padding_report()
+    assert report["x"] == [16, 32, 32, 3] and set(report["ms"]) == {3, 4}, report
+    assert report["channels"] == got[None][0] == min(report["ms"], key=report["ms"].get)
+    kept = [v for k, v in cudnn.load_plans().items() if k.startswith("pad|")]
+    assert kept == [str(got[None][0])]
+    assert got[3][0] == 3 and got[4][0] == 4
+    for pad_to in (None, 4):
+        np.testing.assert_array_equal(got[pad_to][1], got[3][1])
+        np.testing.assert_array_equal(got[pad_to][2], got[3][2])
 
 
 @pytest.mark.parametrize("k,s,p", [(3, 1, 1), (7, 2, 3), (1, 2, 0)])

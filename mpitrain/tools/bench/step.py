@@ -338,6 +338,9 @@ def bench_step(model_name, image_size=64, batch=32, steps=10, warmup=2, num_clas
             time_reference(run)
         runs.append(run)
     result.update(_median_rounds(runs))
+    if backend.device != "cpu":
+        from mpitrain.kernels import cudnn
+        result["padded_inputs"] = cudnn.padding_report()
     if backend.device == "cpu":
         # after the rounds: memory this process has freed stays resident and a round
         # reuses it unseen, so the first round must come before any other large work
@@ -784,6 +787,17 @@ def format_profile(p, top=12):
     return lines
 
 
+def padding_line(p):
+    """What cudnn.padded_channels chose for a first convolution, and its timings."""
+    shape = "x".join(str(d) for d in p["x"])
+    if p["ms"] is None:
+        return (f"first convolution ({shape}, {p['dtype']}): input on {p['channels']} "
+                f"channels, as chosen before (plan cache)")
+    ms = " against ".join(f"{c} channels {t:.3f} ms" for c, t in p["ms"].items())
+    return (f"first convolution ({shape}, {p['dtype']}): input on {p['channels']} channels "
+            f"(pad, forward and weight gradient: {ms})")
+
+
 def threads_line(b):
     """How the step's threads are arranged, from blas_info()."""
     spin = ", ".join(f"{k}={v}" for k, v in b["spin"].items()) or "libgomp's default"
@@ -816,6 +830,7 @@ def format_result(r):
         lines.append(f"device {where}, precision {r['precision']}"
                      + ("" if r.get("cudnn_deterministic", True) else
                         ", cuDNN's non-deterministic plans allowed"))
+    lines += [padding_line(p) for p in r.get("padded_inputs", ())]
     if "native_openblas" in r:
         lines.append(f"--native-openblas: removed from the environment: "
                      f"{r['native_openblas']['removed']}")
