@@ -307,12 +307,13 @@ __device__ __forceinline__ void split_nhwc(long long i, long long total, int Hd,
 }
 
 // A thread takes V consecutive channels (one Pack; C a multiple of V) of one output pixel:
-// avg == 0: y[n][oh][ow][c] = max over the window, arg = ih*W + iw of that maximum: the
-//           first in row-major window order, or the last NaN (as the CPU kernel)
+// avg == 0: y[n][oh][ow][c] = max over the window, arg = i*k + j, the maximum's place in
+//           the window (a byte: k <= 16), the first in row-major window order, or the
+//           first NaN (as the CPU kernel)
 // avg == 1: y[n][oh][ow][c] = (sum of x over the window, padding as zeros) / k^2
 template <typename T, typename A, int V>
 __global__ void pool_forward(const T* x, int avg, int N, int H, int W, int C, int Ho, int Wo,
-                             int k, int s, int p, T* y, int* arg) {
+                             int k, int s, int p, T* y, unsigned char* arg) {
     const int CP = C / V;
     const long long total = (long long)N * Ho * Wo * CP;
     for (long long o = first_index(); o < total; o += grid_stride()) {
@@ -326,10 +327,10 @@ __global__ void pool_forward(const T* x, int avg, int N, int H, int W, int C, in
         const int first = (ih0 + i0) * W + iw0 + j0;
         const Pack<T, V> f = load_pack<T, V>(x, (image + first) * C + c);
         A acc[V];
-        int pos[V];
+        Pack<unsigned char, V> pos;
         for (int v = 0; v < V; ++v) {
             acc[v] = avg ? (A)0 : (A)load(f.v, v);
-            pos[v] = first;
+            pos.v[v] = (unsigned char)(i0 * k + j0);
         }
         for (int i = i0; i < i1; ++i) {
             for (int j = j0; j < j1; ++j) {
@@ -341,7 +342,7 @@ __global__ void pool_forward(const T* x, int avg, int N, int H, int W, int C, in
                         acc[v] += a;
                     } else if (a > acc[v] || (a != a && acc[v] == acc[v])) {   // first NaN
                         acc[v] = a;
-                        pos[v] = q;
+                        pos.v[v] = (unsigned char)(i * k + j);
                     }
                 }
             }
@@ -351,8 +352,7 @@ __global__ void pool_forward(const T* x, int avg, int N, int H, int W, int C, in
             store(ys.v, v, avg ? acc[v] / (k * k) : acc[v]);
         store_pack<T, V>(y, o * V, ys);
         if (!avg)
-            for (int v = 0; v < V; ++v)
-                arg[o * V + v] = pos[v];
+            store_pack<unsigned char, V>(arg, o * V, pos);
     }
 }
 
@@ -362,12 +362,13 @@ __device__ __forceinline__ void covering(int ih, int k, int s, int p, int Ho, in
     *hi = (ih + p) / s < Ho - 1 ? (ih + p) / s : Ho - 1;
 }
 
-// dx[n][ih][iw][c] = sum of dy[n][oh][ow][c] over the covering windows whose arg is
-// ih*W + iw (or, avg == 1: sum of dy over the covering windows / k^2); a thread takes V
-// consecutive channels of one input pixel, so no two threads add into one value
+// dx[n][ih][iw][c] = sum of dy[n][oh][ow][c] over the covering windows whose arg is this
+// pixel's place in them, (ih - oh*s + p)*k + iw - ow*s + p (or, avg == 1: sum of dy over
+// the covering windows / k^2); a thread takes V consecutive channels of one input pixel,
+// so no two threads add into one value
 template <typename T, typename A, int V>
-__global__ void pool_backward(const T* dy, const int* arg, int avg, int N, int H, int W, int C,
-                              int Ho, int Wo, int k, int s, int p, T* dx) {
+__global__ void pool_backward(const T* dy, const unsigned char* arg, int avg, int N, int H,
+                              int W, int C, int Ho, int Wo, int k, int s, int p, T* dx) {
     const int CP = C / V;
     const long long total = (long long)N * H * W * CP;
     for (long long i = first_index(); i < total; i += grid_stride()) {
@@ -377,7 +378,6 @@ __global__ void pool_backward(const T* dy, const int* arg, int avg, int N, int H
         int oh0, oh1, ow0, ow1;
         covering(ih, k, s, p, Ho, &oh0, &oh1);
         covering(iw, k, s, p, Wo, &ow0, &ow1);
-        const int me = ih * W + iw;
         A acc[V];
         for (int v = 0; v < V; ++v)
             acc[v] = 0;
@@ -385,8 +385,12 @@ __global__ void pool_backward(const T* dy, const int* arg, int avg, int N, int H
             for (int ow = ow0; ow <= ow1; ++ow) {
                 const long long o = (((long long)n * Ho + oh) * Wo + ow) * C + c;
                 const Pack<T, V> ds = load_pack<T, V>(dy, o);
+                const int me = (ih - oh * s + p) * k + iw - ow * s + p;
+                Pack<unsigned char, V> at;
+                if (!avg)
+                    at = load_pack<unsigned char, V>(arg, o);
                 for (int v = 0; v < V; ++v)
-                    if (avg || arg[o + v] == me)
+                    if (avg || at.v[v] == me)
                         acc[v] += (A)load(ds.v, v);
             }
         }

@@ -44,6 +44,7 @@ from .batchnorm import FINALIZE_MODES
 ROW_THREADS = 256        # threads per block of batch norm's passes over (M, C)
 FOLD = 256               # threads per block that adds the partial sums of one column
 THREADS = 256            # threads per block of the elementwise and pooling kernels
+MAX_POOL_WINDOW = 16     # k of max pooling: its k^2 places in a window fit in a byte
 TARGET_BLOCKS = 1024     # blocks of a partial-sum pass, whatever C: enough to fill a GPU
 ROW_BLOCKS = 4096        # blocks of batch norm's element passes (rows taken grid-stride)
 
@@ -268,13 +269,17 @@ def _pool_args(x_shape, y_shape, k, stride, pad):
 
 def pool_forward(x, y_shape, k, stride, pad, avg):
     """Max pooling (avg False): (y, argmax), both y_shape (N, Ho, Wo, C), the window maxima
-    and ih*W + iw of each (int32; the first maximum in row-major window order, a NaN above
-    every number). Average pooling (avg True): y = window sums (padding as zeros) / k^2, summed in
-    acc_dtype. One thread per output pixel and Pack of channels."""
+    and each one's place i*k + j in its window (uint8, so k is at most 16: a quarter of the
+    bytes of an int32 index into the plane; the first maximum in row-major window order, a
+    NaN above every number). Average pooling (avg True): y = window sums (padding as zeros)
+    / k^2, summed in acc_dtype. One thread per output pixel and Pack of channels."""
     import cupy
+    if not avg and k > MAX_POOL_WINDOW:
+        raise ValueError(f"max pooling on a GPU takes windows up to {MAX_POOL_WINDOW}x"
+                         f"{MAX_POOL_WINDOW} (a maximum's place is one byte), not {k}x{k}")
     x = cupy.ascontiguousarray(x)
     y = cupy.empty(y_shape, x.dtype)
-    arg = None if avg else cupy.empty(y_shape, np.int32)
+    arg = None if avg else cupy.empty(y_shape, np.uint8)
     V = _pack(x.shape[3], x)
     _kernel("pool_forward", x.dtype, pack=V)(
         _blocks(y.size // V), (THREADS,),
@@ -284,14 +289,15 @@ def pool_forward(x, y_shape, k, stride, pad, avg):
 
 
 def pool_backward(dy, argmax, x_shape, k, stride, pad):
-    """dx (x_shape): for max pooling (argmax given) the sum of dy over the windows whose
-    maximum is that pixel; for average pooling (argmax None) the sum of dy / k^2 over the
-    windows that cover it. One thread per input pixel and Pack of channels (no atomics)."""
+    """dx (x_shape): for max pooling (argmax given, as pool_forward's) the sum of dy over
+    the windows whose maximum is that pixel; for average pooling (argmax None) the sum of
+    dy / k^2 over the windows that cover it. One thread per input pixel and Pack of
+    channels (no atomics)."""
     import cupy
     dy = cupy.ascontiguousarray(dy)
     dx = cupy.empty(x_shape, dy.dtype)
     avg = argmax is None
-    arg = dy if avg else cupy.ascontiguousarray(argmax, dtype=np.int32)   # unread when avg
+    arg = dy if avg else cupy.ascontiguousarray(argmax, dtype=np.uint8)   # unread when avg
     V = _pack(dy.shape[3], dy, arg)
     _kernel("pool_backward", dy.dtype, pack=V)(
         _blocks(dx.size // V), (THREADS,),

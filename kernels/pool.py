@@ -15,7 +15,8 @@ oh*s - p + [0, k) and columns ow*s - p + [0, k).
 PyTorch's rule p <= k // 2 is enforced, so no window lies wholly in the padding.
 float16 runs through float32 on the CPU (exact for max). On CuPy arrays the fused
 kernels of mpitrain.kernels.gpu run (one thread per output, or per input pixel
-in backward; sums in fp32); the generic versions below are their reference.
+in backward; sums in fp32), their argmax the maximum's place i*k + j in its window
+as a uint8 (a quarter of the bytes); the generic versions below are their reference.
 """
 import numpy as np
 
@@ -37,7 +38,8 @@ def _work_dtype(dtype):
 
 
 def max_pool_forward(x, k, stride, pad=0):
-    """-> (y, argmax), both (N, Ho, Wo, C); argmax is int32, an index ih*W + iw into x's plane."""
+    """-> (y, argmax), both (N, Ho, Wo, C); argmax is int32, an index ih*W + iw into x's plane
+    (on a GPU, kernels.gpu's uint8 place in the window: max_pool_backward takes either)."""
     N, Ho, Wo, C = _geometry(x.shape, k, stride, pad)
     if not isinstance(x, np.ndarray):
         if gpu.handles(x):

@@ -21,7 +21,7 @@ class MaxPool2d(Module):
         y, argmax = pool.max_pool_forward(x, self.k, self.stride, self.padding)
         if train:
             self.x_shape = x.shape
-            self.argmax = argmax        # (N, Ho, Wo, C) int32: ih*W + iw of each maximum
+            self.argmax = argmax        # (N, Ho, Wo, C): where each maximum is (kernels/pool.py)
         return y
 
     def backward(self, dy):

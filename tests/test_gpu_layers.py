@@ -300,6 +300,24 @@ def test_pool_kernels_emulated(emulated_cupy, N, H, W, C, k, s, p, dtype):
                     gpu_backward=lambda dy, arg, shape: gpu.pool_backward(dy, arg, shape, k, s, p))
 
 
+def test_max_pooling_on_a_gpu_refuses_a_window_whose_places_pass_a_byte(emulated_cupy):
+    x = np.zeros((1, 40, 40, 8), np.float32)
+    k = gpu.MAX_POOL_WINDOW
+    assert gpu.pool_forward(x, pool._geometry(x.shape, k, 1, 0), k, 1, 0, False)[1].max() == 0
+    with pytest.raises(ValueError, match=f"windows up to {k}x{k}"):
+        gpu.pool_forward(x, pool._geometry(x.shape, k + 1, 1, 0), k + 1, 1, 0, False)
+    gpu.pool_forward(x, pool._geometry(x.shape, k + 1, 1, 0), k + 1, 1, 0, True)   # avg: no places
+
+
+def plane_index(place, W, k, s, p):
+    """The device kernels' argmax, each maximum's place i*k + j in its window, as the CPU's
+    index ih*W + iw into the plane."""
+    _, Ho, Wo, _ = place.shape
+    oh, ow = np.arange(Ho).reshape(1, Ho, 1, 1), np.arange(Wo).reshape(1, 1, Wo, 1)
+    place = place.astype(np.int32)
+    return (oh * s - p + place // k) * W + ow * s - p + place % k
+
+
 def compare_pooling(x, k, s, p, to_device, to_host, gpu_forward=None, gpu_backward=None):
     """Max and average pooling of the device kernels against the CPU kernels: the maxima
     and their positions exactly (a tie and two NaNs planted: the first wins), the rest within the
@@ -315,7 +333,8 @@ def compare_pooling(x, k, s, p, to_device, to_host, gpu_forward=None, gpu_backwa
     y, arg = pool.max_pool_forward(x, k, s, p)
     y_d, arg_d = fwd(to_device(x), False)
     np.testing.assert_array_equal(to_host(y_d), y)          # a maximum is exact
-    np.testing.assert_array_equal(to_host(arg_d), arg)
+    assert arg_d.dtype == np.uint8
+    np.testing.assert_array_equal(plane_index(to_host(arg_d), x.shape[2], k, s, p), arg)
     dy = rand(y.shape, x.dtype, seed=3)
     tol = TOL[x.dtype.type]
     np.testing.assert_allclose(to_host(bwd(to_device(dy), arg_d, x.shape)),
