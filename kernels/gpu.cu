@@ -76,6 +76,34 @@ __device__ __forceinline__ long long grid_stride() {
 // A thread takes V consecutive channels (one Pack; C a multiple of V), blockDim.x threads
 // consecutive packs (coalesced), and blockDim.y (a power of 2) threads every blockDim.y-th
 // row; a fixed tree in shared memory adds those.
+template <typename T, typename A, int V, int B>
+__device__ __forceinline__ void bn_add_rows(const T* x, const T* dy, int grads, int relu,
+                                            long long r, int TY, int C, int c, const A* k,
+                                            const A* sc, const A* be, A* u, A* v) {
+    // B of the thread's rows, r, r + TY, ..., added into u and v in that order (the sums
+    // of a row at a time); their loads come first, so that B reads are in flight at once
+    // (one at a time, the forward's single read waits on memory's latency)
+    Pack<T, V> xs[B], gs[B];
+    for (int q = 0; q < B; ++q) {
+        xs[q] = load_pack<T, V>(x, (r + (long long)q * TY) * C + c);
+        if (grads)
+            gs[q] = load_pack<T, V>(dy, (r + (long long)q * TY) * C + c);
+    }
+    for (int q = 0; q < B; ++q) {
+        for (int j = 0; j < V; ++j) {
+            const A xc = (A)load(xs[q].v, j) - k[j];
+            if (grads) {
+                const A g = relu && !relu_passes<T, A>(xc, sc[j], be[j]) ? (A)0
+                                                                         : (A)load(gs[q].v, j);
+                u[j] += g;
+                v[j] += g * xc;
+            } else {
+                u[j] += xc;
+                v[j] += xc * xc;
+            }
+        }
+    }
+}
 template <typename T, typename A, int V>
 __global__ void bn_partial_sums(const T* x, const T* dy, const A* mean, const A* scale,
                                 const A* beta, int grads, int relu, long long M, int C,
@@ -95,22 +123,15 @@ __global__ void bn_partial_sums(const T* x, const T* dy, const A* mean, const A*
             sc[j] = relu ? scale[c + j] : (A)0;
             be[j] = relu ? beta[c + j] : (A)0;
         }
-        for (long long r = r0 + ty; r < r1; r += TY) {
-            const Pack<T, V> xs = load_pack<T, V>(x, r * C + c);
-            const Pack<T, V> gs = grads ? load_pack<T, V>(dy, r * C + c) : xs;
-            for (int j = 0; j < V; ++j) {
-                const A xc = (A)load(xs.v, j) - k[j];
-                if (grads) {
-                    const A g = relu && !relu_passes<T, A>(xc, sc[j], be[j]) ? (A)0
-                                                                             : (A)load(gs.v, j);
-                    u[j] += g;
-                    v[j] += g * xc;
-                } else {
-                    u[j] += xc;
-                    v[j] += xc * xc;
-                }
-            }
-        }
+        long long r = r0 + ty;
+        if (grads)              // two arrays: 2 rows of each in flight
+            for (; r + TY < r1; r += 2 * TY)
+                bn_add_rows<T, A, V, 2>(x, dy, grads, relu, r, TY, C, c, k, sc, be, u, v);
+        else
+            for (; r + 3 * TY < r1; r += 4 * TY)
+                bn_add_rows<T, A, V, 4>(x, dy, grads, relu, r, TY, C, c, k, sc, be, u, v);
+        for (; r < r1; r += TY)
+            bn_add_rows<T, A, V, 1>(x, dy, grads, relu, r, TY, C, c, k, sc, be, u, v);
     }
     const int t = (ty * TX + tx) * V;
     for (int j = 0; j < V; ++j) {
