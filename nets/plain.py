@@ -442,7 +442,6 @@ class PlainNetwork:
         # what a training step reads of a network besides forward and backward: the model's
         self.arena, self.buffer_arena, self.dtype = arena, model.buffer_arena, model.dtype
         self.pairs = twins(model, share=True)        # [(fast layer or None, plain layer)]
-        self.layers = [plain for _, plain in self.pairs]
         # each plain layer's gradients, in arena order (backward's: the last parameter first)
         self.grads = [gradients([pair])[::-1] for pair in self.pairs]
         handed = [param for grads in reversed(self.grads) for param, _, _ in grads]

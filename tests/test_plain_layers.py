@@ -321,7 +321,7 @@ def test_alexnet_bn_with_dropout_through_the_loss():
     pairs = twins(model)
     assert sum(isinstance(p, plain.Dropout) for _, p in pairs) == 2
     run_both(model, rand((2, 63, 63, 3), np.float32, seed=1), pairs=pairs, rtol=CHAIN_RTOL)
-    assert len(plain.PlainNetwork(model).layers) == len(pairs)
+    assert len(plain.PlainNetwork(model).pairs) == len(pairs)
 
 
 def test_the_comparisons_fail_on_a_wrong_plain_layer():

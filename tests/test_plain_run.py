@@ -100,7 +100,7 @@ def test_steps_in_float64_follow_the_fast_layers_to_rounding():
 def test_the_plain_layers_share_the_models_memory():
     model = build_model("resnet_small", num_classes=10)
     net = PlainNetwork(model)
-    stem, bn = net.layers[:2]
+    (_, stem), (_, bn) = net.pairs[:2]
     assert stem.W is model.conv1.weight.data and bn.gamma is model.bn1.weight.data
     assert bn.running_mean is model.bn1.running_mean.data
     before = model.buffer_arena.data.copy()
