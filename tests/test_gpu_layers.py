@@ -617,6 +617,52 @@ def test_column_sums_kernel_emulated(emulated_cupy, dtype, M, C, misaligned):
     np.testing.assert_array_equal(got, gpu.column_sums(a))
 
 
+def fixed_order_sums(x, dy=None, mean=None):
+    """batchnorm_sums' (2, C) in the order its kernels add, written out in NumPy: a block's
+    thread ty adds rows r0 + ty, r0 + ty + TY, ... of its chunk one at a time in float32,
+    a tree across ty (h = TY/2, ..., 1: s[ty] += s[ty + h]) gives the chunk's sums, and
+    bn_fold's tree of FOLD float64 values (one chunk each, the rest 0) the column's."""
+    M, C = x.shape
+    V = 16 // x.itemsize if C % (16 // x.itemsize) == 0 else 1
+    (_, P), (_, TY) = gpu._row_blocks(M, C, V, gpu.TARGET_BLOCKS)
+    rows = -(-M // P)
+    P = -(-M // rows)
+    assert P <= gpu.FOLD
+    f32 = x.astype(np.float32)
+    shift = f32[0] if dy is None else mean
+    fold = np.zeros((gpu.FOLD, 2, C))
+    for p in range(P):
+        s = np.zeros((TY, 2, C), np.float32)
+        for ty in range(TY):
+            for r in range(p * rows + ty, min(M, (p + 1) * rows), TY):
+                xc = f32[r] - shift
+                g = xc if dy is None else dy[r].astype(np.float32)
+                s[ty, 0] += g
+                s[ty, 1] += g * xc
+        h = TY // 2
+        while h:
+            s[:h] += s[h:2 * h]
+            h //= 2
+        fold[p] = s[0]
+    h = gpu.FOLD // 2
+    while h:
+        fold[:h] += fold[h:2 * h]
+        h //= 2
+    return fold[0].astype(np.float32)
+
+
+@pytest.mark.parametrize("M,C", [(40000, 32), (1000, 24), (301, 3)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_batchnorm_sums_add_in_a_fixed_order(emulated_cupy, dtype, M, C):
+    """The statistics kernels' bits are those of one fixed order of additions (the same on
+    every run, whatever the blocks' timing), forward and backward: reads may be issued
+    ahead of the adds, never the adds reordered."""
+    x, dy = rand((M, C), dtype, seed=1, loc=0.5), rand((M, C), dtype, seed=2)
+    mean = rand(C, np.float32, seed=3)
+    np.testing.assert_array_equal(gpu.batchnorm_sums(x), fixed_order_sums(x))
+    np.testing.assert_array_equal(gpu.batchnorm_sums(x, dy, mean), fixed_order_sums(x, dy, mean))
+
+
 def test_bias_gradients_on_the_cpu_keep_numpys_sums():
     """elementwise.column_sums on NumPy arrays is NumPy's sum over axis 0 in the gradient's
     dtype, bit for bit (the CPU step's bits are unchanged by the GPU's kernel)."""
