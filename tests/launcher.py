@@ -166,10 +166,12 @@ class BackgroundJob:
         return read_heartbeats(self.run_dir / "heartbeat", self.ranks)
 
     def wait_for(self, test, what, timeout=120):
-        """Poll the heartbeat files until test(board) holds; returns the board."""
+        """Poll the heartbeat files until test(board) holds; returns the board. JobEnded
+        where the job ends first."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            assert self.proc.poll() is None, f"the job ended before {what}:\n{self.output()}"
+            if self.proc.poll() is not None:
+                raise JobEnded(f"the job ended before {what}:\n{self.output()}")
             board = self.board()
             if all(board.values()) and test(board):
                 return board
@@ -221,9 +223,15 @@ def under_cuda_simulator(module, check, timeout=600):
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+class JobEnded(AssertionError):
+    """A BackgroundJob ended before what wait_for waited for."""
+
+
 def signal_as_step_starts(job, step, sig=signal.SIGUSR1, timeout=60):
     """Send rank 0 of a BackgroundJob `sig` as it starts `step` (stopped meanwhile, so the
-    step cannot slip past before the signal is in), and let the job end: its finish()."""
+    step cannot slip past before the signal is in), and let the job end: its finish().
+    JobEnded where the job runs to its end before the polls see that step start (a fast
+    job's step lasts milliseconds: the caller tries again)."""
     job.wait_for(lambda b: b[0]["where"] == f"in 'forward' after step {step - 1}", f"step {step}")
     os.kill(job.pid(0), signal.SIGSTOP)
     os.kill(job.pid(0), sig)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from mpitrain import checkpoint
-from launcher import BackgroundJob, environment, signal_as_step_starts
+from launcher import BackgroundJob, JobEnded, environment, signal_as_step_starts
 from test_checkpoint import command, run
 
 # every test here starts its own MPI job (CI runs them under MPICH and Open MPI)
@@ -157,6 +157,8 @@ def test_a_stop_on_an_epochs_last_step_resumes_bitwise_with_its_evaluation(job, 
                 "--data-dir", str(digits))
         try:
             status, _, out = signal_as_step_starts(j, 22)    # rank 0 takes it in step 22
+        except JobEnded:                           # the polls missed step 22's start
+            continue
         finally:
             j.cleanup()
         assert status == 0, out
