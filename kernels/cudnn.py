@@ -70,8 +70,9 @@ TUNE_WORKSPACE = 1 << 30
 # that are compiled at run time, wherever they rank
 TUNE_ALL_BELOW_CHANNELS = 8
 TUNE_COMPILED = 2
-# the file of chosen plans: $MPITRAIN_PLAN_CACHE, else ~/.cache/mpitrain/cudnn-plans.json;
-# "" keeps choices in memory only
+# the file of chosen plans (and of padded_channels' choices, keys starting "pad|"):
+# $MPITRAIN_PLAN_CACHE, else ~/.cache/mpitrain/cudnn-plans.json; "" keeps choices in
+# memory only
 PLAN_CACHE = os.environ.get("MPITRAIN_PLAN_CACHE",
                             os.path.join(os.path.expanduser("~"), ".cache", "mpitrain",
                                          "cudnn-plans.json"))
@@ -324,8 +325,8 @@ def _key(*parts):
 
 
 def load_plans(path=None):
-    """{key: plan name} from the cache file ({} where there is none, or it is unreadable:
-    the plans are then timed again)."""
+    """{key: plan name, or padded_channels' channel count} from the cache file ({} where
+    there is none, or it is unreadable: the plans are then timed again)."""
     path = PLAN_CACHE if path is None else path
     if not path:
         return {}
@@ -338,7 +339,7 @@ def load_plans(path=None):
 
 
 def save_plan(key, name, path=None):
-    """Add key -> plan name to the cache file, replacing the file whole (a reader never
+    """Add key -> plan name (or channel count) to the cache file, replacing the file whole (a reader never
     sees half of it; a concurrent writer's entry may be lost, and is tuned again)."""
     path = PLAN_CACHE if path is None else path
     if not path:
