@@ -277,11 +277,13 @@ def filter_taps(in0, in1, in_size, out_size):
         centre = in0 + (i + 0.5) * scale
         first[i] = max(int(centre - support + 0.5), 0)
         count[i] = min(int(centre + support + 0.5), in_size) - first[i]
+        total = 0.0
         for k in range(count[i]):
             weights[i, k] = max(0.0, 1.0 - abs((first[i] + k + 0.5 - centre) / support))
-        total = weights[i].sum()
-        if total > 0:
-            weights[i] /= total
+            total += weights[i, k]
+        if total > 0:      # element by element: a slice would compile a shape-error message
+            for k in range(count[i]):
+                weights[i, k] /= total
     return first, count, weights
 
 
@@ -327,11 +329,15 @@ def _resize_normalise(pixels, x_first, x_count, x_weights, y_first, y_count, y_w
     height, width, C = pixels.shape
     oh, ow = out.shape[0], out.shape[1]
     xa, xb = x_first[0], x_first[ow - 1] + x_count[ow - 1]     # columns the box reads
-    taps = x_count.max()
-    first = x_first - xa
+    taps = 0
+    for j in range(ow):
+        taps = max(taps, x_count[j])
+    first = np.empty(ow, np.int64)
     xw = np.zeros((ow, taps), out.dtype)                       # (ow, taps)
     for j in range(ow):
-        xw[j, :x_count[j]] = x_weights[j, :x_count[j]]
+        first[j] = x_first[j] - xa
+        for k in range(x_count[j]):
+            xw[j, k] = x_weights[j, k]
     yw = y_weights.astype(out.dtype)
     rows = pixels.reshape(height, width * C)
     n = (xb - xa) * C

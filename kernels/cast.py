@@ -218,12 +218,11 @@ def _to_float_loop(src_bits, dst):
 
 
 # Each loop compiled twice: for the thread pool, and for the calling thread alone (prange
-# is range there). Numba's cache does not tell the two apart (its key is the function's
-# bytecode and signature, not the compile options), so only the parallel one is cached.
+# is range there)
 _to_half_cpu = {True: team.by_size(njit(parallel=True, cache=True)(_to_half_loop)),
-                False: njit(nogil=True)(_to_half_loop)}
+                False: team.serial(_to_half_loop)}
 _to_float_cpu = {True: team.by_size(njit(parallel=True, cache=True)(_to_float_loop)),
-                 False: njit(nogil=True)(_to_float_loop)}
+                 False: team.serial(_to_float_loop)}
 
 
 def to_half_numba(src, dst, scale, parallel=True):

@@ -14,6 +14,7 @@ fixed order.
     def _kernel(x, ...):        # x: the array whose size decides
 """
 import functools
+import types
 
 import numba
 
@@ -34,3 +35,16 @@ def by_size(kernel):
         finally:
             numba.set_num_threads(threads)
     return functools.update_wrapper(run, kernel, updated=())
+
+
+def serial(loop):
+    """`loop` compiled for the calling thread alone (prange runs as range), and cached.
+
+    Numba's cache keys a kernel by its function's name, bytecode and argument types, not
+    by its compile options: compiled from `loop` itself, this kernel and the parallel
+    one would take each other's place in the cache. So it compiles a copy of `loop`
+    named NAME_serial, which has cache files of its own."""
+    copy = types.FunctionType(loop.__code__, loop.__globals__, f"{loop.__name__}_serial",
+                              loop.__defaults__, loop.__closure__)
+    copy.__qualname__ = f"{loop.__qualname__}_serial"
+    return numba.njit(nogil=True, cache=True)(copy)

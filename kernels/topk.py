@@ -42,6 +42,7 @@ from numba.extending import register_jitable
 
 from mpitrain.backend import array_module
 
+from . import team
 from .segments import CPU_CHUNK, as_dtype, launch, pick
 
 BITS = 8                                   # bits of the key per radix pass
@@ -242,14 +243,13 @@ def _scatter_loop(bucket, indices, values):
             add_pair(bucket, indices[r], values[r], j)
 
 
-# compiled for the thread pool and for the calling thread alone (as kernels/cast.py);
-# Numba's cache cannot tell the two apart, so only the parallel one is cached
+# compiled for the thread pool and for the calling thread alone (as kernels/cast.py)
 _threshold_cpu = {True: njit(parallel=True, cache=True)(_threshold_loop),
-                  False: njit(nogil=True)(_threshold_loop)}
+                  False: team.serial(_threshold_loop)}
 _write_cpu = {True: njit(parallel=True, cache=True)(_write_loop),
-              False: njit(nogil=True)(_write_loop)}
+              False: team.serial(_write_loop)}
 _scatter_cpu = {True: njit(parallel=True, cache=True)(_scatter_loop),
-                False: njit(nogil=True)(_scatter_loop)}
+                False: team.serial(_scatter_loop)}
 
 
 def select_numba(grad, residual, out, k, values, indices, scale, inv_scale, parallel=True):

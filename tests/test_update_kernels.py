@@ -607,6 +607,37 @@ def test_serial_casts_run_beside_parallel_ones_in_another_thread():
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+CASTS_FROM_THE_CACHE = """
+import numpy as np
+from mpitrain.kernels import cast
+src = np.linspace(-70000, 70000, 100003, dtype=np.float32)
+for parallel in (True, False):
+    dst = np.empty(src.size, np.float16)
+    cast.to_half_numba(src, dst, np.float32(0.5), parallel=parallel)
+    kernel = cast._to_half_cpu[parallel]
+    kernel = kernel if hasattr(kernel, "stats") else kernel.__wrapped__   # team.by_size's
+    print(kernel.py_func.__qualname__, len(kernel.stats.cache_hits),
+          len(kernel.stats.cache_misses), dst.view(np.uint16).sum(dtype=np.int64))
+"""
+
+
+def test_the_serial_and_the_parallel_cast_each_keep_their_own_cache_entry(tmp_path):
+    """A second process loads both compilations of one loop from Numba's cache, and they
+    give the same bits: neither one's cache entry takes the other's place."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    runs = [subprocess.run([sys.executable, "-c", CASTS_FROM_THE_CACHE], env=env,
+                           capture_output=True, text=True, timeout=300) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stdout + run.stderr
+    (parallel, serial), (parallel_again, serial_again) = \
+        [[line.split() for line in run.stdout.splitlines()] for run in runs]
+    assert [parallel[:3], serial[:3]] == [["_to_half_loop", "0", "1"],
+                                          ["_to_half_loop_serial", "0", "1"]]      # compiled
+    assert [parallel_again[:3], serial_again[:3]] == [["_to_half_loop", "1", "0"],
+                                                      ["_to_half_loop_serial", "1", "0"]]
+    assert parallel[3] == serial[3] == parallel_again[3] == serial_again[3]
+
+
 def test_casts_check_dtypes():
     with pytest.raises(TypeError):
         cast.to_half(np.zeros(3, np.float64))
