@@ -100,8 +100,22 @@ def test_setup_names_each_step_and_the_wheel_that_skips_the_compile(tmp_path):
         "launch.sh: installing Cython, NumPy, setuptools, wheel (usually under a minute)",
         f"launch.sh: compiling mpi4py against {bindir}/mpicc (usually 5 to 10 minutes on 2 cores)",
         "launch.sh: installing mpitrain and its dependencies (h5py, Numba, SciPy, "
-        "scikit-learn, ...) (usually 1 to 3 minutes)"], r.stdout
+        "scikit-learn, ...) (usually 1 to 3 minutes)",
+        "launch.sh: compiling the CPU kernels (an epoch of the digits in fp32 and in fp16) "
+        "(usually under a minute)"], r.stdout
     assert "run again with MPITRAIN_MPI=wheel (MPICH from the mpich wheel, no compile)" \
         in r.stdout, r.stdout
-    assert r.stdout.count("launch.sh:   done in ") == 3, r.stdout
-    assert "--no-binary=mpi4py" in log.read_text()
+    assert r.stdout.count("launch.sh:   done in ") == 4, r.stdout
+    calls_made = log.read_text()
+    assert "--no-binary=mpi4py" in calls_made
+    assert calls_made.splitlines()[-1] == "args=-m mpitrain.tools.warm", calls_made
+
+
+def test_help_lists_every_command_of_launch_sh():
+    r = subprocess.run([str(ROOT / "launch.sh"), "--help"], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 0, r.stderr
+    for command in ("./launch.sh ", "test ", "test-mpi", "train ARGS", "COMMAND ARGS", "setup ",
+                    "gpu-check"):
+        assert command in r.stdout, (command, r.stdout)
+    assert "#SBATCH --" not in r.stdout and "set -euo" not in r.stdout, r.stdout

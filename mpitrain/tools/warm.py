@@ -1,0 +1,56 @@
+"""`python -m mpitrain.tools.warm`: the CPU kernels compiled before the first run
+(`./launch.sh setup` ends with it).
+
+Numba compiles a kernel at its first call with new argument types, and keeps the
+machine code of those marked cache=True in the `__pycache__` beside their source,
+where every later process finds it. Without this, the first run compiles them
+itself: about half a minute, in every rank of the job at once. This trains one epoch
+of the bundled digits in each of JOBS, at the same time, each process with a thread
+per core (the GEMM team's kernels compile only where a run has several threads), in
+scratch directories that are removed. A kernel that only other
+options call (another optimizer or dtype, top-k) still compiles on its first call,
+once; so does every kernel whose source file has changed since.
+
+Exit status: 0, or 1 with the failed run's output.
+"""
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from mpitrain.launcher import cores, job_environment
+
+# train's options for each job: the bundled job as ./launch.sh trains it, and the
+# paper's recipe (fp16 forward and backward, LARS)
+JOBS = {"fp32 with SGD": [], "fp16 with LARS": ["--precision", "fp16", "--optimizer", "lars"]}
+
+
+def train_command(scratch, options):
+    """One epoch of the digits, converted into `scratch`, its run directory there too."""
+    return [sys.executable, "-m", "mpitrain", "train", "--epochs", "1", "--data-dir", scratch,
+            "--run-dir", os.path.join(scratch, "run"), *options]
+
+
+def main():
+    start = time.monotonic()
+    env = job_environment(None, cores())
+    with tempfile.TemporaryDirectory(prefix="mpitrain-warm-") as scratch:
+        runs = {name: subprocess.Popen(train_command(os.path.join(scratch, f"job{i}"), options),
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True, env=env)
+                for i, (name, options) in enumerate(JOBS.items())}
+        outputs = {name: run.communicate()[0] for name, run in runs.items()}
+    for name, run in runs.items():
+        if run.returncode != 0:
+            print(outputs[name], end="")
+            print(f"warm: the {name} epoch failed (exit {run.returncode}; its output above)",
+                  file=sys.stderr)
+            return 1
+    print(f"warm: the kernels of an epoch in {' and in '.join(JOBS)} compiled into Numba's cache "
+          f"in {time.monotonic() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
