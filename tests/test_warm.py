@@ -1,8 +1,12 @@
 """`python -m mpitrain.tools.warm`, the set-up's last step: into an empty Numba cache it
 compiles every kernel that an epoch of each of its jobs calls, so that the same jobs
-afterwards train without adding to the cache or rewriting a file of it."""
+afterwards train without adding to the cache or rewriting a file of it; stopped, it ends
+its jobs and leaves no directory behind."""
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import launcher
 from mpitrain.tools import warm
@@ -34,3 +38,41 @@ def test_after_warm_its_jobs_compile_nothing(tmp_path):
         assert r.returncode == 0, r.stdout + r.stderr
         assert "final validation accuracy" in r.stdout, r.stdout
     assert cache_files(cache) == compiled
+
+
+def processes_naming(path):
+    """The pids of the processes whose command line names `path`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if str(path).encode() in f.read():
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def test_a_stopped_warm_ends_its_jobs_and_removes_their_directories(tmp_path):
+    """SIGTERM (what launch.sh's set-up sends on Ctrl-C) while both epochs run: exit 143,
+    no job left running, no directory left. (Kernels from the cache: an epoch takes a
+    few seconds, so a run that ended before the signal tries again.)"""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = dict(launcher.environment(), TMPDIR=str(scratch))
+    for attempt in range(3):
+        proc = subprocess.Popen([sys.executable, "-m", "mpitrain.tools.warm"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        end = time.monotonic() + 120
+        while len(list(scratch.glob("mpitrain-warm-*/job*/run"))) < len(warm.JOBS) and \
+                proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+        if proc.returncode != 0 or attempt == 2:
+            break
+    assert proc.returncode == 143, out + err
+    assert "warm: stopped by SIGTERM; the kernels not compiled yet compile at their first " \
+           "call" in err, err
+    assert not list(scratch.iterdir())
+    assert processes_naming(scratch) == []

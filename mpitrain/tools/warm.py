@@ -11,9 +11,11 @@ scratch directories that are removed. A kernel that only other
 options call (another optimizer or dtype, top-k) still compiles on its first call,
 once; so does every kernel whose source file has changed since.
 
-Exit status: 0, or 1 with the failed run's output.
+Exit status: 0, or 1 with the failed run's output; stopped by SIGINT or SIGTERM, it
+ends its jobs and removes their directories first.
 """
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -32,15 +34,40 @@ def train_command(scratch, options):
             "--run-dir", os.path.join(scratch, "run"), *options]
 
 
+class Stopped(Exception):
+    """SIGINT or SIGTERM (launch.sh's step passes Ctrl-C on as SIGTERM); args: (signum,)."""
+
+
+def stop(signum, frame):
+    for name in ("SIGINT", "SIGTERM"):      # once: the jobs' ending is not cut short
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    raise Stopped(signum)
+
+
 def main():
     start = time.monotonic()
     env = job_environment(None, cores())
-    with tempfile.TemporaryDirectory(prefix="mpitrain-warm-") as scratch:
-        runs = {name: subprocess.Popen(train_command(os.path.join(scratch, f"job{i}"), options),
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       text=True, env=env)
-                for i, (name, options) in enumerate(JOBS.items())}
-        outputs = {name: run.communicate()[0] for name, run in runs.items()}
+    for name in ("SIGINT", "SIGTERM"):
+        signal.signal(getattr(signal, name), stop)
+    runs, outputs = {}, {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="mpitrain-warm-") as scratch:
+            try:
+                for i, (name, options) in enumerate(JOBS.items()):
+                    runs[name] = subprocess.Popen(
+                        train_command(os.path.join(scratch, f"job{i}"), options), env=env,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for name, run in runs.items():
+                    outputs[name] = run.communicate()[0]
+            finally:
+                for run in runs.values():       # stopped: each job ends (a train stops
+                    if run.poll() is None:      # at its next step on SIGTERM) before its
+                        run.terminate()         # directory goes
+                        run.communicate()
+    except Stopped as stopped:
+        print(f"warm: stopped by {signal.Signals(stopped.args[0]).name}; the kernels not "
+              f"compiled yet compile at their first call", file=sys.stderr)
+        return 128 + stopped.args[0]
     for name, run in runs.items():
         if run.returncode != 0:
             print(outputs[name], end="")
