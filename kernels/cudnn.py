@@ -339,8 +339,9 @@ def load_plans(path=None):
 
 
 def save_plan(key, name, path=None):
-    """Add key -> plan name (or channel count) to the cache file, replacing the file whole (a reader never
-    sees half of it; a concurrent writer's entry may be lost, and is tuned again)."""
+    """Add key -> plan name (or channel count) to the cache file, replacing the file
+    whole (a reader never sees half of it; a concurrent writer's entry may be lost, and
+    is tuned again)."""
     path = PLAN_CACHE if path is None else path
     if not path:
         return

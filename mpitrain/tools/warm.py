@@ -7,9 +7,9 @@ where every later process finds it. Without this, the first run compiles them
 itself: about half a minute, in every rank of the job at once. This trains one epoch
 of the bundled digits in each of JOBS, at the same time, each process with a thread
 per core (the GEMM team's kernels compile only where a run has several threads), in
-scratch directories that are removed. A kernel that only other
-options call (another optimizer or dtype, top-k) still compiles on its first call,
-once; so does every kernel whose source file has changed since.
+scratch directories that are removed. A kernel that only other options call (another
+optimizer or dtype, top-k) still compiles on its first call, once; so does every
+kernel whose source file has changed since.
 
 Exit status: 0, or 1 with the failed run's output; stopped by SIGINT or SIGTERM, it
 ends its jobs and removes their directories first.
