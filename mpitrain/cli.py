@@ -467,6 +467,8 @@ def add_preview(commands):
 
 def add_study(commands):
     """`study large-batch`: accuracy against the global batch (mpitrain/tools/study.py)."""
+    from mpitrain.tools.study import PLANS
+    fashion = PLANS["fashion-mnist"]
     study = commands.add_parser("study", help="experiments made of many training runs "
                                               "(large-batch)")
     studies = study.add_subparsers(dest="study", required=True, metavar="study")
@@ -482,8 +484,10 @@ def add_study(commands):
                     "every run is done. Needs matplotlib. With --data fashion-mnist: "
                     "batches 128, 1024 and 4096 (7.6% of its 54,000 training images), "
                     "Nesterov momentum, Neumann and NLCG too, each recipe's peak learning "
-                    "rate chosen by a sweep of 0.5, 1 and 2 times its rule at every batch "
-                    "(sweep.csv), then 3 seeds at the best of the smallest and largest "
+                    "rate chosen by a sweep of "
+                    f"{', '.join(f'{f:g}' for f in fashion['lr_factors'])} times its rule at "
+                    "every batch (sweep.csv), carried on by factors of 2 past an edge where "
+                    f"the best is there (up to {fashion['widen']} more on each side), then 3 seeds at the best of the smallest and largest "
                     "batch, 3 epochs.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(large, DATA_OPTIONS)

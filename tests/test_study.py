@@ -70,6 +70,7 @@ def test_fashion_mnist_plan_sweeps_learning_rates_up_to_five_percent_of_the_data
     assert study.plan_batches(plan, 54000) == [128, 1024, 4096]
     assert 4096 >= plan["largest_share"] * 54000 > 2048
     assert plan["lr_factors"] == (0.5, 1.0, 2.0) and plan["decide"] == "ends"
+    assert plan["widen"] == 6 and study.plan_for("fashion-mnist", quick=True)["widen"] == 0
     assert plan["recipes"] == ("sgd", "nesterov", "lars", "lars-fp16", "lamb", "neumann", "nlcg")
     assert (plan["epochs"], plan["seeds"]) == (3, 3)
     quick = study.plan_for("fashion-mnist", quick=True)
@@ -96,6 +97,45 @@ def test_a_sweeps_factor_scales_the_rule_and_the_best_run_chooses_it():
     assert study.best_factor({0.5: "a", 1.0: "b", 2.0: "c"}, results) == 1.0
     assert study.best_factor({0.5: "d", 1.0: "b"}, results) == 0.5     # a tie: the smaller
     assert study.best_factor({2.0: "c"}, results) is None
+
+
+def widen_until_bracketed(top1, lr_factors=(0.5, 1.0, 2.0), widen=6):
+    """The factors a point's sweep tries, in order, when the run at factor f reaches
+    top1[f] (None: diverged)."""
+    sweep = {f: f"r{f:g}" for f in lr_factors}
+    results = {f"r{f:g}": dict(top1=a) if a is not None else dict(diverged=True)
+               for f, a in top1.items()}
+    tried = list(lr_factors)
+    while (factor := study.past_the_edge(sweep, results, lr_factors, widen)) is not None:
+        sweep[factor] = f"r{factor:g}"
+        tried.append(factor)
+    return tried, study.best_factor(sweep, results)
+
+
+def test_a_sweep_goes_past_its_edge_until_a_worse_rate_lies_beyond_the_best():
+    # SGD at batch 4,096 on Fashion-MNIST, seed 0 (docs/large-batch.md): better three
+    # times below the first sweep, then worse: the best is 1/16 of the rule
+    sgd = {2.0: 0.10, 1.0: 0.12, 0.5: 0.168, 0.25: 0.204, 0.125: 0.338, 0.0625: 0.627,
+           0.03125: 0.606, 0.015625: 0.518}
+    assert widen_until_bracketed(sgd) == ([0.5, 1.0, 2.0, 0.25, 0.125, 0.0625, 0.03125], 0.0625)
+    # a local best: Nesterov there is worse at 1/4 and 1/8 of the rule, better below
+    nesterov = {2.0: 0.10, 1.0: 0.20, 0.5: 0.310, 0.25: 0.142, 0.125: 0.129, 0.0625: 0.493}
+    assert widen_until_bracketed(nesterov) == ([0.5, 1.0, 2.0, 0.25], 0.5)
+    # best in the middle: nothing more; best at the top: up until a run diverges
+    assert widen_until_bracketed({0.5: 0.6, 1.0: 0.7, 2.0: 0.65}) == ([0.5, 1.0, 2.0], 1.0)
+    assert widen_until_bracketed({0.5: 0.6, 1.0: 0.7, 2.0: 0.8, 4.0: 0.85, 8.0: None}) == \
+        ([0.5, 1.0, 2.0, 4.0, 8.0], 4.0)
+    # better and better lower down: `widen` factors of 2 past the sweep at most; every run
+    # diverged: lower
+    rising = {0.5 / 2 ** k: 0.1 * (1 + k) for k in range(8)}
+    assert widen_until_bracketed({**rising, 1.0: None, 2.0: None}, widen=3) == \
+        ([0.5, 1.0, 2.0, 0.25, 0.125, 0.0625], 0.0625)
+    assert widen_until_bracketed({0.5: None, 1.0: None, 2.0: None, 0.25: None}, widen=1) == \
+        ([0.5, 1.0, 2.0, 0.25], None)
+    assert widen_until_bracketed({f: f for f in (0.5, 1.0, 2.0, 4.0)}, widen=1) == \
+        ([0.5, 1.0, 2.0, 4.0], 4.0)
+    # one factor (the digits' plan): no sweep, nothing past it
+    assert widen_until_bracketed({1.0: 0.9}, lr_factors=(1.0,), widen=0) == ([1.0], 1.0)
 
 
 def test_summary_reports_the_chosen_rate_and_keeps_the_sweep():

@@ -68,20 +68,26 @@ QUICK = dict(epochs=4, seeds=1)
 #               largest leaving MIN_STEPS steps an epoch)
 #   lr_factors  the sweep: each recipe's rule times these, at every batch, seed 0; the
 #               best (top-1 on the validation file) is the point's learning rate
+#   widen       while a point's best is the lowest or the highest factor it has tried,
+#               one more run at half or twice it, up to `widen` more on each side, so that
+#               the chosen rate has a worse one on either side of it
 #   decide      the batches whose best learning rate is run at `seeds` seeds ("all", or
 #               "ends": the smallest and the largest, which decide the conclusion)
-# Fashion-MNIST's plan: 63 sweep runs (7 recipes x 3 batches x 3 factors) and 28 seed runs
-# (2 more seeds at the 2 end batches), each 3 epochs of 54,000 images.
+# Fashion-MNIST's plan: 63 sweep runs (7 recipes x 3 batches x 3 factors), those past the
+# sweep's edges, and 28 seed runs (2 more seeds at the 2 end batches), each 3 epochs of
+# 54,000 images.
 PLANS = {
     "digits": dict(recipes=("sgd", "lars", "lars-fp16", "lamb"), smallest=32, largest_share=None,
-                   batches=None, lr_factors=(1.0,), decide="all", full=FULL, quick=QUICK),
+                   batches=None, lr_factors=(1.0,), widen=0, decide="all", full=FULL,
+                   quick=QUICK),
     "fashion-mnist": dict(recipes=("sgd", "nesterov", "lars", "lars-fp16", "lamb", "neumann",
                                    "nlcg"),
                           smallest=128, largest_share=0.05, batches=(128, 1024, 4096),
-                          lr_factors=(0.5, 1.0, 2.0), decide="ends",
+                          lr_factors=(0.5, 1.0, 2.0), widen=6, decide="ends",
                           full=dict(epochs=3, seeds=3),
                           quick=dict(epochs=1, seeds=1, batches=(128, 4096),
-                                     recipes=("sgd", "lars"), lr_factors=(1.0,))),
+                                     recipes=("sgd", "lars"), lr_factors=(1.0,),
+                                     widen=0)),
 }
 
 
@@ -145,6 +151,21 @@ def best_factor(sweep, results):
     done = [(results[name]["top1"], -factor, factor) for factor, name in sweep.items()
             if not results[name].get("diverged")]
     return max(done)[2] if done else None
+
+
+def past_the_edge(sweep, results, lr_factors, widen):
+    """The factor one step past the sweep's edge where its best run is at that edge (half
+    the lowest, twice the highest), None where the best has a worse run on either side or
+    the sweep has gone `widen` factors of 2 past lr_factors on that side. sweep: {factor:
+    run name} of one point; a diverged run counts as the worst, so a point where every run
+    diverged goes lower."""
+    best = best_factor(sweep, results)
+    low, high = min(sweep), max(sweep)
+    if best in (None, low) and low > min(lr_factors) / 2 ** widen:
+        return low / 2
+    if best == high and high < max(lr_factors) * 2 ** widen:
+        return high * 2
+    return None
 
 
 def flags(options):
@@ -480,9 +501,14 @@ def write_outputs(out, rows, lines, study_command, epochs, num_train, num_classe
     header = (f"`{study_command}`: {MODEL} on {data} ({num_train} training images), "
               f"{epochs} epochs at every batch, {clock(seconds)} (min:s) in all.\n")
     swept = any(len(r["sweep"]) > 1 for r in rows)
+    edges = [f"{r['config']} at {r['batch']}" for r in rows
+             if len(r["sweep"]) > 1 and r["lr_factor"] in (min(r["sweep"]), max(r["sweep"]))]
     sweep = (f"\n## The learning-rate sweep\n\nTop-1 of seed 0 at each multiple of the "
-             f"recipe's rule; the best (bold) is the point's learning rate above.\n\n"
-             f"{sweep_markdown(rows)}") if swept else ""
+             f"recipe's rule; the best (bold) is the point's learning rate above. Where the "
+             f"best was the lowest or highest multiple tried, the sweep went on past it.\n\n"
+             f"{sweep_markdown(rows)}"
+             + (f"\nStill best at the edge of its sweep (its rate may be mistuned): "
+                f"{', '.join(edges)}.\n" if edges else "")) if swept else ""
     write_whole(os.path.join(out, "results.md"),
                 f"# Large-batch study\n\n{header}\n{table_markdown(rows)}{sweep}\n## Recipe\n\n"
                 f"{recipe_markdown(epochs, recipes)}")
@@ -547,7 +573,8 @@ def large_batch(data="digits", data_dir="data", out="runs/study-large-batch", qu
     say(f"study: {len(batches)} batch sizes ({', '.join(map(str, batches))}) x "
         f"{len(plan['recipes'])} recipes ({', '.join(plan['recipes'])})"
         + (f" x {len(factors)} learning rates ({', '.join(f'{f:g}' for f in factors)} x each "
-           f"rule), then {seeds} seeds at the best of batches "
+           f"rule, and up to {plan['widen']} factors of 2 beyond where the best is at an "
+           f"edge), then {seeds} seeds at the best of batches "
            f"{', '.join(map(str, deciding))}" if len(factors) > 1 else
            f" x {seeds} seed(s)") +
         f": {len(runs)} runs of {epochs} epochs on {train_file} ({num_train} images, "
@@ -557,6 +584,20 @@ def large_batch(data="digits", data_dir="data", out="runs/study-large-batch", qu
         f"a rank", flush=True)
     start = time.monotonic()
     results = run_all(runs, launcher, parallel, say, resume)
+    while True:         # past the sweep's edges, a factor of 2 at a time, every point at once
+        more = []
+        for (config, batch), sweep in sweeps.items():
+            factor = past_the_edge(sweep, results, factors, plan["widen"])
+            if factor is not None:
+                name, options = make(config, batch, 0, factor)
+                sweep[factor] = name
+                more.append((name, options))
+        if not more:
+            break
+        say(f"study: {len(more)} more runs: {', '.join(name for name, _ in more)}, where the "
+            f"best rate was the lowest or highest of its sweep", flush=True)
+        results.update(run_all(more, launcher, parallel, say, resume))
+        runs += more
     # each point's learning rate: the sweep's best (the only one without a sweep, where its
     # seeds ran already, diverged or not)
     chosen = {key: best_factor(sweep, results) if len(factors) > 1 else factors[0]
