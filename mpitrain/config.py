@@ -8,6 +8,7 @@ YAML keys are the option names with dashes or underscores (`batch-size: 64` or
 import json
 import os
 import platform
+import subprocess
 import time
 
 from .files import write_atomic
@@ -133,7 +134,8 @@ def environment(comm, device):
     import numpy
     from mpi4py import MPI
     hosts = sorted(set(comm.allgather(platform.node())))
-    env = dict(world_size=comm.size, nodes=len(hosts), ranks_per_node=comm.host_size,
+    env = dict(source=comm.bcast(source_version() if comm.rank == 0 else None),
+               world_size=comm.size, nodes=len(hosts), ranks_per_node=comm.host_size,
                hosts=hosts[:16] + ([f"... {len(hosts) - 16} more"] if len(hosts) > 16 else []),
                device=device, mpi_library=mpi_library(),
                mpi_standard=".".join(map(str, MPI.Get_version())), mpi4py=mpi4py.__version__,
@@ -142,6 +144,25 @@ def environment(comm, device):
     if device.startswith("cuda"):       # nothing GPU-related is imported on a CPU run
         env.update(gpu_environment())
     return env
+
+
+def source_version():
+    """The code that ran: `git describe --always --dirty` of the checkout holding this
+    package (a commit, "-dirty" when files differ from it), or where it is no git checkout
+    (or git is missing) the package's version."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty",
+                              "--abbrev=12"], capture_output=True, text=True, timeout=30)
+        if out.returncode == 0 and os.path.exists(os.path.join(root, ".git")):
+            return out.stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return f"mpitrain {version('mpitrain')}"
+    except PackageNotFoundError:
+        return None
 
 
 def gpu_environment():

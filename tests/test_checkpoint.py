@@ -311,6 +311,13 @@ def test_metrics_config_and_environment(straight_run):
     env = json.load(open(run_dir / "environment.json"))
     assert env["world_size"] == 2 and env["device"] == "cpu"
     assert mpi_family(env["mpi_library"]) == launcher.family(), env    # the venv's MPI
+    root = Path(checkpoint.__file__).parents[1]
+    head = subprocess.run(["git", "-C", root, "rev-parse", "--short=12", "HEAD"],
+                          capture_output=True, text=True)
+    if head.returncode == 0:                    # a checkout: the commit that ran
+        assert head.stdout.strip() in env["source"], env
+    else:
+        assert env["source"].startswith("mpitrain "), env
 
 
 @pytest.mark.launches
