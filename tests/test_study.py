@@ -235,6 +235,7 @@ def test_quick_study_end_to_end(tmp_path):
     assert float(sgd32["top1_mean"]) > 0.8                     # chance: 0.1
     markdown = (out / "results.md").read_text()
     assert markdown.count("\n| 512 |") == 4 and "lars-fp16" in markdown
+    assert re.search(r"; 12 runs in \d+:\d\d \(min:s\)\.\n", markdown)
     assert (out / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(out.glob("*.tmp*"))
     # every run's command, and one of them re-made: the same top-1, bit for bit
@@ -259,3 +260,5 @@ def test_quick_study_end_to_end(tmp_path):
     assert "11 of 12 runs ended in an earlier study" in r.stdout
     assert re.search(r"\[12/12 runs, 12/12 points\] lars-b128-s0", r.stdout)
     assert (out / "results.csv").read_text() == table
+    assert re.search(r"; 1 run in \d+:\d\d \(min:s\), 11 more kept from an earlier study "
+                     r"\(--resume\)\.\n", (out / "results.md").read_text())

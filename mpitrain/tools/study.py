@@ -334,7 +334,7 @@ def run_all(runs, launcher, parallel, say=print, resume=False):
     """Run every (name, options) of `runs`, `parallel` at a time; returns {name: result}.
     Prints a line as each run ends: runs and points done, elapsed time, estimated time left.
     resume: a run whose directory holds an earlier study's result for the same options
-    is not run again."""
+    is not run again (its result is marked kept)."""
     points = {}
     for name, _ in runs:
         points.setdefault(name.rsplit("-s", 1)[0], []).append(name)
@@ -344,7 +344,7 @@ def run_all(runs, launcher, parallel, say=print, resume=False):
         if kept is None:
             pending.append((name, options))
         else:
-            results[name] = kept
+            results[name] = dict(kept, kept=True)
     if results:
         say(f"study: {len(results)} of {len(runs)} runs ended in an earlier study with the "
             f"same options; their results are kept (--resume)", flush=True)
@@ -495,11 +495,19 @@ def write_whole(path, text):
     os.replace(path + ".tmp", path)
 
 
+def what_ran(results, seconds):
+    """How many runs this study ran and in how long, and how many it kept (--resume)."""
+    kept = sum(bool(r.get("kept")) for r in results.values())
+    ran = len(results) - kept
+    return (f"{ran} run{'s' * (ran != 1)} in {clock(seconds)} (min:s)"
+            + (f", {kept} more kept from an earlier study (--resume)" if kept else ""))
+
+
 def write_outputs(out, rows, lines, study_command, epochs, num_train, num_classes, data,
-                  seconds, recipes=None):
+                  ran, recipes=None):
     from mpitrain.tools.plot import plot_batch_study
     header = (f"`{study_command}`: {MODEL} on {data} ({num_train} training images), "
-              f"{epochs} epochs at every batch, {clock(seconds)} (min:s) in all.\n")
+              f"{epochs} epochs at every batch; {ran}.\n")
     swept = any(len(r["sweep"]) > 1 for r in rows)
     edges = [f"{r['config']} at {r['batch']}" for r in rows
              if len(r["sweep"]) > 1 and r["lr_factor"] in (min(r["sweep"]), max(r["sweep"]))]
@@ -622,9 +630,10 @@ def large_batch(data="digits", data_dir="data", out="runs/study-large-batch", qu
         r = results[name]
         lines.append(launcher.shell_line(options) + "  # " +
                      ("diverged" if r.get("diverged") else f"top-1 {r['top1']:.4f}"))
-    write_outputs(out, rows, lines, study_command, epochs, num_train, num_classes, data, seconds,
+    ran = what_ran({name: results[name] for name, _ in runs}, seconds)
+    write_outputs(out, rows, lines, study_command, epochs, num_train, num_classes, data, ran,
                   plan["recipes"])
     say(table_markdown(rows), flush=True)
-    say(f"study: {len(runs)} runs in {clock(seconds)} (min:s); wrote results.md, results.csv, "
+    say(f"study: {ran}; wrote results.md, results.csv, "
         f"accuracy.png and commands.sh in {out}", flush=True)
     return rows
