@@ -70,7 +70,7 @@ QUICK = dict(epochs=4, seeds=1)
 #               best (top-1 on the validation file) is the point's learning rate
 #   widen       while a point's best is the lowest or the highest factor it has tried,
 #               one more run at half or twice it, up to `widen` more on each side, so that
-#               the chosen rate has a worse one on either side of it
+#               no rate beside the chosen one is better
 #   decide      the batches whose best learning rate is run at `seeds` seeds ("all", or
 #               "ends": the smallest and the largest, which decide the conclusion)
 # Fashion-MNIST's plan: 63 sweep runs (7 recipes x 3 batches x 3 factors), those past the
@@ -155,10 +155,10 @@ def best_factor(sweep, results):
 
 def past_the_edge(sweep, results, lr_factors, widen):
     """The factor one step past the sweep's edge where its best run is at that edge (half
-    the lowest, twice the highest), None where the best has a worse run on either side or
-    the sweep has gone `widen` factors of 2 past lr_factors on that side. sweep: {factor:
-    run name} of one point; a diverged run counts as the worst, so a point where every run
-    diverged goes lower."""
+    the lowest, twice the highest); None where the runs on either side of the best are no
+    better, or the sweep has gone `widen` factors of 2 past lr_factors on that side.
+    sweep: {factor: run name} of one point; a diverged run counts as the worst, so a point
+    where every run diverged goes lower."""
     best = best_factor(sweep, results)
     low, high = min(sweep), max(sweep)
     if best in (None, low) and low > min(lr_factors) / 2 ** widen:
