@@ -2,6 +2,7 @@
 line of a run, the table's statistics, refused inputs, and the --quick study end to end
 (every recipe at every batch, a run re-made bit for bit from commands.sh)."""
 import csv
+import json
 import math
 import re
 import shlex
@@ -254,11 +255,19 @@ def test_quick_study_end_to_end(tmp_path):
     # comes out the same
     table = (out / "results.csv").read_text()
     (out / "runs" / "lars-b128-s0" / study.RESULT_FILE).unlink()
+    env_file = out / "runs" / "sgd-b32-s0" / "environment.json"     # one kept run's code
+    env = json.loads(env_file.read_text())
+    assert env["source"] and env["source"] != "0123456789ab"
+    env_file.write_text(json.dumps(dict(env, source="0123456789ab")))
     r = run_study("--quick", "--epochs", "2", "--resume", "--out", str(out), "--data-dir",
                   str(tmp_path / "data"), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "11 of 12 runs ended in an earlier study" in r.stdout
+    other = (f", 1 of them made by other code than this checkout's ({env['source']}): "
+             f"0123456789ab")
+    assert other in r.stdout
     assert re.search(r"\[12/12 runs, 12/12 points\] lars-b128-s0", r.stdout)
     assert (out / "results.csv").read_text() == table
+    header = (out / "results.md").read_text()
     assert re.search(r"; 1 run in \d+:\d\d \(min:s\), 11 more kept from an earlier study "
-                     r"\(--resume\)\.\n", (out / "results.md").read_text())
+                     r"\(--resume\)" + re.escape(other) + r"\.\n", header)

@@ -330,6 +330,25 @@ def kept_result(options):
     return record["result"] if record.get("options") == options else None
 
 
+def recorded_source(run_dir):
+    """The code a run was made by, as its environment.json records it (None: not recorded)."""
+    try:
+        with open(os.path.join(run_dir, "environment.json")) as f:
+            return json.load(f).get("source")
+    except (OSError, ValueError):
+        return None
+
+
+def other_code(results):
+    """', N of them made by other code than this checkout's (...): ...' for the kept runs
+    of `results` whose recorded code is not this checkout's; '' where there is none."""
+    from mpitrain.config import source_version
+    code = source_version()
+    other = [r["source"] for r in results.values() if r.get("kept") and r["source"] != code]
+    return (f", {len(other)} of them made by other code than this checkout's ({code}): "
+            f"{', '.join(sorted({s or 'not recorded' for s in other}))}" if other else "")
+
+
 def run_all(runs, launcher, parallel, say=print, resume=False):
     """Run every (name, options) of `runs`, `parallel` at a time; returns {name: result}.
     Prints a line as each run ends: runs and points done, elapsed time, estimated time left.
@@ -344,10 +363,11 @@ def run_all(runs, launcher, parallel, say=print, resume=False):
         if kept is None:
             pending.append((name, options))
         else:
-            results[name] = dict(kept, kept=True)
+            results[name] = dict(kept, kept=True, source=recorded_source(options["run_dir"]))
     if results:
         say(f"study: {len(results)} of {len(runs)} runs ended in an earlier study with the "
-            f"same options; their results are kept (--resume)", flush=True)
+            f"same options; their results are kept (--resume){other_code(results)}",
+            flush=True)
     start = time.monotonic()
     try:
         while pending or running:
@@ -500,7 +520,9 @@ def what_ran(results, seconds):
     kept = sum(bool(r.get("kept")) for r in results.values())
     ran = len(results) - kept
     return (f"{ran} run{'s' * (ran != 1)} in {clock(seconds)} (min:s)"
-            + (f", {kept} more kept from an earlier study (--resume)" if kept else ""))
+            + (f", {kept} {'more ' * (ran > 0)}kept from an earlier study (--resume)"
+               f"{other_code(results)}"
+               if kept else ""))
 
 
 def write_outputs(out, rows, lines, study_command, epochs, num_train, num_classes, data,
