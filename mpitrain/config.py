@@ -13,7 +13,7 @@ import time
 
 from .files import write_atomic
 
-
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # holds the package
 RUNS = "runs"        # where runs go without --run-dir: runs/<timestamp>
 
 
@@ -146,11 +146,10 @@ def environment(comm, device):
     return env
 
 
-def source_version():
-    """The code that ran: `git describe --always --dirty` of the checkout holding this
-    package (a commit, "-dirty" when files differ from it), or where it is no git checkout
-    (or git is missing) the package's version."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def source_version(root=CHECKOUT):
+    """The code that ran: `git describe --always --dirty` of the checkout `root` (a commit,
+    "-dirty" when files differ from it), or where it is no git checkout (or git is
+    missing) the installed package's version."""
     try:
         out = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty",
                               "--abbrev=12"], capture_output=True, text=True, timeout=30)

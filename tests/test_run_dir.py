@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from launcher import BackgroundJob, environment, mpitrain_command
-from mpitrain.config import RunDirInUse, RunLock
+from mpitrain.config import RunDirInUse, RunLock, source_version
 
 JOB = ("train", "--batch-size", "64", "--seed", "5")
 
@@ -140,3 +140,23 @@ def test_eval_predict_and_export_take_a_run_directory(used, digits, tmp_path):
     assert r.stderr == (f"python -m mpitrain predict: error: run directory {empty} holds no "
                         f"complete checkpoint: give a checkpoint file, or train (or --resume) "
                         f"the run to its first checkpoint\n")
+
+
+def test_the_code_that_ran_is_its_commit_dirty_when_changed_or_the_package_version(tmp_path):
+    """environment.json's `source`: a checkout's commit, "-dirty" once a tracked file
+    differs from it; a folder that is no checkout (even inside one) gives the version."""
+    from importlib.metadata import version
+    repo = tmp_path / "checkout"
+    repo.mkdir()
+    (repo / "a.py").write_text("x = 1\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["add", "a.py"], ["commit", "-q", "-m", "a"]):
+        subprocess.run(git + args, check=True, capture_output=True)
+    head = subprocess.run(git + ["rev-parse", "--short=12", "HEAD"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    assert source_version(str(repo)) == head
+    (repo / "a.py").write_text("x = 2\n")
+    assert source_version(str(repo)) == head + "-dirty"
+    (repo / "inner").mkdir()
+    assert source_version(str(repo / "inner")) == f"mpitrain {version('mpitrain')}"
+    assert source_version(str(tmp_path)) == f"mpitrain {version('mpitrain')}"
