@@ -487,8 +487,8 @@ def add_study(commands):
                     "rate chosen by a sweep of "
                     f"{', '.join(f'{f:g}' for f in fashion['lr_factors'])} times its rule at "
                     "every batch (sweep.csv), carried on by factors of 2 past an edge where "
-                    f"the best is there (up to {fashion['widen']} more on each side), then 3 seeds at the best of the smallest and largest "
-                    "batch, 3 epochs.",
+                    f"the best is there (up to {fashion['widen']} more on each side), then 3 "
+                    "seeds at the best of the smallest and largest batch, 3 epochs.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(large, DATA_OPTIONS)
     large.add_argument("--augment", action=argparse.BooleanOptionalAction,

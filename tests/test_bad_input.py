@@ -169,7 +169,8 @@ def test_a_run_directory_that_is_a_file_or_read_only(digits, tmp_path):
     # only where the file system refuses; a chmod would not stop root)
     locked = "/proc/sys"
     if not os.path.isdir(locked) or os.access(locked, os.W_OK):
-        pytest.skip("no read-only directory to try (Linux's /proc/sys)")
+        pytest.skip("NOT TESTED: a read-only --run-dir (the file case above passed): no "
+                    "directory here refuses writes to root as Linux's /proc/sys does")
     r = quick("train", "--data-dir", str(digits), *BATCH, "--run-dir", locked)
     refused(r, f"--run-dir {locked} is not writable")
 
