@@ -47,5 +47,5 @@ setup(
         # `python -m mpitrain export`: one package per format (no torch needed)
         "export": ["safetensors>=0.4", "onnx>=1.14"],
     },
-    entry_points={"console_scripts": ["mpitrain=mpitrain.cli:run"]},
+    entry_points={"console_scripts": ["mpitrain=mpitrain.__main__:main"]},
 )

@@ -822,7 +822,7 @@ def run_plot(args):
 
 
 def run(argv=None):
-    """The entry point of both `python -m mpitrain` and the installed `mpitrain` script:
+    """What `python -m mpitrain` and the installed `mpitrain` script run (mpitrain/__main__.py):
     main(), and when it fails on any rank, the end of the whole job.
 
     Without the Abort, one rank dying inside a training step (or stopped by Ctrl-C

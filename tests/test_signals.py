@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -90,13 +91,15 @@ def test_sigusr1_before_the_first_step_stops_at_it(tmp_path, digits):
     assert (epoch, step) == ("1", "1") and checkpoint.read(path)["step"] == 1, out
 
 
-def test_train_keeps_a_sigusr1_before_it_imports_the_command_line():
-    """`python -m mpitrain train` sets its SIGUSR1 handler (control.record_early) before it
-    imports mpitrain.cli, whose imports (the networks, Numba) take about a second in which
-    the signal's default action would end the process."""
-    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "mpitrain", "train",
-                        "--help"], capture_output=True, text=True, timeout=120,
-                       env=environment(1))
+@pytest.mark.parametrize("entry", ["python -m mpitrain", "the installed script"])
+def test_train_keeps_a_sigusr1_before_it_imports_the_command_line(entry):
+    """`mpitrain train`, run either way, sets its SIGUSR1 handler (control.record_early)
+    before it imports mpitrain.cli, whose imports (the networks, Numba) take about a second
+    in which the signal's default action would end the process."""
+    script = os.path.join(sysconfig.get_path("scripts"), "mpitrain")
+    start = ["-m", "mpitrain"] if entry == "python -m mpitrain" else [script]
+    r = subprocess.run([sys.executable, "-X", "importtime", *start, "train", "--help"],
+                       capture_output=True, text=True, timeout=120, env=environment(1))
     assert r.returncode == 0, r.stdout + r.stderr
     loaded = [line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines()
               if line.startswith("import time:")]
