@@ -24,7 +24,7 @@ from numba.extending import register_jitable
 from mpitrain.backend import array_module
 from mpitrain.kernels.segments import cuda_shape, launch
 
-from .augment import Augment, decode, filter_taps, image_size
+from .augment import Augment, decode, filter_taps
 
 
 @register_jitable
@@ -92,14 +92,20 @@ class BatchAugment:
 
     def __init__(self, augment: Augment):
         self.augment = augment
-        self._decoder = None
+        self._decoder = self._params = None     # nvImageCodec's, made on first use
 
-    def __call__(self, records, rngs, out):
+    def __call__(self, records, rngs, out, images=None):
         """Write the records (encoded bytes, each with its generator in `rngs`; training
         draws from it as Augment does) into out (N, S, S, 3), float32 or (on a GPU)
-        float16. Returns out."""
+        float16. images: the records' pixels as `decode` gives them, where the caller has
+        decoded them already. Returns out."""
         xp = array_module(out)
-        args = self.arguments(records, rngs, out.shape[1], xp)
+        if images is None:
+            images = self.decode(records, xp)
+        bad = [i for i, im in enumerate(images) if im is None]
+        if bad:
+            raise ValueError(f"records at batch positions {bad} do not decode")
+        args = self.arguments(images, rngs, out.shape[1], xp)
         if xp is np:
             _crop_cpu(*args, out)
         else:
@@ -107,18 +113,19 @@ class BatchAugment:
             launch(_crop_cuda, min(-(-out.size // 3 // threads), 65535), threads, *args, out)
         return out
 
-    def arguments(self, records, rngs, S, xp):
+    def arguments(self, images, rngs, S, xp):
         """The kernels' arguments but `out`, in xp's memory: the decoded pixels end to end
-        and each image's offset, width, taps and flip, and the normalisation."""
+        and each image's offset, width, taps and flip, and the normalisation. An image's
+        size is that of its pixels, which is its header's (decode keeps the stored
+        orientation)."""
         a = self.augment
         sizes, boxes, flips = [], [], []
-        for record, rng in zip(records, rngs):
-            width, height = image_size(record, a.turbo)
+        for image, rng in zip(images, rngs):
+            height, width = image.shape[:2]
             flip, box = a.draw(width, height, rng)
             sizes.append((width, height))
             boxes.append(box)
             flips.append(flip)
-        images = self.decode(records, xp)
         offsets = np.cumsum([0] + [im.size for im in images[:-1]]).astype(np.int64)
         (yf, yc, yw), (xf, xc, xw) = taps(boxes, sizes, S)
         pixels = xp.concatenate([im.reshape(-1) for im in images])
@@ -127,15 +134,59 @@ class BatchAugment:
             np.array(flips, np.uint8), a.mean.astype(np.float32), a.inv_std.astype(np.float32))]
 
     def decode(self, records, xp):
-        """(H, W, 3) uint8 pixels of each record: nvImageCodec's batch decode on the GPU,
-        augment.decode on the host."""
+        """(H, W, 3) uint8 pixels of each record, None for one that does not decode:
+        nvImageCodec's batch decode on the GPU (on the current stream, which then orders
+        the crop kernel after it and frees the decoded buffers after that), augment.decode
+        on the host. Neither turns an image by its EXIF orientation, as the CPU loader
+        does not."""
         if xp is np:
-            return [decode(r, turbo=self.augment.turbo) for r in records]
+            return [_decode_or_none(r, self.augment.turbo) for r in records]
+        import cupy
+        from nvidia import nvimgcodec
         if self._decoder is None:
-            from nvidia import nvimgcodec
-            self._decoder = nvimgcodec.Decoder()
-        images = self._decoder.decode([bytes(r) for r in records])
-        bad = [i for i, im in enumerate(images) if im is None]
-        if bad:
-            raise ValueError(f"nvImageCodec could not decode records at batch positions {bad}")
-        return [xp.asarray(im) for im in images]
+            self._decoder = gpu_decoder()
+            self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False)
+        images = self._decoder.decode([bytes(r) for r in records], params=self._params,
+                                      cuda_stream=cupy.cuda.get_current_stream().ptr)
+        return [None if im is None else xp.asarray(im) for im in images]
+
+
+# nvImageCodec's backends that decode on the GPU (nvJPEG's: on the GPU alone, with the
+# Huffman decoding on the host, on the GPU's JPEG engine); never its CPU decoders
+GPU_BACKENDS = ("GPU_ONLY", "HYBRID_CPU_GPU", "HW_GPU_ONLY")
+
+
+def gpu_decoder():
+    """An nvImageCodec decoder on the current GPU, with GPU_BACKENDS only."""
+    from nvidia import nvimgcodec
+    return nvimgcodec.Decoder(backends=[nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, k))
+                                        for k in GPU_BACKENDS])
+
+
+def gpu_decoder_problem():
+    """None when nvImageCodec decodes a JPEG on the current GPU, else what is missing."""
+    try:
+        from nvidia import nvimgcodec  # noqa: F401
+    except ImportError:
+        return ("--decode gpu needs nvImageCodec: pip install 'nvidia-nvimgcodec-cu13[nvjpeg]' "
+                "(or -cu12), or the gpu-cu13 extra")
+    import io
+
+    from PIL import Image
+    probe = io.BytesIO()
+    Image.new("RGB", (16, 16), (128, 128, 128)).save(probe, "JPEG")
+    try:
+        image = gpu_decoder().decode([probe.getvalue()])[0]
+    except Exception as e:      # the library's own failure, named
+        return f"--decode gpu: nvImageCodec fails on this GPU ({type(e).__name__}: {e})"
+    if image is None:
+        return ("--decode gpu: nvImageCodec decodes no JPEG on this GPU, so nvJPEG is missing: "
+                "pip install nvidia-nvjpeg (CUDA 13) or nvidia-nvjpeg-cu12 (CUDA 12)")
+    return None
+
+
+def _decode_or_none(record, turbo):
+    try:
+        return decode(record, turbo=turbo)
+    except Exception:           # any failure of the decoders: the record is bad
+        return None

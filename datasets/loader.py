@@ -127,8 +127,7 @@ class Loader:
     it), `last_wait` that of the last batch. Call `close()` (or use `with`) to
     stop the workers. `pinned=True` allocates the ring in page-locked host memory (CuPy), so
     the trainer can copy it to the GPU asynchronously. decode="gpu": the ring is on the
-    current GPU and the workers decode there (see the module docstring); a record that
-    fails to decode then always raises.
+    current GPU and the workers decode there (see the module docstring).
     """
 
     def __init__(self, path, global_batch, rank=0, size=1, train=True, image_size=224,
@@ -367,34 +366,55 @@ class Loader:
             self.device.use()                   # CuPy's current device is per thread
             local.stream = cupy.cuda.Stream(non_blocking=True)
             local.batch = BatchAugment(self.augment)
-        records, rngs = [], []
-        for i in indices:
-            r = int(i)
-            records.append(reader.record(r))
-            rngs.append(np.random.default_rng([self.seed, epoch, r]))
-            self.y[k, lo + len(records) - 1] = self.labels[r]
         with self._lock:
             freed = self._freed[k]
         with local.stream:
-            if freed is not None:
+            records, rngs, labels, images = self._decoded(
+                reader, epoch, indices, k, lambda batch: local.batch.decode(batch, cupy))
+            self.y[k, lo:hi] = labels
+            if freed is not None:               # the decode wrote buffers of its own
                 local.stream.wait_event(freed)
-            try:
-                local.batch(records, rngs, self.x[k, lo:hi])
-            except Exception as e:
-                raise DataError(f"{self.path}: records {[int(i) for i in indices]} cannot be "
-                                f"decoded on the GPU ({type(e).__name__}: {e})") from e
+            local.batch(records, rngs, self.x[k, lo:hi], images)
             event = local.stream.record()
         with self._lock:
             self._filled[k].append(event)
 
+    def _decoded(self, reader, epoch, indices, slot, decode):
+        """The records of `indices` decoded together by `decode` (a list of records to a
+        list of pixels, None for a record that does not decode), a bad one replaced as
+        _load replaces it: (records, their generators, their labels, their pixels)."""
+        def alone(r):
+            pixels = decode([reader.record(r)])[0]
+            if pixels is None:
+                raise ValueError("the batch decoder cannot decode it")
+            return pixels
+
+        rs = [int(i) for i in indices]
+        records = [reader.record(r) for r in rs]
+        images = decode(records)
+        for j in range(len(rs)):
+            if images[j] is None:
+                rs[j], images[j] = self._first_good(rs[j], slot, alone)
+                records[j] = reader.record(rs[j])
+        rngs = [np.random.default_rng([self.seed, epoch, r]) for r in rs]
+        return records, rngs, self.labels[rs], images
+
     def _load(self, reader, i, epoch, out, slot):
         """Decode and augment record i into out (in ring slot `slot`); returns its label."""
+        r, _ = self._first_good(i, slot, lambda r: self.augment(
+            reader.record(r), out, np.random.default_rng([self.seed, epoch, r])))
+        return self.labels[r]
+
+    def _first_good(self, i, slot, attempt):
+        """(r, attempt(r)) for the first record r of i, i + 1, ... (in file order, round
+        the end) on which attempt does not raise. A record it raises on is a DataError
+        without skip_bad_records; with it, the record is counted for ring slot `slot`
+        and the next one tried, up to 100."""
         n = len(self.labels)
         for tries in range(min(n, 100)):
             r = (i + tries) % n
             try:
-                self.augment(reader.record(r), out, np.random.default_rng([self.seed, epoch, r]))
-                return self.labels[r]
+                return r, attempt(r)
             except Exception as e:
                 if not self.skip_bad_records:
                     raise DataError(f"{self.path}: record {r} cannot be decoded "

@@ -159,15 +159,10 @@ def check_decode(cfg, device):
     if device == "cpu":
         raise ConfigError("--decode gpu decodes on the GPU, and this run is on the CPU: add "
                           "--device gpu, or drop --decode gpu")
-    if cfg.skip_bad_records:
-        raise ConfigError("--decode gpu decodes a batch's records together and cannot skip "
-                          "one: drop --skip-bad-records, or decode on the CPU")
-    try:
-        from nvidia import nvimgcodec  # noqa: F401
-    except ImportError:
-        raise ConfigError("--decode gpu needs nvImageCodec: pip install "
-                          "'nvidia-nvimgcodec-cu13[nvjpeg]' (or -cu12), or the gpu-cu13 "
-                          "extra") from None
+    from mpitrain.datasets.batch_augment import gpu_decoder_problem
+    problem = gpu_decoder_problem()
+    if problem:
+        raise ConfigError(problem)
     return "gpu"
 
 

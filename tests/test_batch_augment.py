@@ -73,7 +73,7 @@ def simulated_kernel():
     recs = records(2, (40, 30))
     batch = BatchAugment(Augment(6, MEAN, STD, train=True, scale=(0.3, 1.0)))
     rngs = lambda: [np.random.default_rng([1, i]) for i in range(2)]   # noqa: E731
-    args = batch.arguments(recs, rngs(), 6, np)
+    args = batch.arguments(batch.decode(recs, np), rngs(), 6, np)
     want, got = np.empty((2, 6, 6, 3), np.float32), np.empty((2, 6, 6, 3), np.float32)
     _crop_cpu(*args, want)
     _crop_cuda[2, 32](*args, got)
@@ -85,12 +85,38 @@ def test_the_cuda_kernel_under_the_simulator():
     under_cuda_simulator("test_batch_augment", "simulated_kernel")
 
 
+def turned(record):
+    """record (a JPEG) again, with EXIF's orientation 6 (shown turned 90 degrees): its
+    stored pixels and size are the record's."""
+    import io
+
+    from PIL import Image
+    image = Image.open(io.BytesIO(record))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    out = io.BytesIO()
+    image.save(out, "JPEG", quality=95, exif=exif)
+    return out.getvalue()
+
+
+def test_an_image_keeps_its_stored_orientation():
+    """The host decode (the CPU loader's, and the reference for nvImageCodec's) does not
+    turn an image by its EXIF orientation: its size is its header's."""
+    rec = turned(records(1, (50, 30))[0])
+    assert BatchAugment(Augment(8, MEAN, STD)).decode([rec], np)[0].shape == (30, 50, 3)
+
+
 @pytest.mark.gpu
 def test_nvimagecodec_batches_on_the_gpu_against_the_host_decode():
     """The same batch decoded by nvImageCodec and transformed on the GPU in fp16, and on
-    the host: within the decoders' rounding and fp16's."""
+    the host: within the decoders' rounding and fp16's; an image with an EXIF orientation
+    is not turned on either."""
     import cupy
+
+    from mpitrain.datasets.batch_augment import gpu_decoder_problem
+    assert gpu_decoder_problem() is None
     recs = records(8, (500, 375))
+    recs[3] = turned(recs[3])
     batch = BatchAugment(Augment(96, MEAN, STD, train=True))
     rngs = lambda: [np.random.default_rng([2, i]) for i in range(8)]   # noqa: E731
     host = batch(recs, rngs(), np.empty((8, 96, 96, 3), np.float32))
@@ -99,16 +125,44 @@ def test_nvimagecodec_batches_on_the_gpu_against_the_host_decode():
     assert grey.mean() < 1 and grey.max() < 16, (grey.mean(), grey.max())
 
 
-@pytest.mark.parametrize("device,options,message", [
-    ("cpu", {}, "this run is on the CPU: add --device gpu"),
-    ("cuda:0", {"skip_bad_records": True}, "cannot skip one: drop --skip-bad-records"),
-])
-def test_decoding_on_the_gpu_is_refused_where_it_cannot_work(device, options, message):
+def test_decoding_on_the_gpu_is_refused_on_the_cpu():
     from mpitrain.checks import ConfigError, check_decode
     from mpitrain.options import Config
-    with pytest.raises(ConfigError, match=message):
-        check_decode(Config(decode="gpu", **options), device)
-    assert check_decode(Config(decode="cpu", **options), device) == "cpu"
+    with pytest.raises(ConfigError, match="this run is on the CPU: add --device gpu"):
+        check_decode(Config(decode="gpu"), "cpu")
+    assert check_decode(Config(decode="cpu"), "cpu") == "cpu"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_batch_replaces_a_bad_record_as_the_cpu_loader_does(tmp_path, skip):
+    """Loader._decoded, which gathers the GPU loader's records (here with the host's
+    decode): with skip_bad_records each record that does not decode is replaced by the
+    next in file order that does, and counted, as the CPU loader replaces it: the same
+    labels, bad records and count, pixels within the decoders' rounding. Without it the
+    first bad record is a DataError that names it."""
+    from test_data import jpeg_file
+
+    from mpitrain.datasets.loader import DataError
+    path = jpeg_file(str(tmp_path / "corrupt.h5"), n=12, corrupt={3, 4, 7})
+    common = dict(train=True, image_size=32, workers=0, seed=5, skip_bad_records=skip)
+    with Loader(path, 12, **common) as cpu, Loader(path, 12, **common) as batched, \
+            Reader(path) as reader:
+        batch = BatchAugment(batched.augment)
+        indices = batched.sampler.epoch_indices(0)[0]
+        args = (reader, 0, indices, 0, lambda recs: batch.decode(recs, np))
+        if not skip:
+            with pytest.raises(DataError, match=r"corrupt.h5: record [347] cannot be decoded "
+                                                r".*train with --skip-bad-records"):
+                batched._decoded(*args)
+            return
+        records, rngs, labels, images = batched._decoded(*args)
+        x, y = next(iter(cpu))
+        out = batch(records, rngs, np.empty_like(x), images)
+    np.testing.assert_array_equal(labels, y)
+    assert batched.bad_indices == cpu.bad_indices == {3, 4, 7}
+    assert batched._slot_bad[0] == cpu.skipped == 4     # 3 and 4 for 3, 4 for 4, 7 for 7
+    grey = np.abs(out - x) * cpu.std
+    assert grey.mean() < 1.5 and grey.max() < 12, (grey.mean(), grey.max())
 
 
 def test_train_with_decode_gpu_on_the_cpu_exits_2_with_nothing_written(tmp_path):
@@ -124,15 +178,19 @@ def test_train_with_decode_gpu_on_the_cpu_exits_2_with_nothing_written(tmp_path)
 @pytest.mark.gpu
 @pytest.mark.parametrize("train", [True, False])
 def test_the_loader_decoding_on_the_gpu_against_the_cpu_loader(tmp_path, train):
-    """Three epochs' first batches from Loader(decode="gpu") (the ring on the device, two
-    workers on their own streams) against the CPU loader's: the same labels, pixels within
-    the decoders' rounding."""
+    """An epoch's three batches from Loader(decode="gpu") (the ring on the device, two
+    workers on their own streams) against the CPU loader's, with two bad records skipped:
+    the same labels and skips, pixels within the decoders' rounding."""
     import cupy
+    import h5py
 
     from mpitrain import backend
     path = str(tmp_path / "s.h5")
     convert_synthetic(path, 48, (500, 375), classes=4)
-    common = dict(train=train, image_size=64, workers=2, seed=7)
+    with h5py.File(path, "r+") as f:
+        for i in (5, 30):
+            f["images"][f["offsets"][i]:f["offsets"][i + 1]] = 1
+    common = dict(train=train, image_size=64, workers=2, seed=7, skip_bad_records=True)
     try:
         backend.use_device("gpu")
         with Loader(path, 16, decode="gpu", **common) as gpu_loader, \
@@ -142,5 +200,7 @@ def test_the_loader_decoding_on_the_gpu_against_the_cpu_loader(tmp_path, train):
                 np.testing.assert_array_equal(yg, yc)
                 grey = np.abs(cupy.asnumpy(xg) - xc) * cpu_loader.std
                 assert grey.mean() < 1.5 and grey.max() < 12, (grey.mean(), grey.max())
+            assert gpu_loader.bad_indices == cpu_loader.bad_indices == {5, 30}
+            assert gpu_loader.skipped == cpu_loader.skipped == 2
     finally:
         backend.use_device("cpu")
