@@ -152,13 +152,21 @@ def resolve_data(cfg, comm, need_val=True):
     return train_file, val_file, {**transform, **augment_options(cfg)}
 
 
-def check_decode(cfg, device):
-    """cfg's --decode ("cpu" or "gpu"), refused where it cannot work on `device`."""
+def check_decode(cfg, device, files=()):
+    """cfg's --decode ("cpu" or "gpu"), refused where it cannot work on `device` or on
+    the data `files`."""
     if cfg.decode == "cpu":
         return "cpu"
     if device == "cpu":
         raise ConfigError("--decode gpu decodes on the GPU, and this run is on the CPU: add "
                           "--device gpu, or drop --decode gpu")
+    from mpitrain.datasets.h5format import Reader
+    for path in files:
+        with Reader(path) as reader:
+            if reader.storage != "encoded":
+                raise ConfigError(f"--decode gpu decodes JPEG records, and {path} holds "
+                                  f"decoded pixels (as the bundled data sets do): drop "
+                                  f"--decode gpu")
     from mpitrain.datasets.batch_augment import gpu_decoder_problem
     problem = gpu_decoder_problem()
     if problem:

@@ -784,15 +784,18 @@ def run_predict(args):
 
 
 def gpu_decode_or_refuse(args):
-    """bench data --device gpu: this process on a GPU, with nvImageCodec, as train
-    --decode gpu checks them (the refusal names what is missing)."""
+    """bench data --device gpu, bench step --data --decode gpu: this process on a GPU,
+    with nvImageCodec, and --data of JPEG records, as train --decode gpu checks them (the
+    refusal names what is missing)."""
     from mpitrain import backend
     from mpitrain.checks import ConfigError, check_decode
+    from mpitrain.datasets.h5format import FormatError
     from mpitrain.options import Config
     try:
         backend.use_device("gpu")
-        check_decode(Config(decode="gpu"), backend.device)
-    except (backend.DeviceError, ConfigError) as e:
+        check_decode(Config(decode="gpu"), backend.device,
+                     [path for path in (args.data,) if os.path.exists(path)])
+    except (backend.DeviceError, ConfigError, FormatError) as e:
         args.command_parser.error(str(e))
 
 

@@ -383,11 +383,11 @@ class Run:
         """The run's data (RunData): its files, checked, and what they hold."""
         cfg, size = self.cfg, self.comm.size
         train_file, val_file, transform = resolve_data(cfg, self.comm)
-        decode = check_decode(cfg, backend.device)
         working = np.float16 if cfg.precision == "fp16" else None
         num_train, class_names, image_size, normalise = describe_data(
             train_file, val_file, cfg.image_size, cfg.batch_size // size, cfg.workers,
             cfg.prefetch, working or np.float32)
+        decode = check_decode(cfg, backend.device, (train_file, val_file))
         check_batch(cfg.batch_size, size, num_train)
         return RunData(train_file, val_file, transform, decode, working, class_names,
                        image_size, normalise)

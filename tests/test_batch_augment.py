@@ -125,12 +125,17 @@ def test_nvimagecodec_batches_on_the_gpu_against_the_host_decode():
     assert grey.mean() < 1 and grey.max() < 16, (grey.mean(), grey.max())
 
 
-def test_decoding_on_the_gpu_is_refused_on_the_cpu():
+def test_decoding_on_the_gpu_is_refused_where_it_cannot_work(digits):
+    """On the CPU, and (before anything of the GPU's is asked) on records of pixels."""
     from mpitrain.checks import ConfigError, check_decode
     from mpitrain.options import Config
     with pytest.raises(ConfigError, match="this run is on the CPU: add --device gpu"):
         check_decode(Config(decode="gpu"), "cpu")
     assert check_decode(Config(decode="cpu"), "cpu") == "cpu"
+    pixels = str(digits / "digits_train.h5")
+    with pytest.raises(ConfigError, match=f"--decode gpu decodes JPEG records, and {pixels} "
+                                          f"holds decoded pixels .* drop --decode gpu"):
+        check_decode(Config(decode="gpu"), "cuda:0", [pixels])
 
 
 @pytest.mark.parametrize("skip", [True, False])
