@@ -157,10 +157,13 @@ GPU_BACKENDS = ("GPU_ONLY", "HYBRID_CPU_GPU", "HW_GPU_ONLY")
 
 
 def gpu_decoder():
-    """An nvImageCodec decoder on the current GPU, with GPU_BACKENDS only."""
+    """An nvImageCodec decoder on the current GPU, with GPU_BACKENDS only and one host
+    thread: each loader worker has its own, so --workers is the number of host threads
+    that decode, as on the CPU (the library's default, a thread per core for every
+    decoder, would start workers x cores)."""
     from nvidia import nvimgcodec
-    return nvimgcodec.Decoder(backends=[nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, k))
-                                        for k in GPU_BACKENDS])
+    return nvimgcodec.Decoder(max_num_cpu_threads=1, backends=[
+        nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, k)) for k in GPU_BACKENDS])
 
 
 def gpu_decoder_problem():
