@@ -538,6 +538,8 @@ def environment():
     from mpitrain.config import gpu_environment
     backend.use_device("gpu")
     out["report"] = gpu_environment()
+    from mpitrain.datasets.batch_augment import gpu_decoder_problem
+    out["gpu_decode"] = gpu_decoder_problem() or "works"     # what the data steps need
     out["passed"] = True
     try:
         import torch
@@ -705,7 +707,7 @@ def _detail(name, s):
                 f"(frontend {r.get('cudnn_frontend')}"
                 f"{'' if r.get('cudnn_reason') is None else '; not used: ' + r['cudnn_reason']}"
                 f"{'' if r.get('cudnn_fp16_reason') is None else '; fp16: ' + r['cudnn_fp16_reason']}), "
-                f"MPI {s.get('mpi')}, torch {s.get('torch')}")
+                f"MPI {s.get('mpi')}, torch {s.get('torch')}, --decode gpu: {s.get('gpu_decode')}")
     if name == "tests" and "counts" in s:
         c = s["counts"]
         return f": {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped"
