@@ -793,8 +793,8 @@ def gpu_decode_or_refuse(args):
     from mpitrain.options import Config
     try:
         backend.use_device("gpu")
-        check_decode(Config(decode="gpu"), backend.device,
-                     [path for path in (args.data,) if os.path.exists(path)])
+        check_decode(Config(decode="gpu"), backend.device,     # a missing file: said later
+                     [args.data] if os.path.exists(args.data) else [])
     except (backend.DeviceError, ConfigError, FormatError) as e:
         args.command_parser.error(str(e))
 
