@@ -221,9 +221,14 @@ def save_json(path, data):
 
 
 def describe(title, data, width=100):
-    """`title: key=value key=value ...` wrapped to `width` columns, for rank 0 to print."""
-    import textwrap
-    items = " ".join(f"{k}={' '.join(str(v).split())!r}" if len(str(v).split()) > 1 else f"{k}={v}"
-                     for k, v in sorted(data.items()))
-    return textwrap.fill(items, width, initial_indent=f"{title}: ", subsequent_indent="  ",
-                         break_long_words=False, break_on_hyphens=False)
+    """`title: key=value key=value ...` wrapped to `width` columns, for rank 0 to print. A
+    value with spaces is quoted, its runs of spaces made one, and never split across lines:
+    a line breaks between items only (an item longer than a line overruns it)."""
+    items = [f"{k}={' '.join(str(v).split())!r}" if len(str(v).split()) > 1 else f"{k}={v}"
+             for k, v in sorted(data.items())]
+    lines = [f"{title}:"]
+    for item in items:
+        if len(lines[-1]) + 1 + len(item) > width and lines[-1] != f"{title}:":
+            lines.append(" ")
+        lines[-1] += " " + item
+    return "\n".join(lines)

@@ -65,6 +65,17 @@ def test_default_job_reaches_95_percent(tmp_path):
     assert " model=" not in config and "allreduce=" not in config
     assert re.search(r"epoch 8/8 .* s since the start\)", r.stdout), r.stdout
     assert "\\x00" not in r.stdout
+    # the MPI library's name, a value with spaces, quoted whole on one line
+    assert re.search(r"\bmpi_library='(MPICH|Open MPI)[^'\n]*'", r.stdout), r.stdout
+
+
+def test_a_start_line_wraps_between_values_never_inside_one():
+    from mpitrain.config import describe
+    data = {"a": "x " * 30, "b": "MPICH Version:      5.0.2", "c": 3, "d": "y" * 120}
+    text = describe("environment", data, width=40)
+    assert text.split("\n") == [f"environment: a={' '.join(['x'] * 30)!r}",
+                                 "  b='MPICH Version: 5.0.2' c=3", f"  d={'y' * 120}"]
+    assert describe("title", {"k": 1, "m": "two words"}) == "title: k=1 m='two words'"
 
 
 @pytest.mark.launches
