@@ -518,7 +518,12 @@ gpu_check() {
 command=${1:-default}
 case $command in
     setup) IN_JOB=""; setup ;;   # asked for: installs even inside an allocation
-    default) setup; run_mpi train ;;
+    default)
+        setup
+        # its data/ and runs/ are the checkout's, whatever the caller's directory
+        [[ "$CALLER" -ef "$ROOT" ]] || echo "launch.sh: the main job runs in the checkout," \
+            "$ROOT: the paths it prints (data/, runs/) are there"
+        run_mpi train ;;
     test) setup; run_tests all ;;
     test-mpi) setup; run_tests mpi ;;
     gpu-check) shift; gpu_check "$@" ;;

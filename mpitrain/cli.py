@@ -19,6 +19,16 @@ from .options import BY_NAME, DEFAULTS, IMAGE_SIZE, add_arguments
 REFUSAL_GRACE = 1.0     # seconds the other ranks wait before exiting on a refusal
 
 
+class Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help where the default says something: not for a
+    flag, an option without one (None, or an empty list), or a help that words its own."""
+
+    def _get_help_string(self, action):
+        if action.nargs == 0 or action.default in (None, ()) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, saying a bad command line once and last: under mpirun every rank parses
     it, and only the launcher's rank 0 prints the message (all exit with status 2, the
@@ -29,7 +39,14 @@ class Parser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)    # --epoch is not --epochs
+        kwargs.setdefault("formatter_class", Help)
         super().__init__(*args, **kwargs)
+
+    def print_help(self, file=None):
+        """--help, said once: by rank 0 alone under mpirun, as an error is."""
+        from mpitrain.launcher import launched_rank
+        if launched_rank() == 0:
+            super().print_help(file)
 
     def error(self, message):
         from mpitrain.launcher import launched_rank
@@ -93,8 +110,7 @@ def add_train(commands):
     train = commands.add_parser(
         "train", help="train a network (launch under mpirun/srun for several ranks)",
         description="Train a network data-parallel: every MPI rank holds a replica, gradients "
-                    "are summed with one all-reduce per step. Run under mpirun -np N or srun.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "are summed with one all-reduce per step. Run under mpirun -np N or srun.")
     add_arguments(train)                        # every option of mpitrain/options.py
     train.add_argument("--config", metavar="YAML",
                        help="a YAML file of train options (keys as the flags, dashes or "
@@ -108,8 +124,7 @@ def add_inspect(commands):
         "inspect", help="table of layers: output shape, parameters, multiply-adds",
         description="Print every layer of a network with its output shape, parameters and "
                     "forward multiply-adds, and the totals. The number of classes (and so "
-                    "of parameters) is the data's with --data, as train builds the model.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "of parameters) is the data's with --data, as train builds the model.")
     inspect.add_argument("--model", choices=MODELS, default="resnet50")
     inspect.add_argument("--data", help="take the classes and the image size from this "
                                         "training file, or 'digits' or 'fashion-mnist'")
@@ -136,8 +151,7 @@ def add_convert(commands):
         description="Convert a folder with one sub-folder per class. Every image is decoded "
                     "once to validate it; unreadable files are skipped and listed in "
                     "DST.skipped.txt. Under mpirun each rank converts a share "
-                    "(mpirun -np N python -m mpitrain convert imagefolder ...).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "(mpirun -np N python -m mpitrain convert imagefolder ...).")
     folder.add_argument("src")
     folder.add_argument("dst")
     folder.add_argument("--val-fraction", type=fraction, default=0.0,
@@ -146,22 +160,19 @@ def add_convert(commands):
                         help="store JPEGs downscaled so that the short side is N pixels")
     folder.add_argument("--seed", type=nonnegative_int, default=0, help="order on disk, split")
     folder.set_defaults(command_parser=folder)
-    digits = sources.add_parser("digits", help="the bundled digits -> DST_DIR/digits_{train,val}.h5",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    digits = sources.add_parser("digits", help="the bundled digits -> DST_DIR/digits_{train,val}.h5")
     digits.add_argument("dst_dir", nargs="?", default=DEFAULTS["data_dir"])
     fashion = sources.add_parser(
         "fashion-mnist", help="Fashion-MNIST (Debian's dataset-fashion-mnist, fetched with "
                               "apt-get download where not installed) -> "
                               "DST_DIR/fashion-mnist_{train,val,test}.h5",
         description="60,000 training images split into training (54,000) and a stratified "
-                    "validation file (6,000); the 10,000 test images into a test file.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "validation file (6,000); the 10,000 test images into a test file.")
     fashion.add_argument("dst_dir", nargs="?", default=DEFAULTS["data_dir"])
     fashion.add_argument("--seed", type=nonnegative_int, default=0, help="the validation draw")
     fashion.set_defaults(command_parser=fashion)
     synthetic = sources.add_parser(
-        "synthetic", help="generated JPEGs at ImageNet sizes, for benchmarks",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        "synthetic", help="generated JPEGs at ImageNet sizes, for benchmarks")
     synthetic.add_argument("dst")
     synthetic.add_argument("--count", type=positive_int, default=1000)
     synthetic.add_argument("--size", type=image_size, default=(500, 375), help="WIDTHxHEIGHT")
@@ -188,8 +199,7 @@ def add_bench_step(benches):
                     "median time of each phase; optionally the same in PyTorch. Under "
                     "mpirun -np N: N ranks with --batch images each, with the gradient "
                     "all-reduce overlapped and not, against one rank with N times the "
-                    "threads (scaling efficiency) and the share of communication hidden.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "threads (scaling efficiency) and the share of communication hidden.")
     step.add_argument("--model", choices=MODELS, default="resnet50")
     step.add_argument("--image-size", type=positive_int, default=64)
     step.add_argument("--batch", type=positive_int, default=32)
@@ -260,8 +270,7 @@ def add_bench_data(benches):
         "data", help="loader throughput: read + decode + augment, images/s",
         description="Images/s of the loader (read, decode, augment into batches) per worker "
                     "and in total; optionally a PyTorch DataLoader with PIL transforms on the "
-                    "same file, same workers, in the same run.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "same file, same workers, in the same run.")
     data.add_argument("--data", required=True, help="an HDF5 file made by `convert`")
     data.add_argument("--workers", type=nonnegative_int, default=2)
     data.add_argument("--batch", type=positive_int, default=32)
@@ -289,8 +298,7 @@ def add_bench_update(benches):
         description="Time one LARS step (norms + fused update, fp32 master, fp16 working "
                     "copy) over a model's parameter arena for each kernel implementation "
                     "available here, against the NumPy reference and against this machine's "
-                    "memory bandwidth measured in the same run.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "memory bandwidth measured in the same run.")
     update.add_argument("--model", choices=MODELS, default="resnet50")
     update.add_argument("--repeats", type=positive_int, default=7, help="timed runs (median)")
     update.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
@@ -308,8 +316,7 @@ def add_bench_comm(benches):
         description="Under mpirun: time one step's gradient sum of a model's arena for each "
                     "all-reduce algorithm, as one buffer, as fusion buckets and per tensor, "
                     "with fp32 and fp16 on the wire, and a sweep of buffer sizes; reports "
-                    "milliseconds and algorithmic bus bandwidth.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "milliseconds and algorithmic bus bandwidth.")
     comm.add_argument("--model", choices=MODELS, default="resnet50")
     comm.add_argument("--algorithms", default="flat,hierarchical,2d,shm,hybrid",
                       help="comma-separated algorithms")
@@ -348,8 +355,7 @@ def add_eval(commands):
         "eval", help="top-1/top-5 accuracy of a checkpoint on a data file (distributed)",
         description="Score a checkpoint's model on an HDF5 file made by `convert`; under "
                     "mpirun the ranks share the file. The model and its number of classes "
-                    "come from the checkpoint.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "come from the checkpoint.")
     evaluate.add_argument("--checkpoint", required=True, help=CHECKPOINT)
     evaluate.add_argument("--data", required=True, help="an HDF5 file made by `convert`")
     evaluate.add_argument("--batch-size", type=positive_int,
@@ -408,8 +414,7 @@ def add_predict(commands):
                     "With --onnx FILE: the exported ONNX file run by onnxruntime on the "
                     "images prepared as its metadata says (the same code); with "
                     "--checkpoint too, its probabilities compared with the checkpoint's "
-                    "(exit 1 above --tolerance).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "(exit 1 above --tolerance).")
     predict.add_argument("--checkpoint", help=CHECKPOINT + " (required without --onnx)")
     predict.add_argument("--onnx", metavar="FILE",
                          help="a file of `export --format onnx`, run by onnxruntime "
@@ -454,8 +459,7 @@ def add_preview(commands):
         description="Read one batch of --data as `train` would (the same image size, "
                     "augmentation and crop options, the same seed), undo the normalisation "
                     "and write the images in a grid with their labels, so that what the "
-                    "network sees can be looked at. One process.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "network sees can be looked at. One process.")
     add_arguments(preview, DATA_OPTIONS + AUGMENT_OPTIONS)
     preview.add_argument("--split", choices=["train", "val"], default="train",
                          help="the training batches (augmented) or the validation ones")
@@ -488,8 +492,7 @@ def add_study(commands):
                     f"{', '.join(f'{f:g}' for f in fashion['lr_factors'])} times its rule at "
                     "every batch (sweep.csv), carried on by factors of 2 past an edge where "
                     f"the best is there (up to {fashion['widen']} more on each side), then 3 "
-                    "seeds at the best of the smallest and largest batch, 3 epochs.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "seeds at the best of the smallest and largest batch, 3 epochs.")
     add_arguments(large, DATA_OPTIONS)
     large.add_argument("--augment", action=argparse.BooleanOptionalAction,
                        help="random-resized-crop and flip (default: the data's own: off for "
@@ -540,8 +543,7 @@ def add_simulate(commands):
                     "real gradient buckets and the device's published training throughput "
                     "(formulas: mpitrain/tools/simulate.py; results: docs/scaling.md). "
                     "--calibrate measures this host instead (bench comm and bench step on "
-                    "1 to --max-ranks ranks) and prints predicted against measured.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "1 to --max-ranks ranks) and prints predicted against measured.")
     sim.add_argument("--model", choices=MODELS, default="resnet50")
     sim.add_argument("--ranks", type=positive_int, default=1024, metavar="N",
                      help="ranks (devices) in the job")

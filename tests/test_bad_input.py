@@ -160,6 +160,14 @@ def test_argument_errors_are_said_once_per_job(digits):
     assert "argument --lr" in r.stderr.strip().splitlines()[-1], r.stderr
 
 
+def test_help_is_said_once_per_job():
+    from test_checkpoint import command
+    r = subprocess.run(command(2, "eval", "--help"), capture_output=True, text=True,
+                       timeout=120, env=environment(2))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("usage: python -m mpitrain eval") == 1, r.stdout
+
+
 def test_a_run_directory_that_is_a_file_or_read_only(digits, tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")

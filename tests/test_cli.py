@@ -3,6 +3,7 @@ the benchmarks produce what they promise; a rank ending the job
 first lets the launcher read its last words."""
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -85,7 +86,14 @@ def test_help(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 0
-    assert "usage: python -m mpitrain" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
+    assert "usage: python -m mpitrain" in out
+    # a default is said where it says something, once: not for a flag, an empty list or
+    # none, nor again after a help that words its own (--val-data: DATA's FILE_val.h5)
+    assert not re.search(r"\(default: (None|False|True|\(\))\)", out), out
+    assert not re.search(r"default[^()]*\) \(default: ", out), out
+    if argv[0] == "train":
+        assert "--epochs N passes over the training data (default: 8)" in out, out
 
 
 def test_inspect_resnet50(capsys):

@@ -44,6 +44,14 @@ def test_mpi_commands_run_under_the_recorded_mpi(tmp_path, impl, options, args):
         calls(log, "mpiexec"), calls(log, "mpiexec")
 
 
+def test_the_main_job_runs_in_the_checkout_and_says_so_to_a_caller_elsewhere(tmp_path):
+    r, log, venv = launch(tmp_path, "mpich")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"args=-np 2 {venv}/bin/python -m mpitrain train\n" in calls(log, "mpiexec")
+    assert f"launch.sh: the main job runs in the checkout, {ROOT}: the paths it prints " \
+        "(data/, runs/) are there" in r.stdout, r.stdout
+
+
 def test_other_commands_run_in_one_process(tmp_path):
     r, log, _ = launch(tmp_path, "mpich", "inspect", "--model", "resnet_small",
                        "--image-size", "32", "--num-classes", "10")
