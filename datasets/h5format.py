@@ -103,7 +103,8 @@ def _alive(pid):
 
 
 class Writer:
-    """Writes one split record by record; `commit(mean, std)` makes the file appear.
+    """Writes one split record by record; `commit(mean, std)` makes the file appear (its
+    directory is made at the start, where missing).
 
     storage "encoded": `add(label, data)` takes the encoded bytes of one image;
     they are spooled to a side file so that the images dataset can be written
@@ -124,6 +125,7 @@ class Writer:
         self.pixel_dtype = np.dtype(pixel_dtype)
         self.labels, self.filenames = [], []
         self.sizes, self.pixels, self.shapes = [], [], []
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         for name in remove_stale(path):
             print(f"mpitrain: removed {name}, left by a conversion of {path} that was killed",
                   file=sys.stderr, flush=True)

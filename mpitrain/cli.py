@@ -144,7 +144,8 @@ def add_convert(commands):
         "convert", help="make HDF5 data files (image folders, the digits, Fashion-MNIST, "
                         "synthetic images)",
         description="Convert images into mpitrain's HDF5 format (docs/data-format.md). "
-                    "Files are written to a temporary name and renamed when complete.")
+                    "Files are written to a temporary name and renamed when complete; "
+                    "their directory is made where missing.")
     sources = convert.add_subparsers(dest="source", required=True, metavar="source")
     folder = sources.add_parser(
         "imagefolder", help="SRC/<class>/<image> (the ImageNet layout) -> DST.h5",
@@ -178,6 +179,7 @@ def add_convert(commands):
     synthetic.add_argument("--size", type=image_size, default=(500, 375), help="WIDTHxHEIGHT")
     synthetic.add_argument("--classes", type=positive_int, default=10)
     synthetic.add_argument("--seed", type=nonnegative_int, default=0)
+    synthetic.set_defaults(command_parser=synthetic)
 
 
 def add_bench(commands):
@@ -624,7 +626,11 @@ def image_size(text):
 
 def run_convert(args):
     from mpitrain.datasets import convert
+    from mpitrain.files import output_problem
     from mpitrain.metrics import Progress
+    problem = output_problem(args.dst) if args.source in ("synthetic", "imagefolder") else None
+    if problem:
+        args.command_parser.error(problem)
     if args.source == "digits":
         result = convert.convert_digits(args.dst_dir)
     elif args.source == "fashion-mnist":

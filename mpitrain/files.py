@@ -19,3 +19,19 @@ def write_atomic(out, write):
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def output_problem(out):
+    """None when the file `out` can be written, its directory made where missing (as
+    mkdir -p: the nearest directory that exists is one this process may write in); else
+    what stops it, with the fix, for a refusal before any work."""
+    if os.path.isdir(out):
+        return f"{out} is a directory; name the file to write"
+    nearest = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(nearest):
+        nearest = os.path.dirname(nearest)
+    if not os.path.isdir(nearest):
+        return f"{nearest} is a file, so {out} cannot be written; choose another path"
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        return f"{nearest} is not writable, so {out} cannot be written; choose another path"
+    return None

@@ -160,6 +160,7 @@ def test_argument_errors_are_said_once_per_job(digits):
     assert "argument --lr" in r.stderr.strip().splitlines()[-1], r.stderr
 
 
+@pytest.mark.launches
 def test_help_is_said_once_per_job():
     from test_checkpoint import command
     r = subprocess.run(command(2, "eval", "--help"), capture_output=True, text=True,
@@ -387,6 +388,32 @@ def test_converting_a_folder_without_images_is_refused(tmp_path, case):
     r = quick("convert", "imagefolder", str(src), str(tmp_path / "out.h5"))
     refused(r, expect)
     assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+@pytest.mark.launches
+def test_convert_makes_the_directory_of_its_file_or_says_why_it_cannot(tmp_path):
+    """The five-minute tour's conversion into data/ where there is none yet, as an MPI job
+    of 2 ranks; a path through a file, or a directory, refused before any work."""
+    from test_checkpoint import command
+    src = tmp_path / "src"
+    for c in ("cat", "dog"):
+        (src / c).mkdir(parents=True)
+        for i in range(3):
+            png(src / c / f"{i}.png", 40 * i)
+    out = tmp_path / "data" / "new" / "pets.h5"
+    r = subprocess.run(command(2, "convert", "imagefolder", str(src), str(out), "--val-fraction",
+                               "0.34"), capture_output=True, text=True, timeout=120,
+                       env=environment(2))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"train: 4 images -> {out}" in r.stdout and (out.parent / "pets_val.h5").exists()
+    (tmp_path / "afile").write_text("x")
+    r = quick("convert", "synthetic", str(tmp_path / "afile" / "more" / "s.h5"), "--count", "2")
+    refused(r, f"{tmp_path / 'afile'} is a file, so {tmp_path}/afile/more/s.h5 cannot be "
+               "written; choose another path")
+    r = quick("convert", "imagefolder", str(src), str(out.parent))
+    refused(r, f"{out.parent} is a directory; name the file to write")
+    assert sorted(os.listdir(tmp_path)) == ["afile", "data", "src"]
+    assert sorted(os.listdir(out.parent)) == ["pets.h5", "pets.h5.skipped.txt", "pets_val.h5"]
 
 
 def test_symbolic_link_loops_are_listed_as_skipped(tmp_path):
