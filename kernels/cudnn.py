@@ -353,8 +353,7 @@ def save_plan(key, name, path=None):
         with open(tmp, "w") as f:
             json.dump(plans, f, indent=0, sort_keys=True)
     try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        write_atomic(path, write)
+        write_atomic(path, write)                   # its directory made where missing
     except OSError:                 # a read-only home: the choice stays in this process
         pass
 

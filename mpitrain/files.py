@@ -7,8 +7,9 @@ import os
 def write_atomic(out, write):
     """Run write(tmp) for a temporary path beside `out`, fsync it and rename it over `out`;
     on any failure remove the temporary file and leave `out` as it was (a full disk leaves
-    the old file or none, never a truncated one)."""
+    the old file or none, never a truncated one). `out`'s directory is made where missing."""
     directory = os.path.dirname(os.path.abspath(out))
+    os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(out)}.tmp-{os.getpid()}")
     try:
         write(tmp)

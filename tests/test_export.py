@@ -127,7 +127,7 @@ def test_onnx_runs_in_onnxruntime_with_the_same_logits(trained, tmp_path):
     onnx = pytest.importorskip("onnx")
     ort = pytest.importorskip("onnxruntime")
     name, model, path, x, logits = trained
-    out = tmp_path / f"{name}.onnx"
+    out = tmp_path / "new" / f"{name}.onnx"                 # its directory made
     export(path, "--format", "onnx", out)
 
     onnx.checker.check_model(str(out), full_check=True)
@@ -162,9 +162,11 @@ def small(tiny_data, tmp_path_factory):
     (["{text}", "--format", "onnx", "{tmp}/m.onnx"], "cannot read checkpoint {text}"),
     (["{small}", "--format", "tflite", "{tmp}/m.tflite"],
      "argument --format: invalid choice: 'tflite'"),
-    (["{small}", "--format", "onnx", "{tmp}/no/dir/m.onnx"],
-     "the directory of {tmp}/no/dir/m.onnx"),
-    (["{small}", "--format", "onnx", "{tmp}"], "{tmp} is a directory"),
+    (["{small}", "--format", "onnx", "{text}/dir/m.onnx"],
+     "{text} is a file, so {text}/dir/m.onnx cannot be written; choose another path"),
+    (["{small}", "--format", "onnx", "{tmp}"], "{tmp} is a directory; name the file to write"),
+    (["{tmp}/none.h5", "--format", "onnx", "{tmp}/new/dir/m.onnx"],
+     "checkpoint {tmp}/none.h5 does not exist"),
 ])
 def test_export_refuses_with_exit_2_naming_the_problem(argv, message, small, tmp_path, capsys):
     text = tmp_path / "notes.h5"
@@ -174,7 +176,7 @@ def test_export_refuses_with_exit_2_naming_the_problem(argv, message, small, tmp
         export(*[a.format(**fill) for a in argv])
     assert exit_.value.code == 2
     assert message.format(**fill) in capsys.readouterr().err
-    assert not list(tmp_path.glob("*.onnx")) and not list(tmp_path.glob(".*"))
+    assert sorted(os.listdir(tmp_path)) == ["notes.h5"]     # nothing written, no directory made
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "onnx"])

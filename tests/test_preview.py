@@ -3,6 +3,7 @@ writes one batch as the loader gives it: its tiles are the loader's own pixels, 
 options reach the loader, bad values are refused with nothing written, and `train`
 takes the same options."""
 import json
+import os
 import subprocess
 import sys
 
@@ -61,7 +62,7 @@ def test_a_whole_square_crop_is_the_validation_image_or_its_mirror(square, tmp_p
     tile is the validation tile at --crop-fraction 1, or that flipped."""
     common = ("--data", str(square), "--val-data", str(square), "--image-size", "24",
               "--batch", "12")
-    train, val = tmp_path / "t.png", tmp_path / "v.png"
+    train, val = tmp_path / "t.png", tmp_path / "new" / "v.png"     # its directory made
     r = mpitrain("preview", *common, "--crop-scale", "1", "1", "--crop-ratio", "1", "1",
                  "--out", str(train))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -92,6 +93,16 @@ def test_bad_crop_options_are_refused_by_name_with_nothing_written(square, tmp_p
     r = mpitrain("preview", "--data", str(square), option, *values, "--out", str(out))
     assert r.returncode == 2 and message in r.stderr and option in r.stderr, r.stderr
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_an_out_that_cannot_be_written_is_refused_with_nothing_written(square, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    for out, message in ((tmp_path / "afile" / "b.png", f"--out {tmp_path / 'afile'} is a "
+                          f"file, so {tmp_path / 'afile' / 'b.png'} cannot be written"),
+                         (tmp_path, f"--out {tmp_path} is a directory; name the file")):
+        r = mpitrain("preview", "--data", str(square), "--out", str(out))
+        assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert os.listdir(tmp_path) == ["afile"]
 
 
 def test_train_takes_the_crop_options_and_records_them(square, tmp_path):

@@ -33,7 +33,7 @@ import os
 import numpy as np
 
 from ..backend import to_numpy
-from ..files import write_atomic
+from ..files import output_problem, write_atomic
 from .predict import PredictError, load_model, preprocessing, read_config
 
 FORMATS = ("safetensors", "onnx")
@@ -257,14 +257,12 @@ def _write_bytes(path, data):
 
 # ----- the command -----
 def check_output(fmt, out):
-    """Refuse an unknown format, and an OUT whose directory is missing or that is one."""
+    """Refuse an unknown format, and an OUT that cannot be written (files.output_problem)."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    directory = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(directory):
-        raise ExportError(f"the directory of {out} ({directory}) does not exist")
-    if os.path.isdir(out):
-        raise ExportError(f"{out} is a directory; name the file to write")
+    problem = output_problem(out)
+    if problem:
+        raise ExportError(problem)
 
 
 def check_package(fmt):

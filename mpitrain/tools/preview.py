@@ -12,7 +12,6 @@ and the images laid out in a grid, each under its label's name. The file is writ
 under a temporary name and renamed when complete.
 """
 import math
-import os
 
 import numpy as np
 
@@ -27,9 +26,12 @@ def preview(cfg, split, batch, out, say=print):
     from mpi4py import MPI
 
     from mpitrain.checks import ConfigError, describe_file, resolve_data
-    from mpitrain.files import write_atomic
+    from mpitrain.files import output_problem, write_atomic
     from mpitrain.datasets.h5format import Reader, white_level
     from mpitrain.datasets.loader import Loader
+    problem = output_problem(out)
+    if problem:
+        raise ConfigError(f"--out {problem}")
     train_file, val_file, transform = resolve_data(cfg, MPI.COMM_SELF, need_val=split == "val")
     path = train_file if split == "train" else val_file
     count, _, stored_size = describe_file(path)
@@ -45,8 +47,6 @@ def preview(cfg, split, batch, out, say=print):
         pixels = np.clip((x * loader.std + loader.mean) / white, 0.0, 1.0)
         names = [loader.class_names[i] for i in y]
     image = grid(pixels, names)
-    if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
-        raise ConfigError(f"--out {out}: its directory does not exist; create it or choose another")
     write_atomic(out, lambda tmp: image.save(tmp, format="PNG"))
     crops = (f"random-resized crops of {transform['scale'][0]:g}-{transform['scale'][1]:g} "
              f"of the area, width/height {transform['ratio'][0]:g}-{transform['ratio'][1]:.4g}"
