@@ -144,9 +144,11 @@ def resolve_data(cfg, comm, need_val=True):
         val_file = cfg.val_data or convert.val_path(train_file)
         for what, path in (("training", train_file), ("validation", val_file)):
             if not os.path.exists(path) and (need_val or what == "training"):
-                raise ConfigError(f"{what} file {path} does not exist; make it with "
-                                  f"`python -m mpitrain convert ...`"
-                                  + (" or name it with --val-data" if what == "validation" else ""))
+                given = {"training": "--data", "validation": cfg.val_data and "--val-data"}[what]
+                fix = (f"check {given}, or make it with `python -m mpitrain convert ...`" if given
+                       else "name one with --val-data, or make it with `python -m mpitrain "
+                            "convert imagefolder ... --val-fraction F`")
+                raise ConfigError(f"{what} file {path} does not exist; {fix}")
     if cfg.augment is not None:
         transform["augment"] = cfg.augment
     return train_file, val_file, {**transform, **augment_options(cfg)}

@@ -51,6 +51,23 @@ def rename_classes(src, dst, names):
 
 
 # ----- data files -----
+def test_a_missing_data_file_is_refused_with_the_fix_for_how_it_was_named(synth, tmp_path):
+    import shutil
+    lone = tmp_path / "lone.h5"                     # no lone_val.h5 beside it
+    shutil.copy(synth / "s.h5", lone)
+    run_dir = ("--run-dir", str(tmp_path / "run"))
+    r = quick("train", "--data", str(lone), *run_dir)
+    refused(r, f"validation file {tmp_path / 'lone_val.h5'} does not exist; name one with "
+               "--val-data, or make it with `python -m mpitrain convert imagefolder ... "
+               "--val-fraction F`")
+    r = quick("train", "--data", str(lone), "--val-data", str(tmp_path / "v.h5"), *run_dir)
+    refused(r, f"validation file {tmp_path / 'v.h5'} does not exist; check --val-data, or make "
+               "it with `python -m mpitrain convert ...`")
+    r = quick("train", "--data", str(tmp_path / "t.h5"), *run_dir)
+    refused(r, f"training file {tmp_path / 't.h5'} does not exist; check --data, or make it")
+    assert sorted(os.listdir(tmp_path)) == ["lone.h5"]
+
+
 def test_validation_classes_must_be_the_training_classes(synth, tmp_path):
     other = tmp_path / "val.h5"
     rename_classes(synth / "s_val.h5", other, ["class0", "class1", "cat", "class3"])
