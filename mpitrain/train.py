@@ -903,5 +903,5 @@ def say_where(say, result):
     saved = (f"checkpoint {result['checkpoint']}" if result["checkpoint"] else
              "no checkpoint (--checkpoint-every 0)")
     say(f"{saved}; metrics {os.path.join(run_dir, 'metrics.jsonl')}; plots: python -m "
-        f"mpitrain plot {run_dir}; eval, predict and export take {run_dir} for its newest "
-        f"checkpoint", flush=True)
+        f"mpitrain plot {run_dir}; eval and predict take --checkpoint {run_dir}, export "
+        f"{run_dir}, for its newest checkpoint", flush=True)

@@ -113,8 +113,8 @@ def test_the_end_of_a_run_says_where_its_outputs_are(used):
     run_dir = os.path.relpath(run_dir, used[1])           # as the run named it: runs/<stamp>
     assert out.rstrip().splitlines()[-1] == (
         f"checkpoint {run_dir}/checkpoint-000000022.h5; metrics {run_dir}/metrics.jsonl; "
-        f"plots: python -m mpitrain plot {run_dir}; eval, predict and export take {run_dir} "
-        f"for its newest checkpoint")
+        f"plots: python -m mpitrain plot {run_dir}; eval and predict take --checkpoint "
+        f"{run_dir}, export {run_dir}, for its newest checkpoint")
 
 
 def test_eval_predict_and_export_take_a_run_directory(used, digits, tmp_path):
