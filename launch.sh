@@ -7,6 +7,8 @@
 #                               emulated hosts, then the MPI tests under mpirun -np 1 to 4
 #   ./launch.sh test-mpi        the tests that start MPI jobs (on emulated hosts too), then
 #                               the MPI tests (CI runs them again under a second MPI)
+#   ./launch.sh test ARGS...    set up, then `pytest ARGS...` in the checkout: a selection,
+#                               e.g. tests/test_cli.py -k help (tests/mpi/ need mpirun)
 #   ./launch.sh train ARGS...   set up, then `python -m mpitrain train ARGS...` launched with
 #                               srun inside a Slurm allocation, else mpirun -np ${NP:-2}
 #                               (with --hostfile $HOSTFILE when HOSTFILE is set; on HOSTS
@@ -524,7 +526,10 @@ case $command in
         [[ "$CALLER" -ef "$ROOT" ]] || echo "launch.sh: the main job runs in the checkout," \
             "$ROOT: the paths it prints (data/, runs/) are there"
         run_mpi train ;;
-    test) setup; run_tests all ;;
+    test)
+        setup
+        if (($# > 1)); then shift; exec "$PY" -m pytest "$@"; fi
+        run_tests all ;;
     test-mpi) setup; run_tests mpi ;;
     gpu-check) shift; gpu_check "$@" ;;
     *)

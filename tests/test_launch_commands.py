@@ -52,6 +52,14 @@ def test_the_main_job_runs_in_the_checkout_and_says_so_to_a_caller_elsewhere(tmp
         "(data/, runs/) are there" in r.stdout, r.stdout
 
 
+def test_test_with_arguments_runs_that_selection_of_pytest(tmp_path):
+    r, log, _ = launch(tmp_path, "mpich", "test", "tests/test_options.py", "--collect-only",
+                       "-q", "-p", "no:cacheprovider")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "tests/test_options.py::" in r.stdout and "test_cli.py" not in r.stdout, r.stdout
+    assert calls(log, "mpiexec") == ""
+
+
 def test_other_commands_run_in_one_process(tmp_path):
     r, log, _ = launch(tmp_path, "mpich", "inspect", "--model", "resnet_small",
                        "--image-size", "32", "--num-classes", "10")
