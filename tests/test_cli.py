@@ -62,6 +62,10 @@ def test_bad_values_exit_2_with_the_reason_alone(argv, message, capsys):
     (["train", "--epoch", "3"], "unrecognized option --epoch: did you mean --epochs"),
     (["eval", "--checkpoint", "x.h5", "--data", "y.h5", "--batch", "4"],
      "unrecognized option --batch: did you mean --batch-size"),
+    (["inspect", "resnet50"], "unrecognized argument resnet50: did you mean --model resnet50?"),
+    (["train", "--epochs", "1", "lars"],
+     "unrecognized argument lars: did you mean --optimizer lars?"),
+    (["train", "later"], "unrecognized arguments: later (--help lists the options)"),
 ])
 def test_unknown_options_get_the_nearest_names_and_no_abbreviation_is_taken(argv, message,
                                                                            capsys):
