@@ -257,7 +257,6 @@ def convert_digits(dst_dir, seed=0, val_fraction=0.2):
                              "convert_digits must follow datasets/digits.py")
     pixels = np.repeat(pixels.astype(np.uint16)[..., None], 3, axis=3)
     mean, std = pixels[~val].mean(), pixels[~val].std()
-    os.makedirs(dst_dir, exist_ok=True)
     files, counts = {}, {}
     classes = [str(c) for c in range(10)]
     for name, mask in (("val", val), ("train", ~val)):
@@ -341,7 +340,6 @@ def convert_fashion_mnist(dst_dir, seed=0, source=None):
                                f"{y.max()}) do not make one 10-class set")
     val = stratified_val(train_y, FASHION_MNIST_VAL, np.random.default_rng(seed))
     mean, std = float(train_x[~val].mean()), float(train_x[~val].std())
-    os.makedirs(dst_dir, exist_ok=True)
     files, counts = {}, {}
     for name, x, y in (("train", train_x[~val], train_y[~val]), ("val", train_x[val], train_y[val]),
                        ("test", test_x, test_y)):

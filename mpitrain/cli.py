@@ -76,9 +76,10 @@ class Parser(argparse.ArgumentParser):
                 return (f"unrecognized option {name}: did you mean "
                         f"{' or '.join(near)}? (--help lists the options)")
             # a value without its option: `inspect resnet50` for `inspect --model resnet50`
-            taking = [a.option_strings[-1] for a in self._actions
-                      if a.option_strings and a.choices and arg in a.choices]
-            if taking and not name.startswith("-"):
+            taking = [] if name.startswith("-") else [
+                a.option_strings[-1] for a in self._actions
+                if a.option_strings and a.choices and arg in a.choices]
+            if taking:
                 return (f"unrecognized argument {arg}: did you mean {taking[0]} {arg}? "
                         f"(--help lists the options)")
         return f"unrecognized arguments: {' '.join(extras)} (--help lists the options)"
