@@ -116,6 +116,17 @@ def check_layers(cfg):
                               f"{option.split()[0]} or use --layers fast")
 
 
+def data_files(data, data_dir, val_data=None):
+    """(training file, validation file) that --data, --data-dir and --val-data name: a
+    preset's two files under data_dir, else DATA and --val-data or the converter's
+    FILE_val.h5 beside it."""
+    preset = PRESETS.get(data)
+    if preset:
+        return tuple(os.path.join(data_dir, preset[k]) for k in ("train", "val"))
+    from mpitrain.datasets import convert
+    return data, val_data or convert.val_path(data)
+
+
 def resolve_data(cfg, comm, need_val=True):
     """(train file, validation file, loader transform options) for the run's --data
     (need_val=False: a missing validation file is not refused).
@@ -126,8 +137,8 @@ def resolve_data(cfg, comm, need_val=True):
     """
     from mpitrain.datasets import convert
     preset = PRESETS.get(cfg.data)
+    train_file, val_file = data_files(cfg.data, cfg.data_dir, cfg.val_data)
     if preset:
-        train_file, val_file = (os.path.join(cfg.data_dir, preset[k]) for k in ("train", "val"))
         problem = None
         if comm.rank == 0 and not (os.path.exists(train_file) and os.path.exists(val_file)):
             print(f"mpitrain: converting {cfg.data} into {cfg.data_dir}/", flush=True)
@@ -140,8 +151,7 @@ def resolve_data(cfg, comm, need_val=True):
             raise ConfigError(problem)
         transform = dict(preset["transform"])
     else:
-        train_file, transform = cfg.data, dict(TRANSFORM)
-        val_file = cfg.val_data or convert.val_path(train_file)
+        transform = dict(TRANSFORM)
         for what, path in (("training", train_file), ("validation", val_file)):
             if not os.path.exists(path) and (need_val or what == "training"):
                 given = {"training": "--data", "validation": cfg.val_data and "--val-data"}[what]

@@ -50,6 +50,9 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         from mpitrain.launcher import launched_rank
+        if message.startswith("the following arguments are required"):
+            message += "".join(f"; {arg} was given without its option: {hint}"
+                               for arg, hint in self.hints(self.loose()))
         if launched_rank() == 0:
             self.exit(2, f"{self.prog}: error: {message}\n")
         # a launcher that ends the job at its first bad exit (srun --kill-on-bad-exit,
@@ -60,29 +63,54 @@ class Parser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         """Unknown options are refused by the command that was given them, which knows
         the names to suggest."""
+        self.given = sys.argv[1:] if args is None else list(args)
         namespace, extras = super().parse_known_args(args, namespace)
         if extras and self._subparsers is None:
             self.error(self.unrecognized(extras))
         return namespace, extras
 
     def unrecognized(self, extras):
+        for arg, hint in self.hints(extras):
+            what = "option" if arg.startswith("-") else "argument"
+            return f"unrecognized {what} {arg.split('=', 1)[0]}: {hint} (--help lists the options)"
+        return f"unrecognized arguments: {' '.join(extras)} (--help lists the options)"
+
+    def loose(self):
+        """The words given to this parser that are neither an option nor an option's value."""
+        takes_value = {s for s, a in self._option_string_actions.items() if a.nargs != 0}
+        given = getattr(self, "given", [])
+        return [w for i, w in enumerate(given) if not w.startswith("-")
+                and (i == 0 or given[i - 1] not in takes_value)]
+
+    def hints(self, words):
+        """(word, "did you mean ...?") for each of `words` that is near an option's name, a
+        choice of an option (`inspect resnet50` for `inspect --model resnet50`), or a path
+        of the kind an option takes (`eval runs/X` for `eval --checkpoint runs/X`)."""
         import difflib
         known = [s for s in self._option_string_actions if s.startswith("--")]
-        for arg in extras:
-            name = arg.split("=", 1)[0]
-            near = difflib.get_close_matches(name, known, n=2, cutoff=0.6) \
-                if name.startswith("-") else []
+        for word in words:
+            name = word.split("=", 1)[0]
+            if name.startswith("-"):
+                near = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
+            else:
+                near = [a.option_strings[-1] + " " + word for a in self._actions
+                        if a.option_strings and a.choices and word in a.choices]
+                near += [option + " " + word for option, kind in PATH_OPTIONS
+                         if option in known and kind(word)]
             if near:
-                return (f"unrecognized option {name}: did you mean "
-                        f"{' or '.join(near)}? (--help lists the options)")
-            # a value without its option: `inspect resnet50` for `inspect --model resnet50`
-            taking = [] if name.startswith("-") else [
-                a.option_strings[-1] for a in self._actions
-                if a.option_strings and a.choices and arg in a.choices]
-            if taking:
-                return (f"unrecognized argument {arg}: did you mean {taking[0]} {arg}? "
-                        f"(--help lists the options)")
-        return f"unrecognized arguments: {' '.join(extras)} (--help lists the options)"
+                yield word, f"did you mean {' or '.join(near[:2])}?"
+
+
+def is_checkpoint(path):
+    """A run directory or a checkpoint file, by its name."""
+    return os.path.isdir(path) or (os.path.isfile(path)
+                                   and os.path.basename(path).startswith("checkpoint-"))
+
+
+# options whose value is a path, and the paths each takes: what a path given without its
+# option was meant for
+PATH_OPTIONS = (("--checkpoint", is_checkpoint),
+                ("--data", lambda path: os.path.isfile(path) and not is_checkpoint(path)))
 
 
 # ----- the commands and their options: one add_* function a command -----
@@ -362,11 +390,13 @@ def add_eval(commands):
     """`eval`: a checkpoint's accuracy on a data file (mpitrain/tools/evaluate.py)."""
     evaluate = commands.add_parser(
         "eval", help="top-1/top-5 accuracy of a checkpoint on a data file (distributed)",
-        description="Score a checkpoint's model on an HDF5 file made by `convert`; under "
+        description="Score a checkpoint's model on an HDF5 file made by `convert` (by "
+                    "default the validation file its run trained with); under "
                     "mpirun the ranks share the file. The model and its number of classes "
                     "come from the checkpoint.")
     evaluate.add_argument("--checkpoint", required=True, help=CHECKPOINT)
-    evaluate.add_argument("--data", required=True, help="an HDF5 file made by `convert`")
+    evaluate.add_argument("--data", help="an HDF5 file made by `convert` (default: the "
+                                          "validation file of the checkpoint's run)")
     evaluate.add_argument("--batch-size", type=positive_int,
                           help="GLOBAL batch (default: the checkpoint's training batch)")
     evaluate.add_argument("--workers", type=workers, default=DEFAULTS["workers"],
@@ -407,7 +437,7 @@ def add_export(commands):
     export.add_argument("checkpoint", help=CHECKPOINT)
     export.add_argument("--format", required=True, choices=["safetensors", "onnx"],
                         help="the file format to write")
-    export.add_argument("out", help="the file to write (its directory must exist)")
+    export.add_argument("out", help="the file to write (its directory is made where missing)")
     export.add_argument("--data", metavar="FILE", help=STAND_IN)
     export.set_defaults(command_parser=export)
 
@@ -765,7 +795,7 @@ def run_eval(args):
             print(json.dumps(result))
         else:
             top5 = f", top-5 {result['top5']:.2%}" if "top5" in result else ""
-            print(f"{args.checkpoint} on {args.data} ({result['images']} images, "
+            print(f"{args.checkpoint} on {result['data']} ({result['images']} images, "
                   f"{result['image_size']}x{result['image_size']}): "
                   f"top-1 {result['top1']:.2%}{top5}")
         if result["nonfinite"]:
@@ -779,8 +809,10 @@ def run_predict(args):
     """`predict` of a checkpoint (mpitrain/tools/predict.py), or of an exported ONNX file,
     compared with the checkpoint when both are given (mpitrain/tools/onnx_predict.py)."""
     if args.checkpoint is None and args.onnx is None:
+        meant = "".join(f"; {word}: {hint}" for word, hint in
+                        args.command_parser.hints(args.images[:1]) if "--checkpoint" in hint)
         args.command_parser.error("give --checkpoint (a checkpoint or run directory), "
-                                  "--onnx FILE (an exported model), or both")
+                                  "--onnx FILE (an exported model), or both" + meant)
     # a tolerance set, where nothing is compared (the default's value is taken as unset)
     if args.tolerance != ONNX_TOLERANCE and None in (args.onnx, args.checkpoint):
         args.command_parser.error("--tolerance is for the comparison of --onnx FILE with "

@@ -356,6 +356,20 @@ def test_eval_of_an_empty_file_is_refused(one_epoch, digits, tmp_path):
     refused(r, f"data file {empty} holds no images")
 
 
+def test_eval_without_data_takes_its_runs_validation_file_or_says_it_is_not_here(digits,
+                                                                                tmp_path):
+    from mpitrain.tools.evaluate import EvalError, run_validation_file
+    assert run_validation_file(dict(data="digits", data_dir=str(digits))) \
+        == os.path.join(str(digits), "digits_val.h5")
+    assert run_validation_file(dict(data="x.h5", val_data=str(digits / "digits_val.h5"))) \
+        == str(digits / "digits_val.h5")
+    with pytest.raises(EvalError) as e:
+        run_validation_file(dict(data=str(tmp_path / "x.h5"), val_data=None))
+    assert str(e.value) == (f"the checkpoint's run validated on {tmp_path / 'x_val.h5'}, which "
+                            f"is not here (its paths are relative to where it ran): name a "
+                            f"data file with --data FILE")
+
+
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.launches)])
 def test_an_empty_record_ends_the_run_in_one_line_with_status_2(synth, tmp_path, ranks):
     data = tmp_path / "s.h5"

@@ -76,6 +76,30 @@ def test_unknown_options_get_the_nearest_names_and_no_abbreviation_is_taken(argv
     assert message in err and err.count("\n") == 1, err
 
 
+def test_a_path_given_without_its_option_is_answered_with_the_option(tmp_path, capsys,
+                                                                    monkeypatch):
+    """`eval runs/X` for `eval --checkpoint runs/X`, a data file for --data, and predict's
+    first image that is a run directory."""
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("runs/x")
+    open("val.h5", "w").close()
+    for argv, message in [
+            (["eval", "runs/x"], "the following arguments are required: --checkpoint; runs/x "
+                                 "was given without its option: did you mean --checkpoint "
+                                 "runs/x?"),
+            (["eval", "--checkpoint", "runs/x", "val.h5"],
+             "unrecognized argument val.h5: did you mean --data val.h5?"),
+            (["predict", "runs/x", "a.jpg"], "give --checkpoint (a checkpoint or run "
+                                             "directory), --onnx FILE (an exported model), or "
+                                             "both; runs/x: did you mean --checkpoint runs/x?"),
+            (["eval", "--data", "val.h5"], "the following arguments are required: "
+                                           "--checkpoint\n")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
 def test_unknown_model_lists_the_choices():
     r = run("train", "--model", "resnet51")
     assert r.returncode == 2

@@ -123,8 +123,13 @@ def test_eval_predict_and_export_take_a_run_directory(used, digits, tmp_path):
     val = str(digits / "digits_val.h5")
     by_file = quick("eval", "--checkpoint", checkpoint, "--data", val, "--json")
     by_dir = quick("eval", "--checkpoint", str(cwd / "runs" / "latest"), "--data", val, "--json")
-    assert by_file.returncode == by_dir.returncode == 0, by_file.stderr + by_dir.stderr
-    assert json.loads(by_dir.stdout) == json.loads(by_file.stdout)
+    # without --data: the validation file of the checkpoint's run
+    by_default = quick("eval", "--checkpoint", "runs/latest", "--json", cwd=cwd)
+    assert by_file.returncode == by_dir.returncode == by_default.returncode == 0, \
+        by_file.stderr + by_dir.stderr + by_default.stderr
+    assert json.loads(by_dir.stdout) == json.loads(by_file.stdout) \
+        == json.loads(by_default.stdout)
+    assert json.loads(by_default.stdout)["data"] == val
     image = tmp_path / "white.png"
     Image.new("RGB", (32, 32), (255, 255, 255)).save(image)
     r = quick("predict", "--checkpoint", str(run_dir), str(image), "--json")

@@ -1,4 +1,5 @@
-"""`python -m mpitrain eval`: top-1/top-5 of a checkpoint on a data file, distributed.
+"""`python -m mpitrain eval`: top-1/top-5 of a checkpoint on a data file (by default its
+run's validation file), distributed.
 
 The model, its number of classes, the image size and the crop come from the
 checkpoint's saved configuration. Rank 0 reads the checkpoint and broadcasts it;
@@ -6,6 +7,8 @@ the BatchNorm statistics are the mean of the saved ranks' (as in training before
 an evaluation); every rank scores a shard of the file (mpitrain.train.evaluate).
 The model runs in fp32 from the master weights, whatever the training precision.
 """
+import os
+
 import numpy as np
 
 from .. import backend
@@ -15,11 +18,12 @@ class EvalError(ValueError):
     """A checkpoint and a data file that cannot be evaluated together."""
 
 
-def evaluate_checkpoint(path, data, batch_size=None, workers=2, device="auto", comm=None,
+def evaluate_checkpoint(path, data=None, batch_size=None, workers=2, device="auto", comm=None,
                         image_size=None):
     """{"top1", "top5" (5 classes or more), "loss" (mean cross-entropy), "images",
-    "image_size", ...} of checkpoint `path` on file `data`, at `image_size` (None: the
-    checkpoint's); mpitrain.train.evaluate says the rest."""
+    "image_size", "data", ...} of checkpoint `path` on file `data` (None: its run's
+    validation file), at `image_size` (None: the checkpoint's); mpitrain.train.evaluate
+    says the rest."""
     from mpi4py import MPI
     from mpitrain.comm import Communicator
     comm = Communicator(comm or MPI.COMM_WORLD)
@@ -40,15 +44,16 @@ def _evaluate(comm, path, data, batch_size, workers, device, image_size):
     if comm.rank == 0:
         try:
             cfg = checkpoint.read_config(path)
-            info = (cfg, describe_file(data))
-        except (checkpoint.CheckpointError, FormatError, ConfigError) as e:
+            data = data or run_validation_file(cfg)
+            info = (cfg, data, describe_file(data))
+        except (checkpoint.CheckpointError, FormatError, ConfigError, EvalError) as e:
             info = str(e)
         except OSError as e:
             info = f"cannot read data file {data}: {e}"
     info = comm.bcast(info, root=0)
     if isinstance(info, str):
         raise EvalError(info)
-    cfg, (num_images, names, stored_size) = info
+    cfg, data, (num_images, names, stored_size) = info
     classes = cfg.get("num_classes")
     if classes != len(names):
         raise EvalError(f"{data} has {len(names)} classes, but the checkpoint's model "
@@ -80,5 +85,17 @@ def _evaluate(comm, path, data, batch_size, workers, device, image_size):
                 workers=workers, dtype=np.float32, num_classes=classes, crop_fraction=crop,
                 pinned=backend.xp is not np) as loader:
         result = evaluate(model, comm, loader, (1, 5) if classes >= 5 else (1,))
-    result.update(images=num_images, image_size=size_px)
+    result.update(images=num_images, image_size=size_px, data=data)
     return result
+
+
+def run_validation_file(cfg):
+    """The validation file of the run that saved config `cfg`, refused where it is not
+    here (its paths are as the run was given them, relative to where it started)."""
+    from ..checks import data_files
+    _, val = data_files(cfg["data"], cfg.get("data_dir") or "data", cfg.get("val_data"))
+    if not os.path.exists(val):
+        raise EvalError(f"the checkpoint's run validated on {val}, which is not here (its "
+                        f"paths are relative to where it ran): name a data file with --data "
+                        f"FILE")
+    return val

@@ -205,11 +205,8 @@ def read_image(path):
 
 def training_file(cfg):
     """The training data file the checkpoint's config names (a preset's under data_dir)."""
-    from ..checks import PRESETS
-    preset = PRESETS.get(cfg.get("data"))
-    if preset:
-        return os.path.join(cfg.get("data_dir") or "data", preset["train"])
-    return cfg.get("data")
+    from ..checks import data_files
+    return cfg.get("data") and data_files(cfg["data"], cfg.get("data_dir") or "data")[0]
 
 
 def check_normalisation(cfg):
