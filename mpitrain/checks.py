@@ -127,26 +127,29 @@ def data_files(data, data_dir, val_data=None):
     return data, val_data or convert.val_path(data)
 
 
-def resolve_data(cfg, comm, need_val=True):
+def resolve_data(cfg, comm=None, need_val=True):
     """(train file, validation file, loader transform options) for the run's --data
     (need_val=False: a missing validation file is not refused).
 
-    A preset name (digits) means files under data_dir, converted by rank 0 when
-    missing while the other ranks wait; anything else is a training file, with
-    --val-data or else the converter's FILE_val.h5 beside it as validation.
+    A preset name (digits) means files under data_dir, converted by rank 0 of `comm`
+    (None: this process alone) when missing while the other ranks wait; anything else
+    is a training file, with --val-data or else the converter's FILE_val.h5 beside it
+    as validation.
     """
     from mpitrain.datasets import convert
     preset = PRESETS.get(cfg.data)
     train_file, val_file = data_files(cfg.data, cfg.data_dir, cfg.val_data)
     if preset:
         problem = None
-        if comm.rank == 0 and not (os.path.exists(train_file) and os.path.exists(val_file)):
+        if (comm is None or comm.rank == 0) \
+                and not (os.path.exists(train_file) and os.path.exists(val_file)):
             print(f"mpitrain: converting {cfg.data} into {cfg.data_dir}/", flush=True)
             try:
                 getattr(convert, preset["convert"])(cfg.data_dir)
             except convert.ConvertError as e:
                 problem = str(e)
-        problem = comm.bcast(problem, root=0)       # every rank raises, none waits alone
+        if comm is not None:
+            problem = comm.bcast(problem, root=0)   # every rank raises, none waits alone
         if problem:
             raise ConfigError(problem)
         transform = dict(preset["transform"])

@@ -12,6 +12,7 @@ import time
 
 from tqdm import tqdm
 
+from .files import write_atomic
 from .launcher import output_is_terminal
 
 
@@ -186,11 +187,13 @@ class Timeline:
                  "args": {"name": f"rank {self.rank}"}}]
         meta += [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid,
                   "args": {"name": cat}} for cat, tid in self.tids.items()]
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         with self._lock:
             events = meta + self.events
-        with open(self.path, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+        def write(tmp):
+            with open(tmp, "w") as f:
+                json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+        write_atomic(self.path, write)
         return self.path
 
 

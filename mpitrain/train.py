@@ -65,7 +65,7 @@ from .control import Heartbeats, LauncherWatch, LossWatch, StopSignals, Watchdog
 from .datasets.loader import Loader, pinned_for
 from .graph import StepGraph, refusal
 from .kernels.gemm import blas_threads
-from .metrics import MetricsLog, StepProgress, Timeline
+from .metrics import MetricsLog, StepProgress, Timeline, trace_path
 from .nets import build_model, describe_parameters
 from .nets.losses import accuracy_counts, nonfinite_rows, softmax_cross_entropy
 from .nets.plain import PlainNetwork
@@ -480,7 +480,9 @@ class Run:
 
     def start_counters(self, data):
         """What the run counts from step to step, and what its checkpoints say of it."""
-        self.result = dict(run_dir=self.run_dir, stopped=None, checkpoint=None)
+        self.result = dict(run_dir=self.run_dir, stopped=None, checkpoint=None,
+                           traces=[trace_path(self.cfg.trace, r) for r in (0, self.comm.size - 1)]
+                           if self.cfg.trace else None)
         self.saved_cfg = {**self.cfg.as_dict(), "num_classes": len(data.class_names),
                           "class_names": data.class_names, "image_size": data.image_size,
                           **data.normalise}
@@ -897,11 +899,15 @@ def train(comm=None, log=print, **options):
 
 
 def say_where(say, result):
-    """The end of a run: where its checkpoint and metrics are, how to plot them, and
-    that the run directory stands for its newest checkpoint."""
+    """The end of a run: where its checkpoint, metrics and timelines are, how to plot
+    them, and that the run directory stands for its newest checkpoint."""
     run_dir = result["run_dir"]
     saved = (f"checkpoint {result['checkpoint']}" if result["checkpoint"] else
              "no checkpoint (--checkpoint-every 0)")
     say(f"{saved}; metrics {os.path.join(run_dir, 'metrics.jsonl')}; plots: python -m "
         f"mpitrain plot {run_dir}; eval and predict take --checkpoint {run_dir}, export "
         f"{run_dir}, for its newest checkpoint", flush=True)
+    if result["traces"]:
+        first, last = result["traces"]
+        which = f"timelines {first} to {last}, one a rank" if last != first else f"timeline {first}"
+        say(f"{which}: open in https://ui.perfetto.dev or chrome://tracing", flush=True)

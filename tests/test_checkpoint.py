@@ -275,7 +275,11 @@ def test_resume_on_one_rank_keeps_the_global_batch(straight_run, tmp_path):
 
 @pytest.mark.launches
 def test_trace_has_every_rank_and_each_phase(straight_run):
-    run_dir, _, _ = straight_run
+    run_dir, _, r = straight_run
+    assert r.stdout.rstrip().endswith(
+        f"\ntimelines {run_dir}/trace.rank0.json to {run_dir}/trace.rank1.json, one a rank: "
+        f"open in https://ui.perfetto.dev or chrome://tracing"), r.stdout
+    assert not [p for p in os.listdir(run_dir) if ".tmp-" in p]     # each written whole
     pids = set()
     for rank in (0, 1):
         with open(run_dir / f"trace.rank{rank}.json") as f:

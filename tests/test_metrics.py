@@ -299,6 +299,12 @@ def test_train_inspect_and_export_print_one_parameter_count(digits_run, digits, 
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"total parameters:    {count}\n" in r.stdout
     assert r.stdout.startswith("resnet_small: input (32, 32, 3), 10 classes (from ")
+    fresh = tmp_path / "data"           # a named data set is converted on first use, as train does
+    r = mpitrain_quick("inspect", "--model", "resnet_small", "--data", "digits", "--data-dir",
+                       str(fresh))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith(f"mpitrain: converting digits into {fresh}/\nresnet_small: "
+                               f"input (32, 32, 3), 10 classes (from {fresh}/digits_train.h5)")
     r = mpitrain_quick("inspect", "--model", "resnet_small", "--image-size", "32")
     assert "1000 classes (by default; --data or --num-classes" in r.stdout
     assert "142,392 parameters (1000 classes)" in r.stdout

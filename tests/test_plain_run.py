@@ -181,8 +181,10 @@ def final_top1(r):
 def test_the_digits_job_trains_on_the_plain_layers(digits_runs):
     """Rounding makes the two runs part after a few steps; their accuracy stays close
     (measured: within 1 point after 3 epochs, and after the default job's 8)."""
-    (fast, _), (plain, _) = digits_runs["fast"], digits_runs["plain"]
+    (fast, run_dir), (plain, _) = digits_runs["fast"], digits_runs["plain"]
     assert "resnet_small on the plain layers of nets/plain.py" in plain.stdout
+    assert fast.stdout.rstrip().endswith(f"\ntimeline {run_dir.parent}/trace.rank0.json: open "
+                                         f"in https://ui.perfetto.dev or chrome://tracing")
     assert "plain layers" not in fast.stdout
     assert final_top1(plain) >= 93 and abs(final_top1(plain) - final_top1(fast)) <= 3
 

@@ -73,16 +73,12 @@ def _si(n):
 
 
 def data_shape(data, data_dir):
-    """(number of classes, image size, file) of --data as train reads it: a named data
-    set (digits, fashion-mnist) is its training file under data_dir, anything else a
-    data file. ConfigError when there is no such file."""
-    from mpitrain.checks import PRESETS, ConfigError, describe_file
-    preset = PRESETS.get(data)
-    path = os.path.join(data_dir, preset["train"]) if preset else data
-    if not os.path.exists(path):
-        make = (f"`python -m mpitrain convert {data} {data_dir}` makes it (train converts it "
-                f"on first use)" if preset else "make it with `python -m mpitrain convert ...`")
-        raise ConfigError(f"data file {path} does not exist; {make}")
+    """(number of classes, image size, file) of --data as train reads it
+    (checks.resolve_data: a named data set is converted on first use). ConfigError when
+    there is no such file."""
+    from mpitrain.checks import describe_file, resolve_data
+    from mpitrain.options import Config
+    path, _, _ = resolve_data(Config(data=data, data_dir=data_dir), need_val=False)
     _, names, size = describe_file(path)
     return len(names), size, path
 

@@ -186,35 +186,19 @@ def check_inputs(data, val_data, data_dir, out):
     run takes from the file: checks.describe_file); refuses
     (StudyError) a data file that is missing or not mpitrain's format, too few images
     and an --out that cannot be written, before anything is written."""
-    from mpitrain.checks import PRESETS, describe_file
-    from mpitrain.datasets import convert
+    from mpitrain.checks import ConfigError, describe_file, resolve_data
     from mpitrain.datasets.h5format import FormatError
+    from mpitrain.options import Config
     if find_spec("matplotlib") is None:
         raise StudyError("the study plots its results with matplotlib: pip install matplotlib "
                          "(or pip install -e '.[plot]' in the checkout)")
-    if data in PRESETS:
-        train_file = os.path.join(data_dir, PRESETS[data]["train"])
-    else:
-        train_file = data
-        for what, path in (("--data", data), ("--val-data" if val_data else "the validation "
-                                              "file of --data", val_data or convert.val_path(data))):
-            if not os.path.isfile(path):
-                raise StudyError(f"{what} {path} does not exist; make it with "
-                                 f"`python -m mpitrain convert ...` (which writes FILE and "
-                                 f"FILE_val.h5) or name it with --val-data, or leave --data "
-                                 f"out for the bundled digits")
     problem = writable_problem(out)
     if problem:
         raise StudyError(problem)
-    if data in PRESETS and not os.path.exists(train_file):
-        print(f"study: converting {data} into {data_dir}/", flush=True)
-        try:
-            getattr(convert, PRESETS[data]["convert"])(data_dir)
-        except convert.ConvertError as e:
-            raise StudyError(str(e)) from None
-    try:
+    try:        # a named data set is converted here, on first use
+        train_file, _, _ = resolve_data(Config(data=data, data_dir=data_dir, val_data=val_data))
         num_train, classes, size = describe_file(train_file)
-    except FormatError as e:
+    except (ConfigError, FormatError) as e:
         raise StudyError(str(e)) from None
     if len(batch_sizes(num_train)) < 2:
         raise StudyError(f"{train_file} has {num_train} training images: the study needs at "
