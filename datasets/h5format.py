@@ -319,6 +319,15 @@ def default_image_size(reader):
     return min(DEFAULT_IMAGE_SIZE, *reader.image_size)
 
 
+def a_folder(path):
+    """The refusal of a folder where a data file was asked for, with the command that makes
+    one from it."""
+    name = os.path.basename(os.path.normpath(path)) or "images"
+    return (f"{path} is a folder, and mpitrain reads HDF5 files made by `convert`: `python -m "
+            f"mpitrain convert imagefolder {path} data/{name}.h5 --val-fraction 0.1` makes "
+            f"data/{name}.h5 and data/{name}_val.h5 from its class folders")
+
+
 class Reader:
     """Read access to one file (open one Reader per worker: h5py handles are not
     shared across threads' or processes' work).
@@ -333,6 +342,8 @@ class Reader:
 
     def __init__(self, path, num_classes=None, check=True):
         self.path = path
+        if os.path.isdir(path):
+            raise FormatError(a_folder(path))
         try:
             self.file = h5py.File(path, "r")
         except OSError as e:

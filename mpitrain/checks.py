@@ -156,11 +156,16 @@ def resolve_data(cfg, comm=None, need_val=True):
     else:
         transform = dict(TRANSFORM)
         for what, path in (("training", train_file), ("validation", val_file)):
+            if os.path.isdir(path):
+                from mpitrain.datasets.h5format import a_folder
+                raise ConfigError(a_folder(path))
             if not os.path.exists(path) and (need_val or what == "training"):
                 given = {"training": "--data", "validation": cfg.val_data and "--val-data"}[what]
                 fix = (f"check {given}, or make it with `python -m mpitrain convert ...`" if given
                        else "name one with --val-data, or make it with `python -m mpitrain "
                             "convert imagefolder ... --val-fraction F`")
+                if given == "--data" and not os.path.splitext(path)[1]:    # a name, not a file
+                    fix += f" (the named data sets: {', '.join(PRESETS)})"
                 raise ConfigError(f"{what} file {path} does not exist; {fix}")
     if cfg.augment is not None:
         transform["augment"] = cfg.augment

@@ -65,7 +65,23 @@ def test_a_missing_data_file_is_refused_with_the_fix_for_how_it_was_named(synth,
                "it with `python -m mpitrain convert ...`")
     r = quick("train", "--data", str(tmp_path / "t.h5"), *run_dir)
     refused(r, f"training file {tmp_path / 't.h5'} does not exist; check --data, or make it")
+    r = quick("train", "--data", "digit", *run_dir)             # a name, not a file
+    refused(r, "training file digit does not exist; check --data, or make it with `python -m "
+               "mpitrain convert ...` (the named data sets: digits, fashion-mnist)")
     assert sorted(os.listdir(tmp_path)) == ["lone.h5"]
+
+
+def test_a_folder_of_images_given_as_data_is_answered_with_its_convert_command(one_epoch,
+                                                                               tmp_path):
+    images = tmp_path / "shapes"
+    (images / "circle").mkdir(parents=True)
+    convert = (f"{images} is a folder, and mpitrain reads HDF5 files made by `convert`: "
+               f"`python -m mpitrain convert imagefolder {images} data/shapes.h5 "
+               f"--val-fraction 0.1` makes data/shapes.h5 and data/shapes_val.h5 from its "
+               f"class folders")
+    refused(quick("train", "--data", str(images), "--run-dir", str(tmp_path / "run")), convert)
+    refused(quick("eval", "--checkpoint", str(one_epoch), "--data", str(images)), convert)
+    assert sorted(os.listdir(tmp_path)) == ["shapes"]
 
 
 def test_validation_classes_must_be_the_training_classes(synth, tmp_path):
