@@ -205,7 +205,7 @@ def read(path):
                 progress=json.loads(f.attrs.get("progress", "{}")),
                 residual=f["residual"][...] if "residual" in f else None, path=path)
     except (OSError, KeyError) as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
+        raise unreadable(path, e) from e
 
 
 def read_config(path):
@@ -215,7 +215,23 @@ def read_config(path):
         with h5py.File(path, "r") as f:
             return json.loads(f.attrs["config"])
     except (OSError, KeyError) as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
+        raise unreadable(path, e) from e
+
+
+def unreadable(path, e):
+    """The CheckpointError of `path` that h5py could not open (OSError) or that lacks a
+    part (KeyError), saying what the file is where that is the reason."""
+    import h5py
+    if not os.path.exists(path):
+        why = "no such file"
+    elif isinstance(e, KeyError):
+        why = "an HDF5 file without a checkpoint's parts (a data file?)"
+    elif os.path.isfile(path) and not h5py.is_hdf5(path):
+        why = "not an HDF5 file (an exported model?)"
+    else:
+        why = str(e)
+    return CheckpointError(f"cannot read checkpoint {path}: {why}; give a checkpoint-*.h5 "
+                           f"that train wrote, or its run directory")
 
 
 def check_matches(state, model):

@@ -71,8 +71,8 @@ def test_a_missing_data_file_is_refused_with_the_fix_for_how_it_was_named(synth,
     assert sorted(os.listdir(tmp_path)) == ["lone.h5"]
 
 
-def test_a_folder_of_images_given_as_data_is_answered_with_its_convert_command(one_epoch,
-                                                                               tmp_path):
+def test_a_folder_or_a_data_file_in_the_wrong_place_is_answered_with_the_fix(one_epoch, digits,
+                                                                            tmp_path):
     images = tmp_path / "shapes"
     (images / "circle").mkdir(parents=True)
     convert = (f"{images} is a folder, and mpitrain reads HDF5 files made by `convert`: "
@@ -82,6 +82,10 @@ def test_a_folder_of_images_given_as_data_is_answered_with_its_convert_command(o
     refused(quick("train", "--data", str(images), "--run-dir", str(tmp_path / "run")), convert)
     refused(quick("eval", "--checkpoint", str(one_epoch), "--data", str(images)), convert)
     assert sorted(os.listdir(tmp_path)) == ["shapes"]
+    data = digits / "digits_val.h5"                  # a data file given as the checkpoint
+    refused(quick("eval", "--checkpoint", str(data)),
+            f"cannot read checkpoint {data}: an HDF5 file without a checkpoint's parts (a data "
+            f"file?); give a checkpoint-*.h5 that train wrote, or its run directory")
 
 
 def test_validation_classes_must_be_the_training_classes(synth, tmp_path):

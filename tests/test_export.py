@@ -159,7 +159,9 @@ def small(tiny_data, tmp_path_factory):
 @pytest.mark.parametrize("argv,message", [
     (["{tmp}/none.h5", "--format", "onnx", "{tmp}/m.onnx"],
      "checkpoint {tmp}/none.h5 does not exist"),
-    (["{text}", "--format", "onnx", "{tmp}/m.onnx"], "cannot read checkpoint {text}"),
+    (["{text}", "--format", "onnx", "{tmp}/m.onnx"],
+     "cannot read checkpoint {text}: not an HDF5 file (an exported model?); give a "
+     "checkpoint-*.h5 that train wrote, or its run directory"),
     (["{small}", "--format", "tflite", "{tmp}/m.tflite"],
      "argument --format: invalid choice: 'tflite'"),
     (["{small}", "--format", "onnx", "{text}/dir/m.onnx"],
