@@ -222,10 +222,13 @@ def save_json(path, data):
 
 def describe(title, data, width=100):
     """`title: key=value key=value ...` wrapped to `width` columns, for rank 0 to print. A
-    value with spaces is quoted, its runs of spaces made one, and never split across lines:
-    a line breaks between items only (an item longer than a line overruns it)."""
-    items = [f"{k}={' '.join(str(v).split())!r}" if len(str(v).split()) > 1 else f"{k}={v}"
-             for k, v in sorted(data.items())]
+    list is its items joined by commas, as on a command line; a value with spaces is
+    quoted, its runs of spaces made one, and never split across lines: a line breaks
+    between items only (an item longer than a line overruns it)."""
+    text = {k: ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
+            for k, v in data.items()}
+    items = [f"{k}={' '.join(v.split())!r}" if len(v.split()) > 1 else f"{k}={v}"
+             for k, v in sorted(text.items())]
     lines = [f"{title}:"]
     for item in items:
         if len(lines[-1]) + 1 + len(item) > width and lines[-1] != f"{title}:":

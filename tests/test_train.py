@@ -76,6 +76,8 @@ def test_a_start_line_wraps_between_values_never_inside_one():
     assert text.split("\n") == [f"environment: a={' '.join(['x'] * 30)!r}",
                                  "  b='MPICH Version: 5.0.2' c=3", f"  d={'y' * 120}"]
     assert describe("title", {"k": 1, "m": "two words"}) == "title: k=1 m='two words'"
+    assert describe("title", {"hosts": ["nodeA", "nodeB"], "crop_scale": (0.08, 1.0)}) \
+        == "title: crop_scale=0.08,1.0 hosts=nodeA,nodeB"
 
 
 @pytest.mark.launches
