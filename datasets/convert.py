@@ -26,7 +26,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from .h5format import Writer
 from .split import stratified_val
@@ -140,9 +140,13 @@ def _save(im, fmt, **options):
 def _process(src, item, resize_short):
     """(label, bytes, histogram, None) or (label, None, None, reason)."""
     rel, label = item
+    path = os.path.join(src, rel)
     try:
-        data, hist = encode_file(os.path.join(src, rel), resize_short)
+        data, hist = encode_file(path, resize_short)
         return label, data, hist, None
+    except UnidentifiedImageError:          # its message names a BytesIO, not the file
+        return label, None, None, ("an empty file" if os.path.getsize(path) == 0
+                                   else "not an image (no format Pillow reads)")
     except Exception as e:
         return label, None, None, f"{type(e).__name__}: {e}"
 

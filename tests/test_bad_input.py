@@ -467,7 +467,7 @@ def test_convert_makes_the_directory_of_its_file_or_says_why_it_cannot(tmp_path)
     assert sorted(os.listdir(out.parent)) == ["pets.h5", "pets.h5.skipped.txt", "pets_val.h5"]
 
 
-def test_symbolic_link_loops_are_listed_as_skipped(tmp_path):
+def test_links_that_lead_nowhere_and_files_that_are_no_images_are_listed_as_skipped(tmp_path):
     src = tmp_path / "src"
     for c in ("cat", "dog"):
         (src / c).mkdir(parents=True)
@@ -475,10 +475,14 @@ def test_symbolic_link_loops_are_listed_as_skipped(tmp_path):
             png(src / c / f"{i}.png", 40 * i)
     os.symlink("loop", src / "cat" / "loop")              # a link to itself
     os.symlink("nowhere.png", src / "dog" / "gone.png")   # a broken link
+    (src / "dog" / "notes.txt").write_text("not an image")
+    (src / "dog" / "empty.jpg").write_bytes(b"")
     r = quick("convert", "imagefolder", str(src), str(tmp_path / "out.h5"))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "train: 6 images" in r.stdout and "2 files skipped" in r.stdout
+    assert "train: 6 images" in r.stdout and "4 files skipped" in r.stdout
     report = (tmp_path / "out.h5.skipped.txt").read_text()
+    assert "dog/notes.txt\tnot an image (no format Pillow reads)\n" in report, report
+    assert "dog/empty.jpg\tan empty file\n" in report, report
     assert "cat/loop\ta symbolic link that leads nowhere (Too many levels of symbolic links)" \
         in report, report
     assert "dog/gone.png\ta symbolic link that leads nowhere (No such file or directory)" \
