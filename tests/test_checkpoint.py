@@ -329,9 +329,11 @@ def test_eval_command_reproduces_the_final_accuracy(straight_run):
     run_dir, data, _ = straight_run
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     final = [x for x in records if x["kind"] == "eval"][-1]
-    r = run(2, "eval", "--checkpoint", str(run_dir / "checkpoint-000000044.h5"),
-            "--data", str(data / "digits_val.h5"), "--json")
-    assert r.returncode == 0, r.stdout + r.stderr
-    result = json.loads(r.stdout)                   # one line: rank 0 alone prints
-    assert result["top1"] == final["top1"] and result["top5"] == final["top5"]
-    assert result["images"] == 359
+    # the run's validation file, named and by default (rank 0 finds it for every rank)
+    for named in (("--data", str(data / "digits_val.h5")), ()):
+        r = run(2, "eval", "--checkpoint", str(run_dir / "checkpoint-000000044.h5"), *named,
+                "--json")
+        assert r.returncode == 0, r.stdout + r.stderr
+        result = json.loads(r.stdout)               # one line: rank 0 alone prints
+        assert result["top1"] == final["top1"] and result["top5"] == final["top5"]
+        assert result["images"] == 359 and result["data"] == str(data / "digits_val.h5")

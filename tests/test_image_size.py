@@ -91,4 +91,4 @@ def test_study_takes_an_image_size():
     """Checked before any run: a missing file, not an unknown option."""
     r = mpitrain("study", "large-batch", "--data", "no/such.h5", "--image-size", "32")
     assert r.returncode == 2, r.stdout + r.stderr
-    assert "--data no/such.h5 does not exist" in r.stderr, r.stderr
+    assert "training file no/such.h5 does not exist; check --data" in r.stderr, r.stderr
