@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from mpitrain.files import write_atomic
+
 from .h5format import Writer
 from .split import stratified_val
 
@@ -223,9 +225,12 @@ def convert_imagefolder(src, dst, val_fraction=0.0, resize_short=None, seed=0, p
             for name in reversed(list(writers)):    # train last: its presence means both are done
                 writers[name].commit(mean, std)
             report_path = dst + ".skipped.txt"
-            with open(report_path, "w") as fh:
-                fh.write(f"# {len(skipped)} of {len(items)} files skipped (path<TAB>reason)\n")
-                fh.writelines(f"{rel}\t{reason}\n" for rel, reason in skipped)
+
+            def report(tmp):
+                with open(tmp, "w") as fh:
+                    fh.write(f"# {len(skipped)} of {len(items)} files skipped (path<TAB>reason)\n")
+                    fh.writelines(f"{rel}\t{reason}\n" for rel, reason in skipped)
+            write_atomic(report_path, report)
             result = Conversion(dict(splits), {n: len(w) for n, w in writers.items()},
                                 skipped, report_path)
     except BaseException:
