@@ -344,6 +344,9 @@ class Reader:
         self.path = path
         if os.path.isdir(path):
             raise FormatError(a_folder(path))
+        if not os.path.exists(path):
+            raise FormatError(f"{path} does not exist; make it with `python -m mpitrain "
+                              f"convert ...`")
         try:
             self.file = h5py.File(path, "r")
         except OSError as e:

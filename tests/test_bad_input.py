@@ -81,6 +81,10 @@ def test_a_folder_or_a_data_file_in_the_wrong_place_is_answered_with_the_fix(one
                f"class folders")
     refused(quick("train", "--data", str(images), "--run-dir", str(tmp_path / "run")), convert)
     refused(quick("eval", "--checkpoint", str(one_epoch), "--data", str(images)), convert)
+    refused(quick("bench", "data", "--data", str(images)), convert)
+    none = tmp_path / "none.h5"
+    refused(quick("bench", "data", "--data", str(none)),
+            f"{none} does not exist; make it with `python -m mpitrain convert ...`")
     assert sorted(os.listdir(tmp_path)) == ["shapes"]
     data = digits / "digits_val.h5"                  # a data file given as the checkpoint
     refused(quick("eval", "--checkpoint", str(data)),

@@ -13,7 +13,6 @@ also reported on its own. The ratio fed / random says what the data costs the
 step. The figures: docs/benchmarks.md.
 """
 import json
-import os
 import sys
 
 from .step import OneStep, _clock, _median, new_model, random_batch, time_ours, under_mpirun
@@ -31,8 +30,6 @@ def bench_step_data(path, model_name, image_size=224, batch=32, steps=10, warmup
     from mpitrain.datasets.h5format import FormatError, Reader
     from mpitrain.datasets.loader import Loader, pinned_for
     backend.use_device(device)
-    if not os.path.exists(path):
-        raise DataStepError(f"{path} does not exist; make it with `python -m mpitrain convert`")
     try:
         with Reader(path) as reader:
             classes, records = len(reader.class_names), len(reader)
