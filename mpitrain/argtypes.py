@@ -31,6 +31,19 @@ nonnegative_float = number(float, 0.0)
 fraction = number(float, 0.0, 1.0, high_open=True)     # [0, 1)
 
 
+def comma_list(item, choices=None):
+    """A tuple of comma-separated values, each taken by `item` (a type above) and, with
+    `choices`, one of them; "" is the empty tuple."""
+    def parse(text):
+        values = tuple(item(v.strip()) for v in text.split(",") if v.strip())
+        wrong = [v for v in values if choices is not None and v not in choices]
+        if wrong:
+            raise argparse.ArgumentTypeError(f"{wrong[0]!r} is not one of {', '.join(choices)}")
+        return values
+    parse.__name__ = "list"
+    return parse
+
+
 def workers(text):
     """Loader threads: 0 up to the cores this process may run on."""
     from .launcher import cores

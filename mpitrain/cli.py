@@ -12,8 +12,8 @@ import sys
 import time
 import traceback
 
-from .argtypes import (fraction, nonnegative_float, nonnegative_int, number, positive_float,
-                       positive_int, workers)
+from .argtypes import (comma_list, density, fraction, nonnegative_float, nonnegative_int, number,
+                       positive_float, positive_int, workers)
 from .options import BY_NAME, DEFAULTS, IMAGE_SIZE, add_arguments
 
 REFUSAL_GRACE = 1.0     # seconds the other ranks wait before exiting on a refusal
@@ -355,16 +355,19 @@ def add_bench_comm(benches):
                     "with fp32 and fp16 on the wire, and a sweep of buffer sizes; reports "
                     "milliseconds and algorithmic bus bandwidth.")
     comm.add_argument("--model", choices=MODELS, default="resnet50")
-    comm.add_argument("--algorithms", default="flat,hierarchical,2d,shm,hybrid",
-                      help="comma-separated algorithms")
-    comm.add_argument("--fusion-mib", default="1,4,16", help="fusion bucket sizes in MiB")
+    algorithms = BY_NAME["allreduce"].choices
+    comm.add_argument("--algorithms", type=comma_list(str, algorithms),
+                      default=",".join(algorithms), metavar="A,A",
+                      help=f"comma-separated algorithms, of {', '.join(algorithms)}")
+    comm.add_argument("--fusion-mib", type=comma_list(positive_int), default="1,4,16",
+                      metavar="MIB,MIB", help="fusion bucket sizes in MiB")
     comm.add_argument("--repeats", type=positive_int, default=5, help="timed runs (median)")
     comm.add_argument("--ranks-per-node", type=positive_int, metavar="K")
     comm.add_argument("--no-sweep", action="store_true", help="skip the buffer-size sweep")
-    comm.add_argument("--wires", choices=["fp32,fp16", "fp32", "fp16"], default="fp32,fp16",
-                      help="dtypes of the values on the wire")
+    comm.add_argument("--wires", type=comma_list(str, ("fp32", "fp16")), default="fp32,fp16",
+                      metavar="W,W", help="dtypes of the values on the wire: fp32, fp16 or both")
     comm.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
-    comm.add_argument("--densities", default="0.1,0.01", metavar="D,D",
+    comm.add_argument("--densities", type=comma_list(density), default="0.1,0.01", metavar="D,D",
                       help="top-k densities timed against dense sums over the model's "
                            "buckets ('' for none)")
 
@@ -965,8 +968,7 @@ def main(argv=None):
         else:
             run(args.model, args.repeats, args.json)
     elif args.bench == "comm":
-        from mpitrain.tools.bench.comm import MiB, densities, run
-        run(args.model, tuple(args.algorithms.split(",")),
-            tuple(int(f) * MiB for f in args.fusion_mib.split(",")), args.repeats,
-            args.ranks_per_node, not args.no_sweep, args.json, densities=densities(args.densities),
-            wires=tuple(args.wires.split(",")))
+        from mpitrain.tools.bench.comm import MiB, run
+        run(args.model, args.algorithms, tuple(f * MiB for f in args.fusion_mib), args.repeats,
+            args.ranks_per_node, not args.no_sweep, args.json, densities=args.densities,
+            wires=args.wires)

@@ -41,6 +41,11 @@ def run(*args, timeout=120):
     (["bench", "step", "--compress", "topk", "--comm-dtype", "fp16"],
      "--compress topk sends its values in fp32 and cannot take --comm-dtype fp16"),
     (["bench", "step", "--density", "0"], "argument --density: 0 must be > 0.0"),
+    (["bench", "comm", "--algorithms", "flat,ring"],
+     "argument --algorithms: 'ring' is not one of flat, hierarchical, 2d, shm, hybrid"),
+    (["bench", "comm", "--fusion-mib", "4,0"], "argument --fusion-mib: 0 must be >= 1"),
+    (["bench", "comm", "--densities", "0.1,2"], "argument --densities: 2 must be <= 1.0"),
+    (["bench", "comm", "--wires", "fp8"], "argument --wires: 'fp8' is not one of fp32, fp16"),
     (["bench"], "the following arguments are required: benchmark"),
     ([], "the following arguments are required: command"),
 ])

@@ -27,7 +27,6 @@ per rank; top-k: 4 + 4 bytes per pick, k = ceil(D n) per bucket), the step's tim
 and for top-k the time of the selection alone (no communication).
 The figures, and the `hybrid` rule drawn from them: docs/benchmarks.md.
 """
-import argparse
 import itertools
 import json
 import time
@@ -256,29 +255,3 @@ def format_table(r):
                          f"{row['bytes'] / dense['bytes']:>8.3f} {row['ms']:>9.2f} "
                          f"{row['min_ms']:>9.2f} {row.get('select_ms', float('nan')):>10.2f}")
     return "\n".join(lines)
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="resnet50")
-    ap.add_argument("--algorithms", default="flat,hierarchical,2d,shm,hybrid")
-    ap.add_argument("--fusion-mib", default="1,4,16", help="fusion slice sizes in MiB")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--ranks-per-node", type=int, default=None)
-    ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--densities", default="0.1,0.01")
-    ap.add_argument("--wires", default="fp32,fp16", help="dtypes on the wire: fp32, fp16 or both")
-    a = ap.parse_args(argv)
-    run(a.model, tuple(a.algorithms.split(",")), tuple(int(f) * MiB for f in a.fusion_mib.split(",")),
-        a.repeats, a.ranks_per_node, not a.no_sweep, a.json, densities=densities(a.densities),
-        wires=tuple(a.wires.split(",")))
-
-
-def densities(text):
-    """'0.1,0.01' -> (0.1, 0.01); '' -> () (no top-k rows)."""
-    return tuple(float(d) for d in text.split(",") if d.strip())
-
-
-if __name__ == "__main__":
-    main()

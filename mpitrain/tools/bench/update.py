@@ -302,6 +302,3 @@ def _sharded_table(r):
                  f"sums x{r['max_with_sums_ratio']:.2f}, optimizer state "
                  f"x{r['max_memory_ratio']:.2f} of the unsharded")
     return "\n".join(lines)
-
-if __name__ == "__main__":
-    run()
