@@ -417,10 +417,15 @@ def find_resume(cfg, comm, say):
     found = None
     if comm.rank == 0:
         def passed_over(path, why):
-            say(f"--resume auto: passing over {path}: {why}", flush=True)
+            say(f"--resume {cfg.resume}: passing over {path}: {why}", flush=True)
         try:
             if cfg.resume == "auto":
                 found = checkpoint.latest(cfg.run_dir, passed_over)
+            elif os.path.isdir(cfg.resume):         # another run's directory
+                found = checkpoint.latest(cfg.resume, passed_over)
+                if found is None:
+                    raise ConfigError(f"--resume {cfg.resume}: the run directory holds no "
+                                      f"complete checkpoint; name a checkpoint file")
             elif os.path.exists(cfg.resume):
                 found = cfg.resume
             else:

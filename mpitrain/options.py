@@ -198,7 +198,8 @@ OPTIONS = (
            metavar="N"),
     Option("keep_checkpoints", 3, "keep the newest K checkpoints", RUN, positive_int, metavar="K"),
     Option("resume", None, "continue from the newest complete checkpoint in --run-dir (auto) "
-           "or from PATH; the global batch must be the same, the number of ranks may differ",
+           "or from PATH (a checkpoint file, or a run directory: its newest complete "
+           "checkpoint); the global batch must be the same, the number of ranks may differ",
            RUN, metavar="auto|PATH"),
     Option("trace", None, "write a Chrome-trace timeline per rank: FILE.rankN.json, or "
            "DIR/trace.rankN.json when FILE is a directory or ends in /", RUN, metavar="FILE"),

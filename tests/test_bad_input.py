@@ -263,6 +263,17 @@ def test_resume_auto_says_it_passes_over_an_unreadable_checkpoint(one_epoch, dig
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"--resume auto: passing over {torn}: cannot read checkpoint" in r.stdout
     assert f"resumed from {good}" in r.stdout
+    # a run directory given to --resume: its newest complete checkpoint, into another run
+    r = quick("train", "--epochs", "2", *BATCH, "--data-dir", str(digits),
+              "--run-dir", str(tmp_path / "next"), "--resume", str(one_epoch))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"resumed from {one_epoch / 'checkpoint-000000022.h5'}: epoch 2" in r.stdout, r.stdout
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused(quick("train", "--epochs", "2", *BATCH, "--data-dir", str(digits), "--run-dir",
+                  str(tmp_path / "other"), "--resume", str(empty)),
+            f"--resume {empty}: the run directory holds no complete checkpoint; name a "
+            f"checkpoint file")
 
 
 # ----- converting -----
