@@ -404,6 +404,9 @@ run_mpi() {
     fi
     local words
     [[ -z "${HOSTS:-}" ]] || check_emulated_hosts "$HOSTS" "$NP"
+    [[ -z "${HOSTFILE:-}" || -f "$HOSTFILE" ]] || die "HOSTFILE=$HOSTFILE: no such file" \
+        "(mpirun --hostfile reads one host a line, \"host\" or \"host:slots\"); unset" \
+        "HOSTFILE to run on this machine"
     mapfile -t words < <(mpiexec_words "$NP" "${HOSTS:-}")
     # the ranks end the job when this shell is gone (kill -9 of it reaches no rank: the
     # launcher runs in a process group of its own)
