@@ -30,8 +30,11 @@ def load_yaml(path, known):
             data = yaml.safe_load(f)
     except OSError as e:
         raise ConfigFileError(f"cannot read config file {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigFileError(f"config file {path} is not valid YAML: {e}") from None
+    except yaml.YAMLError as e:     # one line: the problem, and where YAML met it
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(e, "problem", None) or " ".join(str(e).split())
+        raise ConfigFileError(f"config file {path} is not valid YAML: {problem}{where}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -130,13 +130,18 @@ def test_yaml_values_apply_and_flags_win(tmp_path):
     ("epochs: -1\n", "epochs: -1 must be >= 1"),
     ("model: vgg\n", "model: 'vgg': choose from"),
     ("- 1\n- 2\n", "must hold a mapping"),
-    ("epochs: [\n", "is not valid YAML"),
+    ("epochs: [\n", "is not valid YAML: expected the node content, but found '<stream end>' "
+                    "(line 2, column 1)"),
+    ("epochs: 2\n  lr: [0.1\n", "is not valid YAML: mapping values are not allowed here "
+                                "(line 2, column 5)"),
 ])
 def test_bad_yaml_is_refused_by_name(tmp_path, capsys, text, message):
+    """In one line, the reason and where it is."""
     with pytest.raises(SystemExit) as e:
         parse_with_config(tmp_path, text)
     assert e.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
 
 
 # ----- plot -----
