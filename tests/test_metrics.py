@@ -169,6 +169,12 @@ def test_plot_draws_the_curves(tmp_path):
             assert len(im.convert("RGB").getcolors(1 << 16)) > 20    # not a blank canvas
     with pytest.raises(PlotError, match="does not exist"):
         plot_run(str(tmp_path / "png"))
+    assert sorted(os.listdir(tmp_path / "png")) == sorted(map(os.path.basename, paths))  # whole
+    # an --out that is a file, or lies under one: refused before anything is drawn
+    with pytest.raises(PlotError, match=f"--out {paths[0]} is a file; give a directory"):
+        plot_run(str(tmp_path), paths[0])
+    with pytest.raises(PlotError, match=f"{paths[0]} is a file, so .* cannot be written"):
+        plot_run(str(tmp_path), os.path.join(paths[0], "more"))
 
 
 def test_plot_says_which_curves_a_run_did_not_record(tmp_path, monkeypatch):

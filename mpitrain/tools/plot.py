@@ -14,6 +14,7 @@ and `plot_batch_study`: the large-batch study's top-1 against the global batch.
 import math
 import os
 
+from ..files import output_problem, write_atomic
 from ..metrics import read_metrics
 
 
@@ -54,7 +55,10 @@ def plot_run(run_dir, out=None):
     if not steps:
         raise PlotError(f"{path} holds no step records yet")
     out = out or run_dir
-    os.makedirs(out, exist_ok=True)
+    problem = (f"--out {out} is a file; give a directory for the PNG files"
+               if os.path.isfile(out) else output_problem(os.path.join(out, "loss.png")))
+    if problem:
+        raise PlotError(problem)
     per_epoch = _steps_per_epoch(steps)
     x = [r["global_step"] / per_epoch for r in steps]
     written = []
@@ -70,7 +74,7 @@ def plot_run(run_dir, out=None):
             ax.legend()
         fig.tight_layout()
         target = os.path.join(out, name)
-        fig.savefig(target)
+        write_atomic(target, lambda tmp: fig.savefig(tmp, format="png"))
         plt.close(fig)
         written.append(target)
 
@@ -167,6 +171,5 @@ def plot_batch_study(rows, path, title, chance):
     ax.grid(alpha=0.3)
     ax.legend(loc="lower left")
     fig.tight_layout()
-    fig.savefig(path + ".tmp.png")
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png"))
     plt.close(fig)
-    os.replace(path + ".tmp.png", path)
