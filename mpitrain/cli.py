@@ -669,6 +669,11 @@ def run_convert(args):
     from mpitrain.files import output_problem
     from mpitrain.metrics import Progress
     problem = output_problem(args.dst) if args.source in ("synthetic", "imagefolder") else None
+    src = os.path.abspath(args.src) if args.source == "imagefolder" else None
+    if src and os.path.commonpath([src, os.path.abspath(args.dst)]) == src:
+        problem = (f"{args.dst} lies inside SRC {args.src}, among the images it converts "
+                   f"(a class folder's next conversion would take it for one); write it "
+                   f"outside SRC")
     if problem:
         args.command_parser.error(problem)
     if args.source == "digits":

@@ -478,6 +478,8 @@ def test_convert_makes_the_directory_of_its_file_or_says_why_it_cannot(tmp_path)
                "written; choose another path")
     r = quick("convert", "imagefolder", str(src), str(out.parent))
     refused(r, f"{out.parent} is a directory; name the file to write")
+    r = quick("convert", "imagefolder", str(src), str(src / "cat" / "pets.h5"))
+    refused(r, f"{src / 'cat' / 'pets.h5'} lies inside SRC {src}, among the images it converts")
     assert sorted(os.listdir(tmp_path)) == ["afile", "data", "src"]
     assert sorted(os.listdir(out.parent)) == ["pets.h5", "pets.h5.skipped.txt", "pets_val.h5"]
 
