@@ -855,15 +855,19 @@ def gpu_decode_or_refuse(args):
 
 
 def data_image_size(args):
-    """--image-size, else the size of args.data (checks.describe_file), said unless --json."""
-    if args.image_size:
-        return args.image_size
-    from mpitrain.checks import describe_file
+    """--image-size, else the size of args.data (checks.describe_file), said unless --json;
+    a file of fewer images than --batch is refused."""
+    from mpitrain.checks import ConfigError, describe_file
     from mpitrain.datasets.h5format import FormatError
     try:
-        size = describe_file(args.data)[2]
-    except FormatError as e:
+        images, _, size = describe_file(args.data)
+    except (ConfigError, FormatError) as e:
         args.command_parser.error(str(e))
+    if images < args.batch:
+        args.command_parser.error(f"{args.data} holds {images} images, fewer than one batch "
+                                  f"of {args.batch}: lower --batch")
+    if args.image_size:
+        return args.image_size
     if not args.json:
         print(f"images {size}x{size} from the data (--image-size to change)", flush=True)
     return size

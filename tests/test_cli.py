@@ -362,6 +362,9 @@ def test_bench_data_times_full_batches(tmp_path):
     result = json.loads(r.stdout)
     assert result["records"] == 8
     assert result["mpitrain"]["images"] == 3 * 4
+    r = run("bench", "data", "--data", str(jpegs), "--batch", "9")      # no full batch
+    assert r.returncode == 2 and r.stderr.endswith(
+        f"error: {jpegs} holds 8 images, fewer than one batch of 9: lower --batch\n"), r.stderr
 
 
 @pytest.mark.torch
