@@ -587,8 +587,8 @@ def add_simulate(commands):
                     "--calibrate measures this host instead (bench comm and bench step on "
                     "1 to --max-ranks ranks) and prints predicted against measured.")
     sim.add_argument("--model", choices=MODELS, default="resnet50")
-    sim.add_argument("--ranks", type=positive_int, default=1024, metavar="N",
-                     help="ranks (devices) in the job")
+    sim.add_argument("--ranks", type=positive_int, metavar="N",
+                     help="ranks (devices) in the job (default: 1024; --sweep runs 1 to 4,096)")
     sim.add_argument("--ranks-per-node", type=positive_int, metavar="K",
                      help="ranks sharing a node's link; not given: the device's usual node, "
                           "8 GPUs or this host's 2 cores")
@@ -644,6 +644,10 @@ def run_simulate(args):
     if args.calibrate and (args.sweep or args.calibration):
         args.command_parser.error("--calibrate measures this host; run --sweep or "
                                   "--calibration FILE in a separate command")
+    if args.sweep and args.ranks:
+        args.command_parser.error(f"--sweep predicts every rank count from 1 to 4,096; drop "
+                                  f"--ranks {args.ranks}, or drop --sweep for {args.ranks} alone")
+    args.ranks = args.ranks or 1024
     try:
         if args.calibrate:
             simulate.calibrate(args)

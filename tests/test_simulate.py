@@ -173,6 +173,8 @@ def test_simulate_sweep_json(capsys):
     (["--network", "0"], "argument --network: 0 must be > 0.0"),
     (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     (["--calibrate", "--sweep"], "run --sweep or --calibration FILE in a separate command"),
+    (["--sweep", "--ranks", "8"], "--sweep predicts every rank count from 1 to 4,096; drop "
+                                  "--ranks 8, or drop --sweep for 8 alone"),
     (["--device", "cpu", "--calibration", "no/such.json"], "cannot read the calibration"),
 ])
 def test_bad_simulate_arguments_exit_2(argv, message, capsys):
