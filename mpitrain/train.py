@@ -459,9 +459,11 @@ class Run:
                  f"on {backend.device}{sharing(cfg)}, global batch {self.batch} "
                  f"({self.batch // size} per rank), {self.steps} steps/epoch, {self.epochs} "
                  f"epochs", flush=True)
+        short = (f": longer than the run's {self.epochs} epochs, so the learning rate never "
+                 f"reaches its peak" if cfg.warmup_epochs > self.epochs else "")
         self.say(f"optimizer {cfg.optimizer}, peak lr {self.base_lr:g} ({cfg.schedule} after "
-                 f"{cfg.warmup_epochs:g} warm-up epochs), precision {cfg.precision}, loss "
-                 f"scale {'dynamic from ' if scaler.dynamic else ''}{scaler.scale:g}",
+                 f"{cfg.warmup_epochs:g} warm-up epochs{short}), precision {cfg.precision}, "
+                 f"loss scale {'dynamic from ' if scaler.dynamic else ''}{scaler.scale:g}",
                  flush=True)
 
     def capture_graph(self):

@@ -2,6 +2,7 @@
 (the optimizers and schedules are tested in test_optim.py)."""
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -181,6 +182,16 @@ def test_neumann_and_nlcg_train_the_digits(tmp_path, optimizer, options):
                   timeout=600)
     assert f"optimizer {optimizer}, peak lr" in r.stdout, r.stdout + r.stderr
     assert final_top1(r) >= 90.0, r.stdout
+
+
+def test_a_warm_up_longer_than_the_run_is_said_at_the_start(digits, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "mpitrain", "train", "--epochs", "1",
+                        "--warmup-epochs", "2", "--batch-size", "64", "--data-dir", str(digits),
+                        "--run-dir", str(tmp_path / "run"), "--checkpoint-every", "0"],
+                       capture_output=True, text=True, timeout=300, env=launcher.environment(1))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "(cosine after 2 warm-up epochs: longer than the run's 1 epochs, so the learning " \
+           "rate never reaches its peak)" in r.stdout, r.stdout
 
 
 def test_bucket_sizes_are_described_from_their_ranges():
