@@ -438,8 +438,9 @@ def add_export(commands):
                     "and renamed when complete. Needs the package of the format "
                     "(pip install 'mpitrain[export]').")
     export.add_argument("checkpoint", help=CHECKPOINT)
-    export.add_argument("--format", required=True, choices=["safetensors", "onnx"],
-                        help="the file format to write")
+    export.add_argument("--format", choices=["safetensors", "onnx"],
+                        help="the file format to write (default: OUT's extension, "
+                             ".safetensors or .onnx)")
     export.add_argument("out", help="the file to write (its directory is made where missing)")
     export.add_argument("--data", metavar="FILE", help=STAND_IN)
     export.set_defaults(command_parser=export)

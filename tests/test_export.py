@@ -169,6 +169,12 @@ def small(tiny_data, tmp_path_factory):
     (["{small}", "--format", "onnx", "{tmp}"], "{tmp} is a directory; name the file to write"),
     (["{tmp}/none.h5", "--format", "onnx", "{tmp}/new/dir/m.onnx"],
      "checkpoint {tmp}/none.h5 does not exist"),
+    (["{small}", "--format", "safetensors", "{tmp}/m.onnx"],
+     "{tmp}/m.onnx ends in .onnx, and --format is safetensors: name it {tmp}/m.safetensors, "
+     "or give --format onnx"),
+    (["{small}", "{tmp}/m.bin"], "{tmp}/m.bin names no format by its extension: give --format "
+                                 "safetensors or --format onnx, or end its name in "
+                                 ".safetensors or .onnx"),
 ])
 def test_export_refuses_with_exit_2_naming_the_problem(argv, message, small, tmp_path, capsys):
     text = tmp_path / "notes.h5"

@@ -256,6 +256,21 @@ def _write_bytes(path, data):
 
 
 # ----- the command -----
+def format_of(fmt, out):
+    """--format, else the format OUT's extension names; refused where the two disagree
+    or neither names one."""
+    stem, ext = os.path.splitext(out)
+    named = ext[1:].lower() if ext[1:].lower() in FORMATS else None
+    if fmt is None and named is None:
+        raise ExportError(f"{out} names no format by its extension: give --format "
+                          f"{' or --format '.join(FORMATS)}, or end its name in "
+                          f"{' or '.join('.' + f for f in FORMATS)}")
+    if fmt is not None and named not in (None, fmt):
+        raise ExportError(f"{out} ends in {ext}, and --format is {fmt}: name it {stem}.{fmt}, "
+                          f"or give --format {named}")
+    return fmt or named
+
+
 def check_output(fmt, out):
     """Refuse an unknown format, and an OUT that cannot be written (files.output_problem)."""
     if fmt not in FORMATS:
@@ -303,6 +318,7 @@ def export(path, fmt, out, data=None):
 def run(args):
     """The `export` command: errors exit with status 2 and the message, as argparse's."""
     try:
+        args.format = format_of(args.format, args.out)
         result = export(args.checkpoint, args.format, args.out, args.data)
     except ExportError as e:
         args.command_parser.error(str(e))
