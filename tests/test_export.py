@@ -341,6 +341,11 @@ def test_an_unreadable_image_exits_2_naming_it(small, tmp_path, capsys):
             main(["predict", "--checkpoint", small, good, image])
         assert exit_.value.code == 2
         assert f"{image}: not" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:                 # a folder of images
+        main(["predict", "--checkpoint", small, str(tmp_path)])
+    assert exit_.value.code == 2
+    assert f"{tmp_path} is a folder: give its image files ({tmp_path}/*.jpg)" \
+        in capsys.readouterr().err
 
 
 # ----- the ONNX file with its preprocessing: docs/export.md's recipe, predict --onnx -----

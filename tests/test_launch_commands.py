@@ -44,15 +44,16 @@ def test_mpi_commands_run_under_the_recorded_mpi(tmp_path, impl, options, args):
         calls(log, "mpiexec"), calls(log, "mpiexec")
 
 
-def test_a_hostfile_is_passed_to_mpirun_and_a_missing_one_refused(tmp_path):
+@pytest.mark.parametrize("impl, options", [("mpich", ""), ("openmpi", "--quiet --bind-to none ")])
+def test_a_hostfile_is_passed_to_mpirun_and_a_missing_one_refused(tmp_path, impl, options):
     hosts = tmp_path / "hosts"
     hosts.write_text("nodeA:2\n")
-    r, log, venv = launch(tmp_path, "mpich", "train", HOSTFILE=str(hosts))
+    r, log, venv = launch(tmp_path, impl, "train", HOSTFILE=str(hosts))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert f"args=--hostfile {hosts} -np 2 {venv}/bin/python -m mpitrain train\n" \
+    assert f"args={options}--hostfile {hosts} -np 2 {venv}/bin/python -m mpitrain train\n" \
         in calls(log, "mpiexec"), calls(log, "mpiexec")
     missing = tmp_path / "nothere"
-    r, log, _ = launch(tmp_path / "again", "mpich", "train", HOSTFILE=str(missing))
+    r, log, _ = launch(tmp_path / "again", impl, "train", HOSTFILE=str(missing))
     assert r.returncode == 2 and r.stderr == (
         f"launch.sh: HOSTFILE={missing}: no such file (mpirun --hostfile reads one host a "
         f"line, \"host\" or \"host:slots\"); unset HOSTFILE to run on this machine\n"), r.stderr

@@ -188,6 +188,8 @@ def read_image(path):
     by the loader's own code, datasets/augment.py), or (H, W, 3) uint16 pixels of a
     16-bit greyscale one, which that code would cut to 8 bits."""
     from PIL import Image, UnidentifiedImageError
+    if os.path.isdir(path):
+        raise PredictError(f"{path} is a folder: give its image files ({path}/*.jpg)")
     try:
         with open(path, "rb") as f:
             data = f.read()
