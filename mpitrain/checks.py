@@ -23,7 +23,7 @@ import os
 import numpy as np
 
 from . import backend, checkpoint
-from .options import DEFAULTS
+from .options import BY_NAME, DEFAULTS
 
 # Data sets known by name: files under data_dir, made by `convert` on first use.
 # The digits are centred 32x32 glyphs: random crops and flips would only hurt.
@@ -69,22 +69,48 @@ def comm_options(cfg, world_size):
                          ("compress", "drop --compress")):
             if getattr(cfg, key) != DEFAULTS[key]:
                 raise ConfigError(f"--shard-update sums fp32 gradients with one reduce-scatter "
-                                  f"after backward, so --{key.replace('_', '-')} "
+                                  f"after backward, so {BY_NAME[key].flag} "
                                   f"{getattr(cfg, key)} does not apply: {fix}")
 
 
-# options that only some optimizers take (mpitrain.train.optimizer_options): the others
-# would ignore them without a word
-OPTIMIZER_OPTIONS = {"nesterov": ("sgd", "lars"), "lars_eta": ("lars",), "lars_eps": ("lars",)}
+# options that only some values of another option use: the others would ignore them without
+# a word. option: (the option that chooses, the values that use it)
+USED_ONLY_WITH = {"nesterov": ("optimizer", ("sgd", "lars")),
+                  "lars_eta": ("optimizer", ("lars",)),
+                  "lars_eps": ("optimizer", ("lars",)),
+                  "poly_power": ("schedule", ("poly",)),
+                  "milestones": ("schedule", ("step",)),
+                  "density": ("compress", ("topk",)),
+                  "compress_warmup": ("compress", ("topk",))}
 
 
-def check_optimizer_options(cfg):
-    """Refuse an option of one optimizer given to another, which would ignore it."""
-    for key, takers in OPTIMIZER_OPTIONS.items():
-        if getattr(cfg, key) != DEFAULTS[key] and cfg.optimizer not in takers:
-            flag = "--" + key.replace("_", "-")
-            raise ConfigError(f"{flag} is an option of --optimizer {' and '.join(takers)}; "
-                              f"--optimizer {cfg.optimizer} would ignore it: drop {flag}")
+def check_options_used(args):
+    """Refuse an option given where the choice it belongs to is another, which would ignore
+    it (USED_ONLY_WITH). args: a Config, or a command's namespace (those of its options that
+    it has)."""
+    given = vars(args)
+    for key, (chooser, users) in USED_ONLY_WITH.items():
+        if key in given and chooser in given and given[key] != DEFAULTS[key] \
+                and given[chooser] not in users:
+            flag, by = BY_NAME[key].flag, BY_NAME[chooser].flag
+            alone = f" (or add {by} {users[0]})" if len(users) == 1 else ""
+            raise ConfigError(f"{flag} is an option of {by} {' and '.join(users)}; "
+                              f"{by} {given[chooser]} would ignore it: drop {flag}{alone}")
+
+
+def check_milestones(cfg):
+    """Refuse a step schedule without milestones, or with one the run never reaches."""
+    if cfg.schedule != "step":
+        return
+    if not cfg.milestones:
+        raise ConfigError("--schedule step multiplies the learning rate by 0.1 at each of "
+                          "--milestones, and none is given: add --milestones EPOCH "
+                          "[EPOCH ...] (for example --milestones 30 60 80)")
+    late = [m for m in cfg.milestones if m >= cfg.epochs]
+    if late:
+        raise ConfigError(f"--milestones {' '.join(f'{m:g}' for m in late)} would never "
+                          f"apply: the run ends after --epochs {cfg.epochs}; drop "
+                          f"{'it' if len(late) == 1 else 'them'} or raise --epochs")
 
 
 def check_topk_wire(compress, comm_dtype):
@@ -169,6 +195,12 @@ def resolve_data(cfg, comm=None, need_val=True):
                 raise ConfigError(f"{what} file {path} does not exist; {fix}")
     if cfg.augment is not None:
         transform["augment"] = cfg.augment
+    for key in ("crop_scale", "crop_ratio"):
+        if getattr(cfg, key) is not None and not transform["augment"]:
+            how = "--no-augment" if cfg.augment is not None else f"the default for {cfg.data}"
+            raise ConfigError(f"{BY_NAME[key].flag} shapes augmentation's training crops, and "
+                              f"augmentation is off ({how}): drop {BY_NAME[key].flag} or add "
+                              f"--augment")
     return train_file, val_file, {**transform, **augment_options(cfg)}
 
 

@@ -954,8 +954,9 @@ def main(argv=None):
         sys.exit(run(args))
     elif args.bench == "step":
         from mpitrain.tools.bench.step import main_step
-        from mpitrain.checks import ConfigError, check_topk_wire
+        from mpitrain.checks import ConfigError, check_options_used, check_topk_wire
         try:
+            check_options_used(args)
             check_topk_wire(args.compress, args.comm_dtype)
         except ConfigError as e:
             args.command_parser.error(str(e))

@@ -330,6 +330,36 @@ def test_an_option_of_another_optimizer_is_refused_not_ignored():
         refused(quick("train", "--optimizer", optimizer, "--nesterov"), "drop --nesterov")
 
 
+def test_an_option_of_another_schedule_or_compression_is_refused_not_ignored():
+    refused(quick("train", "--milestones", "3"),
+            "--milestones is an option of --schedule step; --schedule cosine would ignore it: "
+            "drop --milestones (or add --schedule step)")
+    refused(quick("train", "--schedule", "step", "--poly-power", "1"),
+            "--poly-power is an option of --schedule poly; --schedule step would ignore it")
+    refused(quick("train", "--density", "0.1"),
+            "--density is an option of --compress topk; --compress none would ignore it")
+    refused(quick("bench", "step", "--density", "0.1"), "--density is an option of --compress topk")
+    refused(quick("train", "--compress-warmup", "1"), "drop --compress-warmup")
+
+
+def test_a_step_schedule_needs_milestones_the_run_reaches():
+    refused(quick("train", "--schedule", "step"),
+            "--schedule step multiplies the learning rate by 0.1 at each of --milestones, and "
+            "none is given: add --milestones")
+    refused(quick("train", "--schedule", "step", "--milestones", "2", "8", "9.5", "--epochs", "8"),
+            "--milestones 8 9.5 would never apply: the run ends after --epochs 8; drop them or "
+            "raise --epochs")
+
+
+def test_crop_options_without_augmentation_are_refused_not_ignored(digits):
+    """The digits train without augmentation unless --augment is given."""
+    refused(quick("train", "--data-dir", str(digits), "--crop-scale", "0.5", "1"),
+            "--crop-scale shapes augmentation's training crops, and augmentation is off "
+            "(the default for digits): drop --crop-scale or add --augment")
+    refused(quick("train", "--data-dir", str(digits), "--augment", "--no-augment",
+                  "--crop-ratio", "0.5", "2"), "augmentation is off (--no-augment)")
+
+
 def test_ranks_per_gpu_is_refused_without_a_gpu_to_share(digits, tmp_path):
     run_dir = tmp_path / "run"
     r = quick("train", "--data-dir", str(digits), *BATCH, "--device", "cpu", "--ranks-per-gpu", "2",
