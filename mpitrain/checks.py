@@ -59,6 +59,9 @@ def comm_options(cfg, world_size):
     checked by mpitrain.options.Config)."""
     if cfg.bn_group > world_size:
         raise ConfigError(f"--bn-group {cfg.bn_group} exceeds the {world_size} rank(s)")
+    if cfg.bn_group > 1 and not has_batchnorm(cfg.model):
+        raise ConfigError(f"--bn-group {cfg.bn_group} takes BatchNorm's statistics over groups "
+                          f"of ranks, and {cfg.model} has no BatchNorm layer: drop --bn-group")
     check_topk_wire(cfg.compress, cfg.comm_dtype)
     if cfg.shard_update:
         # the reduce-scatter replaces the bucketed all-reduce: its options cannot apply
@@ -73,9 +76,18 @@ def comm_options(cfg, world_size):
                                   f"{getattr(cfg, key)} does not apply: {fix}")
 
 
+def has_batchnorm(model_name):
+    """Whether the network has a BatchNorm layer (its layers made, no weights)."""
+    from mpitrain.nets import MODELS
+    from mpitrain.nets.batchnorm import BatchNorm2d
+    model = MODELS[model_name](num_classes=2)
+    return any(isinstance(m, BatchNorm2d) for _, m in model.named_modules())
+
+
 # options that only some values of another option use: the others would ignore them without
 # a word. option: (the option that chooses, the values that use it)
-USED_ONLY_WITH = {"nesterov": ("optimizer", ("sgd", "lars")),
+USED_ONLY_WITH = {"momentum": ("optimizer", ("sgd", "lars", "neumann")),
+                  "nesterov": ("optimizer", ("sgd", "lars")),
                   "lars_eta": ("optimizer", ("lars",)),
                   "lars_eps": ("optimizer", ("lars",)),
                   "poly_power": ("schedule", ("poly",)),
@@ -94,7 +106,8 @@ def check_options_used(args):
                 and given[chooser] not in users:
             flag, by = BY_NAME[key].flag, BY_NAME[chooser].flag
             alone = f" (or add {by} {users[0]})" if len(users) == 1 else ""
-            raise ConfigError(f"{flag} is an option of {by} {' and '.join(users)}; "
+            named = ", ".join(users[:-1]) + " and " + users[-1] if len(users) > 1 else users[0]
+            raise ConfigError(f"{flag} is an option of {by} {named}; "
                               f"{by} {given[chooser]} would ignore it: drop {flag}{alone}")
 
 

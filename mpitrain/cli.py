@@ -188,8 +188,8 @@ def add_convert(commands):
                     "once to validate it; unreadable files are skipped and listed in "
                     "DST.skipped.txt. Under mpirun each rank converts a share "
                     "(mpirun -np N python -m mpitrain convert imagefolder ...).")
-    folder.add_argument("src")
-    folder.add_argument("dst")
+    folder.add_argument("src", metavar="SRC")
+    folder.add_argument("dst", metavar="DST")
     folder.add_argument("--val-fraction", type=fraction, default=0.0,
                         help="stratified share written to DST_val.h5")
     folder.add_argument("--resize-short", type=positive_int,
@@ -197,19 +197,19 @@ def add_convert(commands):
     folder.add_argument("--seed", type=nonnegative_int, default=0, help="order on disk, split")
     folder.set_defaults(command_parser=folder)
     digits = sources.add_parser("digits", help="the bundled digits -> DST_DIR/digits_{train,val}.h5")
-    digits.add_argument("dst_dir", nargs="?", default=DEFAULTS["data_dir"])
+    digits.add_argument("dst_dir", nargs="?", default=DEFAULTS["data_dir"], metavar="DST_DIR")
     fashion = sources.add_parser(
         "fashion-mnist", help="Fashion-MNIST (Debian's dataset-fashion-mnist, fetched with "
                               "apt-get download where not installed) -> "
                               "DST_DIR/fashion-mnist_{train,val,test}.h5",
         description="60,000 training images split into training (54,000) and a stratified "
                     "validation file (6,000); the 10,000 test images into a test file.")
-    fashion.add_argument("dst_dir", nargs="?", default=DEFAULTS["data_dir"])
+    fashion.add_argument("dst_dir", nargs="?", default=DEFAULTS["data_dir"], metavar="DST_DIR")
     fashion.add_argument("--seed", type=nonnegative_int, default=0, help="the validation draw")
     fashion.set_defaults(command_parser=fashion)
     synthetic = sources.add_parser(
         "synthetic", help="generated JPEGs at ImageNet sizes, for benchmarks")
-    synthetic.add_argument("dst")
+    synthetic.add_argument("dst", metavar="DST")
     synthetic.add_argument("--count", type=positive_int, default=1000)
     synthetic.add_argument("--size", type=image_size, default=(500, 375), help="WIDTHxHEIGHT")
     synthetic.add_argument("--classes", type=positive_int, default=10)
@@ -420,7 +420,7 @@ def add_plot(commands):
                     "loss.png (training and validation), accuracy.png (training top-1, "
                     "validation top-1 and top-5), lr.png, throughput.png. Needs matplotlib "
                     "(pip install 'mpitrain[plot]').")
-    plot.add_argument("run_dir")
+    plot.add_argument("run_dir", metavar="RUN_DIR")
     plot.add_argument("--out", help="directory for the PNG files (default: RUN_DIR)")
     plot.set_defaults(command_parser=plot)
 
@@ -437,11 +437,12 @@ def add_export(commands):
                     "'logits', opset 17, dynamic batch. OUT is written to a temporary file "
                     "and renamed when complete. Needs the package of the format "
                     "(pip install 'mpitrain[export]').")
-    export.add_argument("checkpoint", help=CHECKPOINT)
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help=CHECKPOINT)
     export.add_argument("--format", choices=["safetensors", "onnx"],
                         help="the file format to write (default: OUT's extension, "
                              ".safetensors or .onnx)")
-    export.add_argument("out", help="the file to write (its directory is made where missing)")
+    export.add_argument("out", metavar="OUT",
+                        help="the file to write (its directory is made where missing)")
     export.add_argument("--data", metavar="FILE", help=STAND_IN)
     export.set_defaults(command_parser=export)
 

@@ -328,6 +328,9 @@ def test_an_option_of_another_optimizer_is_refused_not_ignored():
             "--lars-eta is an option of --optimizer lars; --optimizer sgd would ignore it")
     for optimizer in ("neumann", "nlcg"):
         refused(quick("train", "--optimizer", optimizer, "--nesterov"), "drop --nesterov")
+    refused(quick("train", "--optimizer", "lamb", "--momentum", "0.8"),
+            "--momentum is an option of --optimizer sgd, lars and neumann; --optimizer lamb "
+            "would ignore it: drop --momentum")
 
 
 def test_an_option_of_another_schedule_or_compression_is_refused_not_ignored():

@@ -29,7 +29,7 @@ def run(*args, timeout=120):
     (["train", "--weight-decay=-1e-4"], "argument --weight-decay: -1e-4 must be >= 0.0"),
     (["train", "--data", "no/such/file.h5"], "training file no/such/file.h5 does not exist"),
     (["convert", "synthetic", "x.h5", "--size", "500"], "argument --size: '500' is not WIDTHxHEIGHT"),
-    (["convert", "imagefolder", "src"], "the following arguments are required: dst"),
+    (["convert", "imagefolder", "src"], "the following arguments are required: DST"),
     (["train", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     (["train", "--fusion-threshold", "0"], "argument --fusion-threshold: 0 must be >= 1"),
     (["train", "--fusion-threshold", "fast"],

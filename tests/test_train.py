@@ -28,6 +28,16 @@ def test_shard_update_refuses_the_all_reduce_options():
             comm_options(Config(shard_update=True, **{key: value}), 2)
 
 
+def test_bn_groups_are_refused_for_a_network_without_batchnorm():
+    from mpitrain.checks import comm_options
+    from mpitrain.options import Config
+    comm_options(Config(model="alexnet_bn", bn_group=2), 2)
+    with pytest.raises(ConfigError, match="--bn-group 2 takes BatchNorm's statistics over "
+                                          "groups of ranks, and alexnet has no BatchNorm "
+                                          "layer: drop --bn-group"):
+        comm_options(Config(model="alexnet", bn_group=2), 2)
+
+
 # ----- the command, under mpirun -----
 def run_train(ranks, *args, timeout):
     """`mpirun -np ranks python -m mpitrain train args`, with each rank's share of the cores
