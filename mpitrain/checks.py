@@ -389,7 +389,8 @@ def prepare_run_dir(cfg, comm):
     from .config import RunDirInUse, RunLock, default_run_dir
     resume = cfg.resume
     if cfg.run_dir is None and resume not in (None, "auto"):
-        cfg.run_dir = os.path.dirname(os.path.abspath(resume))
+        # without --run-dir a resumed run goes on in the directory it continues
+        cfg.run_dir = resume if os.path.isdir(resume) else os.path.dirname(os.path.abspath(resume))
     if cfg.run_dir is None and resume == "auto":
         raise ConfigError("--resume auto needs --run-dir: the directory of the run to continue")
     run_dir = cfg.run_dir = cfg.run_dir or default_run_dir(comm)

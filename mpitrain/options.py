@@ -192,7 +192,8 @@ OPTIONS = (
 
     # ----- the run around the loop -----
     Option("run_dir", None, "where config.json, environment.json, metrics.jsonl and the "
-           "checkpoints go; not given: runs/<timestamp>", RUN, metavar="DIR"),
+           "checkpoints go; not given: runs/<timestamp>, or with --resume PATH the run directory "
+           "PATH is or lies in", RUN, metavar="DIR"),
     Option("checkpoint_every", 1, "write a checkpoint every N epochs and after the last (0: "
            "only on a stop signal: SIGTERM, SIGINT, SIGUSR1)", RUN, nonnegative_int,
            metavar="N"),

@@ -3,6 +3,7 @@ problem and the fix; nothing written, nothing overwritten, no traceback."""
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,10 +17,10 @@ from test_checkpoint import environment, run
 BATCH = ("--batch-size", "64")
 
 
-def quick(*args, timeout=120):
+def quick(*args, timeout=120, cwd=None):
     """One process, no mpiexec (MPI starts as a singleton)."""
     return subprocess.run([sys.executable, "-m", "mpitrain", *args], capture_output=True,
-                          text=True, timeout=timeout, env=environment(1))
+                          text=True, timeout=timeout, env=environment(1), cwd=cwd)
 
 
 def refused(r, *fragments):
@@ -268,6 +269,13 @@ def test_resume_auto_says_it_passes_over_an_unreadable_checkpoint(one_epoch, dig
               "--run-dir", str(tmp_path / "next"), "--resume", str(one_epoch))
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"resumed from {one_epoch / 'checkpoint-000000022.h5'}: epoch 2" in r.stdout, r.stdout
+    # without --run-dir, the run goes on in the directory given to --resume
+    again = tmp_path / "again"
+    shutil.copytree(one_epoch, again)
+    r = quick("train", "--epochs", "2", *BATCH, "--data-dir", str(digits), "--resume", str(again),
+              cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (again / "checkpoint-000000044.h5").exists() and not (tmp_path / "config.json").exists()
     empty = tmp_path / "empty"
     empty.mkdir()
     refused(quick("train", "--epochs", "2", *BATCH, "--data-dir", str(digits), "--run-dir",
