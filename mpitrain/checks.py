@@ -166,6 +166,19 @@ def data_files(data, data_dir, val_data=None):
     return data, val_data or convert.val_path(data)
 
 
+def run_data_files(saved):
+    """(training file, validation file) of the run whose checkpoint config is `saved`, as
+    found from here: its paths are as the run was given them, relative to the directory it
+    started in (`start_dir`), and are taken from there where that copy exists."""
+    start = saved.get("start_dir")
+
+    def found(path):
+        there = os.path.join(start, path) if start else path     # an absolute path stays
+        return there if os.path.exists(there) else path
+    return tuple(found(p) for p in data_files(saved["data"], saved.get("data_dir") or "data",
+                                              saved.get("val_data")))
+
+
 def resolve_data(cfg, comm=None, need_val=True):
     """(train file, validation file, loader transform options) for the run's --data
     (need_val=False: a missing validation file is not refused).

@@ -486,9 +486,10 @@ class Run:
         self.result = dict(run_dir=self.run_dir, stopped=None, checkpoint=None,
                            traces=[trace_path(self.cfg.trace, r) for r in (0, self.comm.size - 1)]
                            if self.cfg.trace else None)
+        # start_dir: what the data paths are relative to (eval and predict find them there)
         self.saved_cfg = {**self.cfg.as_dict(), "num_classes": len(data.class_names),
                           "class_names": data.class_names, "image_size": data.image_size,
-                          **data.normalise}
+                          "start_dir": os.getcwd(), **data.normalise}
         self.loss_sum = np.zeros(2)             # the ranks' summed losses, and steps, since
         self.loss_watch = LossWatch()           # the last log line
         # this rank's top-1 hits on the device and images counted since the last log line

@@ -444,6 +444,17 @@ def test_eval_without_data_takes_its_runs_validation_file_or_says_it_is_not_here
     assert str(e.value) == (f"the checkpoint's run validated on {tmp_path / 'x_val.h5'}, which "
                             f"is not here (its paths are relative to where it ran): name a "
                             f"data file with --data FILE")
+    # a relative path is taken from the directory the run started in
+    start = tmp_path / "start"
+    (start / "d").mkdir(parents=True)
+    (start / "d" / "x_val.h5").write_bytes(b"")
+    assert run_validation_file(dict(data="d/x.h5", start_dir=str(start))) \
+        == str(start / "d" / "x_val.h5")
+    with pytest.raises(EvalError) as e:
+        run_validation_file(dict(data="d/y.h5", start_dir=str(start)))
+    assert str(e.value) == (f"the checkpoint's run validated on d/y_val.h5, which is neither "
+                            f"in {start}, where the run started, nor here: name a data file "
+                            f"with --data FILE")
 
 
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.launches)])

@@ -11,6 +11,7 @@ import pytest
 from PIL import Image
 
 from launcher import BackgroundJob, environment, mpitrain_command
+from mpitrain.checkpoint import read_config
 from mpitrain.config import RunDirInUse, RunLock, source_version
 
 JOB = ("train", "--batch-size", "64", "--seed", "5")
@@ -130,6 +131,7 @@ def test_eval_predict_and_export_take_a_run_directory(used, digits, tmp_path):
     assert json.loads(by_dir.stdout) == json.loads(by_file.stdout) \
         == json.loads(by_default.stdout)
     assert json.loads(by_default.stdout)["data"] == val
+    assert read_config(checkpoint)["start_dir"] == str(cwd)    # what its data paths are from
     image = tmp_path / "white.png"
     Image.new("RGB", (32, 32), (255, 255, 255)).save(image)
     r = quick("predict", "--checkpoint", str(run_dir), str(image), "--json")

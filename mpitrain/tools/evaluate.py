@@ -90,12 +90,13 @@ def _evaluate(comm, path, data, batch_size, workers, device, image_size):
 
 
 def run_validation_file(cfg):
-    """The validation file of the run that saved config `cfg`, refused where it is not
-    here (its paths are as the run was given them, relative to where it started)."""
-    from ..checks import data_files
-    _, val = data_files(cfg["data"], cfg.get("data_dir") or "data", cfg.get("val_data"))
+    """The validation file of the run that saved config `cfg` (checks.run_data_files),
+    refused where it is found neither where the run started nor here."""
+    from ..checks import run_data_files
+    val = run_data_files(cfg)[1]
     if not os.path.exists(val):
-        raise EvalError(f"the checkpoint's run validated on {val}, which is not here (its "
-                        f"paths are relative to where it ran): name a data file with --data "
-                        f"FILE")
+        where = (f"neither in {cfg['start_dir']}, where the run started, nor here"
+                 if cfg.get("start_dir") else "not here (its paths are relative to where it ran)")
+        raise EvalError(f"the checkpoint's run validated on {val}, which is {where}: name a "
+                        f"data file with --data FILE")
     return val

@@ -206,9 +206,9 @@ def read_image(path):
 
 
 def training_file(cfg):
-    """The training data file the checkpoint's config names (a preset's under data_dir)."""
-    from ..checks import data_files
-    return cfg.get("data") and data_files(cfg["data"], cfg.get("data_dir") or "data")[0]
+    """The training data file the checkpoint's config names (checks.run_data_files)."""
+    from ..checks import run_data_files
+    return cfg.get("data") and run_data_files(cfg)[0]
 
 
 def check_normalisation(cfg):
