@@ -542,7 +542,8 @@ def add_study(commands):
                        help="random-resized-crop and flip (default: the data's own: off for "
                             "digits, on for a file)")
     large.add_argument("--out", default="runs/study-large-batch",
-                       help="directory for the results and the runs")
+                       help="directory for the results and the runs; one that holds an "
+                            "earlier study's runs takes --resume")
     large.add_argument("--quick", action="store_true",
                        help="digits: 3 batch sizes, 1 seed, 4 epochs (about a minute on 2 "
                             "cores); fashion-mnist: batches 128 and 4096, SGD and LARS, 1 "

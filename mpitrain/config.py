@@ -71,11 +71,13 @@ class RunLock:
     whole job: a second job into the same directory is refused while the first lives.
     The file names its holder (host, pid, start time) for the refusal's message; the
     kernel drops the lock when the holder dies, however it dies, so a file left by a
-    killed job holds nothing. `release()` removes the file while still holding it."""
+    killed job holds nothing. `release()` removes the file while still holding it, as
+    leaving a `with` block does. flag: the option that named the directory, for the
+    refusal."""
 
     NAME = ".lock"
 
-    def __init__(self, run_dir):
+    def __init__(self, run_dir, flag="--run-dir"):
         import fcntl
         import socket
         self.path = os.path.join(run_dir, self.NAME)
@@ -86,9 +88,9 @@ class RunLock:
             except BlockingIOError:
                 holder = os.read(fd, 1000).decode(errors="replace").strip()
                 os.close(fd)
-                raise RunDirInUse(f"--run-dir {run_dir} is in use by a running job "
+                raise RunDirInUse(f"{flag} {run_dir} is in use by a running job "
                                   f"({holder or 'holder unknown'}): wait for it to end, or "
-                                  f"give another --run-dir") from None
+                                  f"give another {flag}") from None
             # a holder that released it removed the file: this lock would hold a name
             # no longer in the directory, so take the new file's instead
             try:
@@ -109,6 +111,13 @@ class RunLock:
             os.unlink(self.path)
             os.close(self.fd)
             self.fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+        return False
 
 
 def link_latest(run_dir):

@@ -195,6 +195,29 @@ def test_unwritable_out_is_refused_with_nothing_written(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]      # digits not converted
 
 
+def test_an_out_of_an_earlier_or_a_running_study_is_refused_with_nothing_removed(digits,
+                                                                                tmp_path):
+    """A fresh study would remove the earlier study's runs of its names: --resume keeps
+    them. A study holds its --out while it runs (config.RunLock)."""
+    from mpitrain.config import RunLock
+    out = tmp_path / "out"
+    kept = out / "runs" / "sgd-b32-s0" / "metrics.jsonl"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("{}\n")
+    r = run_study("--quick", "--out", str(out), "--data-dir", str(digits))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"--out {out} holds an earlier study's runs (1 under {out / 'runs'}): keep the " \
+           f"results of those with the same options with --resume" in r.stderr, r.stderr
+    assert kept.read_text() == "{}\n"
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    with RunLock(str(fresh), flag="--out"):
+        r = run_study("--quick", "--out", str(fresh), "--data-dir", str(digits))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"--out {fresh} is in use by a running job (host " in r.stderr, r.stderr
+    assert "give another --out" in r.stderr and not (fresh / "runs").exists()
+
+
 @pytest.mark.launches
 def test_the_runs_of_a_killed_study_end(tmp_path):
     """kill -9 of a study: its runs' ranks see it gone and end their jobs."""
@@ -238,7 +261,7 @@ def test_quick_study_end_to_end(tmp_path):
     assert markdown.count("\n| 512 |") == 4 and "lars-fp16" in markdown
     assert re.search(r"; 12 runs in \d+:\d\d \(min:s\)\.\n", markdown)
     assert (out / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert not list(out.glob("*.tmp*"))
+    assert not list(out.glob("*.tmp*")) and not (out / ".lock").exists()
     # every run's command, and one of them re-made: the same top-1, bit for bit
     lines = [x for x in (out / "commands.sh").read_text().splitlines() if not x.startswith("#")]
     assert len(lines) == 12 and all("-m mpitrain train" in x for x in lines)

@@ -181,18 +181,19 @@ def flags(options):
 
 
 # ----- checks before any run -----
-def check_inputs(data, val_data, data_dir, out):
+def check_inputs(data, val_data, data_dir, out, resume=False):
     """(training file, number of training images, number of classes, the image size a
     run takes from the file: checks.describe_file); refuses
-    (StudyError) a data file that is missing or not mpitrain's format, too few images
-    and an --out that cannot be written, before anything is written."""
+    (StudyError) a data file that is missing or not mpitrain's format, too few images,
+    an --out that cannot be written and, without resume, one that holds an earlier
+    study's runs, before anything is written."""
     from mpitrain.checks import ConfigError, describe_file, resolve_data
     from mpitrain.datasets.h5format import FormatError
     from mpitrain.options import Config
     if find_spec("matplotlib") is None:
         raise StudyError("the study plots its results with matplotlib: pip install matplotlib "
                          "(or pip install -e '.[plot]' in the checkout)")
-    problem = writable_problem(out)
+    problem = writable_problem(out) or (None if resume else earlier_study(out))
     if problem:
         raise StudyError(problem)
     try:        # a named data set is converted here, on first use
@@ -204,6 +205,30 @@ def check_inputs(data, val_data, data_dir, out):
         raise StudyError(f"{train_file} has {num_train} training images: the study needs at "
                          f"least {MIN_STEPS * SMALLEST_BATCH * 2} to compare two batch sizes")
     return train_file, num_train, len(classes), size
+
+
+def earlier_study(out):
+    """The refusal of a fresh study into `out` where an earlier study's runs are (it would
+    remove them to run its own of the same names), else None."""
+    runs = os.path.join(out, "runs")
+    found = [n for n in os.listdir(runs) if os.path.isdir(os.path.join(runs, n))] \
+        if os.path.isdir(runs) else []
+    if found:
+        return (f"--out {out} holds an earlier study's runs ({len(found)} under {runs}): "
+                f"keep the results of those with the same options with --resume (a stopped "
+                f"study goes on where it stopped), or give another --out, or remove {out}")
+    return None
+
+
+def study_lock(out):
+    """--out made and held by this study (config.RunLock) until it ends: a second study
+    into it is refused while this one runs."""
+    from mpitrain.config import RunDirInUse, RunLock
+    os.makedirs(out, exist_ok=True)
+    try:
+        return RunLock(out, flag="--out")
+    except RunDirInUse as e:
+        raise StudyError(str(e)) from None
 
 
 def writable_problem(out):
@@ -551,95 +576,98 @@ def large_batch(data="digits", data_dir="data", out="runs/study-large-batch", qu
                          f"{SMALLEST_BATCH}; use 1, 2, 4, 8, 16 or 32")
     if ranks < ranks_per_run:
         raise StudyError(f"--ranks {ranks} is fewer than --ranks-per-run {ranks_per_run}")
-    train_file, num_train, num_classes, data_size = check_inputs(data, val_data, data_dir, out)
-    size = f"{image_size}x{image_size}" if image_size else f"{data_size}x{data_size} from the data"
-    parallel = ranks // ranks_per_run
-    launcher = Launcher(ranks_per_run, max(1, cores() // ranks))
-    batches = plan_batches(plan, num_train, quick)
-    factors = plan["lr_factors"]
-    deciding = batches if plan["decide"] == "all" else sorted({batches[0], batches[-1]})
+    train_file, num_train, num_classes, data_size = check_inputs(data, val_data, data_dir, out,
+                                                                  resume)
+    with study_lock(out):
+        size = f"{image_size}x{image_size}" if image_size else \
+            f"{data_size}x{data_size} from the data"
+        parallel = ranks // ranks_per_run
+        launcher = Launcher(ranks_per_run, max(1, cores() // ranks))
+        batches = plan_batches(plan, num_train, quick)
+        factors = plan["lr_factors"]
+        deciding = batches if plan["decide"] == "all" else sorted({batches[0], batches[-1]})
 
-    def make(config, batch, seed, factor):
-        name = run_name(config, batch, seed, factor if len(factors) > 1 else None)
-        options = train_options(config, batch, seed, epochs, data,
-                                os.path.join(out, "runs", name), factor)
-        if data in PRESETS:
-            options["data_dir"] = data_dir
-        if val_data:
-            options["val_data"] = val_data
-        if augment is not None:
-            options["augment"] = augment
-        if image_size:
-            options["image_size"] = image_size
-        return name, options
+        def make(config, batch, seed, factor):
+            name = run_name(config, batch, seed, factor if len(factors) > 1 else None)
+            options = train_options(config, batch, seed, epochs, data,
+                                    os.path.join(out, "runs", name), factor)
+            if data in PRESETS:
+                options["data_dir"] = data_dir
+            if val_data:
+                options["val_data"] = val_data
+            if augment is not None:
+                options["augment"] = augment
+            if image_size:
+                options["image_size"] = image_size
+            return name, options
 
-    # the sweep at seed 0; with a single factor the seeds need no sweep, and run with it
-    sweeps, runs = {}, []
-    for batch in batches:
-        for config in plan["recipes"]:
-            for factor in factors:
-                name, options = make(config, batch, 0, factor)
-                sweeps.setdefault((config, batch), {})[factor] = name
-                runs.append((name, options))
-                if len(factors) == 1 and batch in deciding:
-                    runs += [make(config, batch, seed, factor) for seed in range(1, seeds)]
-    grid_size = len(batches) * len(plan["recipes"])
-    say(f"study: {len(batches)} batch sizes ({', '.join(map(str, batches))}) x "
-        f"{len(plan['recipes'])} recipes ({', '.join(plan['recipes'])})"
-        + (f" x {len(factors)} learning rates ({', '.join(f'{f:g}' for f in factors)} x each "
-           f"rule, and up to {plan['widen']} factors of 2 beyond where the best is at an "
-           f"edge), then {seeds} seeds at the best of batches "
-           f"{', '.join(map(str, deciding))}" if len(factors) > 1 else
-           f" x {seeds} seed(s)") +
-        f": {len(runs)} runs of {epochs} epochs on {train_file} ({num_train} images, "
-        f"{size}) "
-        f"{'first ' if len(factors) > 1 else ''}({grid_size} points); {parallel} run(s) at "
-        f"once of {ranks_per_run} rank(s), {launcher.threads['OMP_NUM_THREADS']} thread(s) "
-        f"a rank", flush=True)
-    start = time.monotonic()
-    results = run_all(runs, launcher, parallel, say, resume)
-    while True:         # past the sweep's edges, a factor of 2 at a time, every point at once
-        more = []
-        for (config, batch), sweep in sweeps.items():
-            factor = past_the_edge(sweep, results, factors, plan["widen"])
-            if factor is not None:
-                name, options = make(config, batch, 0, factor)
-                sweep[factor] = name
-                more.append((name, options))
-        if not more:
-            break
-        say(f"study: {len(more)} more runs: {', '.join(name for name, _ in more)}, where the "
-            f"best rate was the lowest or highest of its sweep", flush=True)
-        results.update(run_all(more, launcher, parallel, say, resume))
-        runs += more
-    # each point's learning rate: the sweep's best (the only one without a sweep, where its
-    # seeds ran already, diverged or not)
-    chosen = {key: best_factor(sweep, results) if len(factors) > 1 else factors[0]
-              for key, sweep in sweeps.items()}
-    grid = {key: [sweep[chosen[key] or factors[0]]] for key, sweep in sweeps.items()}
-    seeded = []
-    for (config, batch), factor in chosen.items():
-        if batch in deciding and factor is not None:
-            more = [make(config, batch, seed, factor) for seed in range(1, seeds)]
-            grid[(config, batch)] += [name for name, _ in more]
-            seeded += more if len(factors) > 1 else []
-    if seeded:
-        say(f"study: {len(seeded)} more runs: seeds 1..{seeds - 1} at each recipe's best "
-            f"learning rate at batches {', '.join(map(str, deciding))}", flush=True)
-        results.update(run_all(seeded, launcher, parallel, say, resume))
-        runs += seeded
-    seconds = time.monotonic() - start
-    rows = summarise(grid, results, chosen, sweeps)
-    study_command = shlex.join(["python", "-m", "mpitrain", "study", "large-batch", *argv])
-    lines = []
-    for name, options in runs:
-        r = results[name]
-        lines.append(launcher.shell_line(options) + "  # " +
-                     ("diverged" if r.get("diverged") else f"top-1 {r['top1']:.4f}"))
-    ran = what_ran({name: results[name] for name, _ in runs}, seconds)
-    write_outputs(out, rows, lines, study_command, epochs, num_train, num_classes, data, ran,
-                  plan["recipes"])
-    say(table_markdown(rows), flush=True)
-    say(f"study: {ran}; wrote results.md, results.csv, "
-        f"accuracy.png and commands.sh in {out}", flush=True)
-    return rows
+        # the sweep at seed 0; with a single factor the seeds need no sweep, and run with it
+        sweeps, runs = {}, []
+        for batch in batches:
+            for config in plan["recipes"]:
+                for factor in factors:
+                    name, options = make(config, batch, 0, factor)
+                    sweeps.setdefault((config, batch), {})[factor] = name
+                    runs.append((name, options))
+                    if len(factors) == 1 and batch in deciding:
+                        runs += [make(config, batch, seed, factor) for seed in range(1, seeds)]
+        grid_size = len(batches) * len(plan["recipes"])
+        say(f"study: {len(batches)} batch sizes ({', '.join(map(str, batches))}) x "
+            f"{len(plan['recipes'])} recipes ({', '.join(plan['recipes'])})"
+            + (f" x {len(factors)} learning rates ({', '.join(f'{f:g}' for f in factors)} x each "
+               f"rule, and up to {plan['widen']} factors of 2 beyond where the best is at an "
+               f"edge), then {seeds} seeds at the best of batches "
+               f"{', '.join(map(str, deciding))}" if len(factors) > 1 else
+               f" x {seeds} seed(s)") +
+            f": {len(runs)} runs of {epochs} epochs on {train_file} ({num_train} images, "
+            f"{size}) "
+            f"{'first ' if len(factors) > 1 else ''}({grid_size} points); {parallel} run(s) at "
+            f"once of {ranks_per_run} rank(s), {launcher.threads['OMP_NUM_THREADS']} thread(s) "
+            f"a rank", flush=True)
+        start = time.monotonic()
+        results = run_all(runs, launcher, parallel, say, resume)
+        while True:         # past the sweep's edges, a factor of 2 at a time, every point at once
+            more = []
+            for (config, batch), sweep in sweeps.items():
+                factor = past_the_edge(sweep, results, factors, plan["widen"])
+                if factor is not None:
+                    name, options = make(config, batch, 0, factor)
+                    sweep[factor] = name
+                    more.append((name, options))
+            if not more:
+                break
+            say(f"study: {len(more)} more runs: {', '.join(name for name, _ in more)}, where the "
+                f"best rate was the lowest or highest of its sweep", flush=True)
+            results.update(run_all(more, launcher, parallel, say, resume))
+            runs += more
+        # each point's learning rate: the sweep's best (the only one without a sweep, where its
+        # seeds ran already, diverged or not)
+        chosen = {key: best_factor(sweep, results) if len(factors) > 1 else factors[0]
+                  for key, sweep in sweeps.items()}
+        grid = {key: [sweep[chosen[key] or factors[0]]] for key, sweep in sweeps.items()}
+        seeded = []
+        for (config, batch), factor in chosen.items():
+            if batch in deciding and factor is not None:
+                more = [make(config, batch, seed, factor) for seed in range(1, seeds)]
+                grid[(config, batch)] += [name for name, _ in more]
+                seeded += more if len(factors) > 1 else []
+        if seeded:
+            say(f"study: {len(seeded)} more runs: seeds 1..{seeds - 1} at each recipe's best "
+                f"learning rate at batches {', '.join(map(str, deciding))}", flush=True)
+            results.update(run_all(seeded, launcher, parallel, say, resume))
+            runs += seeded
+        seconds = time.monotonic() - start
+        rows = summarise(grid, results, chosen, sweeps)
+        study_command = shlex.join(["python", "-m", "mpitrain", "study", "large-batch", *argv])
+        lines = []
+        for name, options in runs:
+            r = results[name]
+            lines.append(launcher.shell_line(options) + "  # " +
+                         ("diverged" if r.get("diverged") else f"top-1 {r['top1']:.4f}"))
+        ran = what_ran({name: results[name] for name, _ in runs}, seconds)
+        write_outputs(out, rows, lines, study_command, epochs, num_train, num_classes, data, ran,
+                      plan["recipes"])
+        say(table_markdown(rows), flush=True)
+        say(f"study: {ran}; wrote results.md, results.csv, "
+            f"accuracy.png and commands.sh in {out}", flush=True)
+        return rows
