@@ -348,6 +348,15 @@ def test_bench_comm_sums_the_model_arena_as_training_does():
         assert rows["hybrid", mode, "fp32"]["ran"] == ["shm"], mode
 
 
+def test_bench_comm_on_one_rank_says_that_nothing_is_sent():
+    r = run("bench", "comm", "--model", "resnet_small", "--algorithms", "flat",
+            "--fusion-mib", "4", "--repeats", "1", "--no-sweep", "--densities", "0.1",
+            "--wires", "fp32")
+    assert r.returncode == 0, r.stderr
+    assert "\none rank: nothing is sent, so these times are each algorithm's local work; time " \
+           "the all-reduce under mpirun (./launch.sh bench comm: NP ranks)\n" in r.stdout, r.stdout
+
+
 def test_bench_data_times_full_batches(tmp_path):
     """convert synthetic JPEGs through the CLI, then time the loader on them: the images
     counted as they come out of the loader are the batches asked for, all of them full

@@ -229,11 +229,14 @@ def sparse_rows(comm, model, densities, repeats, threshold=4 * MiB):
 
 def format_table(r):
     lines = [f"all-reduce of {r['model']} gradients: {r['values']:,} values in {r['tensors']} tensors "
-             f"({r['source']})", r["topology"],
-             f"ms: median of {r['repeats']} (and minimum), slowest rank; "
-             f"busbw = 2(p-1)/p * bytes / median time",
-             "",
-             f"{'algorithm':<28} {'mode':<13} {'wire':<9} {'calls':>5} {'ms':>9} {'min ms':>9} {'busbw GB/s':>10}  ran"]
+             f"({r['source']})", r["topology"]]
+    if sum(r["node_sizes"]) == 1:
+        lines.append("one rank: nothing is sent, so these times are each algorithm's local "
+                     "work; time the all-reduce under mpirun (./launch.sh bench comm: NP ranks)")
+    lines += [f"ms: median of {r['repeats']} (and minimum), slowest rank; "
+              f"busbw = 2(p-1)/p * bytes / median time",
+              "",
+              f"{'algorithm':<28} {'mode':<13} {'wire':<9} {'calls':>5} {'ms':>9} {'min ms':>9} {'busbw GB/s':>10}  ran"]
     for row in r["rows"]:
         lines.append(f"{row['algorithm']:<28} {row['mode']:<13} {row['wire']:<9} {row['calls']:>5} "
                      f"{row['ms']:>9.2f} {row['min_ms']:>9.2f} {row['busbw_GBps']:>10.2f}  {','.join(row['ran'])}")
