@@ -117,3 +117,21 @@ def test_train_takes_the_crop_options_and_records_them(square, tmp_path):
     r = mpitrain("train", "--data", str(square), "--val-data", str(square), "--crop-ratio",
                  "2", "1", "--run-dir", str(tmp_path / "bad"))
     assert r.returncode == 2 and "--crop-ratio MIN MAX" in r.stderr, r.stderr
+
+
+def test_augmentations_options_with_the_validation_split_are_refused(square, tmp_path):
+    out = tmp_path / "v.png"
+    for options, given in ((("--crop-scale", "0.5", "1"), "--crop-scale"),
+                           (("--no-augment", "--crop-ratio", "1", "1"),
+                            "--no-augment and --crop-ratio")):
+        r = mpitrain("preview", "--data", str(square), "--val-data", str(square), "--split",
+                     "val", *options, "--out", str(out))
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert r.stderr.endswith(f"error: --split val shows validation images (a centre crop of "
+                                 f"--crop-fraction), which take no augmentation: drop {given}, "
+                                 f"or show --split train\n"), r.stderr
+    assert not out.exists()
+    r = mpitrain("preview", "--data", str(square), "--val-data", str(square), "--split", "val",
+                 "--crop-fraction", "1", "--out", str(out))
+    assert r.returncode == 0 and out.exists(), r.stdout + r.stderr
+

@@ -19,6 +19,19 @@ LABEL_HEIGHT = 14       # pixels under each image for its label
 MIN_TILE = 64           # small images are enlarged (nearest neighbour) to at least this
 
 
+def check_no_training_options(cfg):
+    """Refuse augmentation's options for the validation images, which take none of them."""
+    from mpitrain.checks import ConfigError
+    from mpitrain.options import BY_NAME
+    given = ["--no-augment" if key == "augment" and getattr(cfg, key) is False
+             else BY_NAME[key].flag for key in ("augment", "crop_scale", "crop_ratio")
+             if getattr(cfg, key) is not None]
+    if given:
+        raise ConfigError(f"--split val shows validation images (a centre crop of "
+                          f"--crop-fraction), which take no augmentation: drop "
+                          f"{' and '.join(given)}, or show --split train")
+
+
 def preview(cfg, split, batch, out, say=print):
     """Write `batch` images of `split` ("train" or "val") of cfg's data (train's options:
     data, val_data, data_dir, image_size, augment, crop_*, seed) to the PNG `out`.
@@ -32,6 +45,8 @@ def preview(cfg, split, batch, out, say=print):
     problem = output_problem(out)
     if problem:
         raise ConfigError(f"--out {problem}")
+    if split == "val":
+        check_no_training_options(cfg)
     train_file, val_file, transform = resolve_data(cfg, MPI.COMM_SELF, need_val=split == "val")
     path = train_file if split == "train" else val_file
     count, _, stored_size = describe_file(path)
