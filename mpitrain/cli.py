@@ -1,4 +1,5 @@
-"""`python -m mpitrain <command>`: train, eval, plot, convert, inspect, bench, study.
+"""`python -m mpitrain <command>`: convert, preview, train, plot, eval, predict, export,
+inspect, simulate, study, bench, check-gpu (listed by --help in this order: a first hour's).
 
 Bad values are refused by argparse before any work starts: exit status 2 and one
 line, the reason, last (the usage is --help's; an unknown option gets the nearest
@@ -134,8 +135,8 @@ def build_parser():
         prog="python -m mpitrain",
         description="Parameter-server-free MPI data-parallel training of convolutional networks.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
-    for add in (add_train, add_inspect, add_convert, add_bench, add_check_gpu, add_eval,
-                add_plot, add_export, add_predict, add_preview, add_study, add_simulate):
+    for add in (add_convert, add_preview, add_train, add_plot, add_eval, add_predict,
+                add_export, add_inspect, add_simulate, add_study, add_bench, add_check_gpu):
         add(commands)
     return parser
 
@@ -407,7 +408,8 @@ def add_eval(commands):
     evaluate.add_argument("--image-size", type=positive_int,
                           help="square side of the images (default: the checkpoint's, which "
                                "its run took from its data or its --image-size)")
-    evaluate.add_argument("--device", choices=["cpu", "gpu", "auto"], default=DEFAULTS["device"])
+    evaluate.add_argument("--device", choices=["cpu", "gpu", "auto"], default=DEFAULTS["device"],
+                          help="where the forward passes run (auto: a GPU when CuPy sees one)")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
     evaluate.set_defaults(command_parser=evaluate)
 
