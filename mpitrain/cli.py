@@ -402,7 +402,8 @@ def add_eval(commands):
     evaluate.add_argument("--data", help="an HDF5 file made by `convert` (default: the "
                                           "validation file of the checkpoint's run)")
     evaluate.add_argument("--batch-size", type=positive_int,
-                          help="GLOBAL batch (default: the checkpoint's training batch)")
+                          help="GLOBAL batch (default: the checkpoint's training batch, "
+                               "rounded up to a multiple of the ranks)")
     evaluate.add_argument("--workers", type=workers, default=DEFAULTS["workers"],
                           help="loader threads (at most the cores this process may run on)")
     evaluate.add_argument("--image-size", type=positive_int,

@@ -432,6 +432,18 @@ def test_eval_of_an_empty_file_is_refused(one_epoch, digits, tmp_path):
     refused(r, f"data file {empty} holds no images")
 
 
+@pytest.mark.launches
+def test_eval_on_ranks_that_do_not_divide_the_training_batch_rounds_it_up(one_epoch, digits):
+    """The run trained at batch 64; eval of 3 ranks takes 66 unless told otherwise."""
+    val = str(digits / "digits_val.h5")
+    alone = quick("eval", "--checkpoint", str(one_epoch), "--data", val, "--json")
+    three = run(3, "eval", "--checkpoint", str(one_epoch), "--data", val, "--json")
+    assert alone.returncode == three.returncode == 0, alone.stderr + three.stderr
+    assert json.loads(three.stdout)["top1"] == json.loads(alone.stdout)["top1"]
+    refused(run(3, "eval", "--checkpoint", str(one_epoch), "--data", val, *BATCH),
+            "global batch size 64 does not divide by the 3 MPI ranks")
+
+
 def test_eval_without_data_takes_its_runs_validation_file_or_says_it_is_not_here(digits,
                                                                                 tmp_path):
     from mpitrain.tools.evaluate import EvalError, run_validation_file

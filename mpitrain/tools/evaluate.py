@@ -63,7 +63,9 @@ def _evaluate(comm, path, data, batch_size, workers, device, image_size):
         i = next(i for i, (a, b) in enumerate(zip(trained, names)) if a != b)
         raise EvalError(f"{data}'s class {i} is {names[i]!r}, the checkpoint's model learnt "
                         f"{trained[i]!r} there: not the same label set")
-    batch = batch_size or cfg["batch_size"]
+    # the training batch by default, rounded up to divide by this job's ranks (the scores
+    # do not depend on the batch)
+    batch = batch_size or -(-cfg["batch_size"] // comm.size) * comm.size
     try:
         check_batch(batch, comm.size)
     except ConfigError as e:
