@@ -161,7 +161,8 @@ def data_files(data, data_dir, val_data=None):
     FILE_val.h5 beside it."""
     preset = PRESETS.get(data)
     if preset:
-        return tuple(os.path.join(data_dir, preset[k]) for k in ("train", "val"))
+        train, val = (os.path.join(data_dir, preset[k]) for k in ("train", "val"))
+        return train, val_data or val
     from mpitrain.datasets import convert
     return data, val_data or convert.val_path(data)
 
@@ -185,8 +186,8 @@ def resolve_data(cfg, comm=None, need_val=True):
 
     A preset name (digits) means files under data_dir, converted by rank 0 of `comm`
     (None: this process alone) when missing while the other ranks wait; anything else
-    is a training file, with --val-data or else the converter's FILE_val.h5 beside it
-    as validation.
+    is a training file. Validation: --val-data, else the preset's or the converter's
+    FILE_val.h5 beside the training file.
     """
     from mpitrain.datasets import convert
     preset = PRESETS.get(cfg.data)
@@ -194,7 +195,7 @@ def resolve_data(cfg, comm=None, need_val=True):
     if preset:
         problem = None
         if (comm is None or comm.rank == 0) \
-                and not (os.path.exists(train_file) and os.path.exists(val_file)):
+                and not all(map(os.path.exists, data_files(cfg.data, cfg.data_dir))):
             print(f"mpitrain: converting {cfg.data} into {cfg.data_dir}/", flush=True)
             try:
                 getattr(convert, preset["convert"])(cfg.data_dir)
@@ -205,20 +206,22 @@ def resolve_data(cfg, comm=None, need_val=True):
         if problem:
             raise ConfigError(problem)
         transform = dict(preset["transform"])
+        given = (("validation", val_file),) if cfg.val_data else ()    # beside the preset's
     else:
         transform = dict(TRANSFORM)
-        for what, path in (("training", train_file), ("validation", val_file)):
-            if os.path.isdir(path):
-                from mpitrain.datasets.h5format import a_folder
-                raise ConfigError(a_folder(path))
-            if not os.path.exists(path) and (need_val or what == "training"):
-                given = {"training": "--data", "validation": cfg.val_data and "--val-data"}[what]
-                fix = (f"check {given}, or make it with `python -m mpitrain convert ...`" if given
-                       else "name one with --val-data, or make it with `python -m mpitrain "
-                            "convert imagefolder ... --val-fraction F`")
-                if given == "--data" and not os.path.splitext(path)[1]:    # a name, not a file
-                    fix += f" (the named data sets: {', '.join(PRESETS)})"
-                raise ConfigError(f"{what} file {path} does not exist; {fix}")
+        given = (("training", train_file), ("validation", val_file))
+    for what, path in given:
+        if os.path.isdir(path):
+            from mpitrain.datasets.h5format import a_folder
+            raise ConfigError(a_folder(path))
+        if not os.path.exists(path) and (need_val or what == "training"):
+            named = {"training": "--data", "validation": cfg.val_data and "--val-data"}[what]
+            fix = (f"check {named}, or make it with `python -m mpitrain convert ...`" if named
+                   else "name one with --val-data, or make it with `python -m mpitrain "
+                        "convert imagefolder ... --val-fraction F`")
+            if named == "--data" and not os.path.splitext(path)[1]:    # a name, not a file
+                fix += f" (the named data sets: {', '.join(PRESETS)})"
+            raise ConfigError(f"{what} file {path} does not exist; {fix}")
     if cfg.augment is not None:
         transform["augment"] = cfg.augment
     for key in ("crop_scale", "crop_ratio"):

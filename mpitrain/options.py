@@ -109,7 +109,8 @@ OPTIONS = (
            "'digits': scikit-learn's bundled handwritten digits at 32x32, or 'fashion-mnist' "
            "(28x28), converted into --data-dir on first use", MODEL,
            metavar="FILE|digits|fashion-mnist"),
-    Option("val_data", None, "validation file (default: DATA's FILE_val.h5)", MODEL,
+    Option("val_data", None, "validation file (default: DATA's FILE_val.h5, or a named "
+           "data set's own)", MODEL,
            metavar="FILE"),
     Option("data_dir", "data", "where named data sets (digits, fashion-mnist) are converted "
            "to", MODEL, metavar="DIR"),

@@ -72,6 +72,25 @@ def test_a_missing_data_file_is_refused_with_the_fix_for_how_it_was_named(synth,
     assert sorted(os.listdir(tmp_path)) == ["lone.h5"]
 
 
+def test_a_named_data_set_validates_on_val_data_when_given(synth, digits, tmp_path):
+    """--data digits --val-data FILE validates on FILE: one of other classes is refused, a
+    missing one named; a copy of the digits' own scores as they do."""
+    run_dir = ("--run-dir", str(tmp_path / "run"))
+    refused(quick("train", "--data-dir", str(digits), "--val-data", str(synth / "s_val.h5"),
+                  *run_dir), f"validation file {synth / 's_val.h5'} does not have the classes "
+                             f"of training file {digits / 'digits_train.h5'}")
+    refused(quick("train", "--data-dir", str(digits), "--val-data", str(tmp_path / "v.h5"),
+                  *run_dir), f"validation file {tmp_path / 'v.h5'} does not exist; check "
+                             f"--val-data")
+    assert not (tmp_path / "run").exists()
+    from mpitrain.checks import resolve_data
+    from mpitrain.options import Config
+    copy = tmp_path / "copy.h5"
+    shutil.copy(digits / "digits_val.h5", copy)
+    assert resolve_data(Config(data_dir=str(digits), val_data=str(copy)))[:2] == \
+        (str(digits / "digits_train.h5"), str(copy))
+
+
 def test_a_folder_or_a_data_file_in_the_wrong_place_is_answered_with_the_fix(one_epoch, digits,
                                                                             tmp_path):
     images = tmp_path / "shapes"
