@@ -119,7 +119,7 @@ def test_train_takes_the_crop_options_and_records_them(square, tmp_path):
     assert r.returncode == 2 and "--crop-ratio MIN MAX" in r.stderr, r.stderr
 
 
-def test_augmentations_options_with_the_validation_split_are_refused(square, tmp_path):
+def test_the_options_of_the_other_split_are_refused(square, tmp_path):
     out = tmp_path / "v.png"
     for options, given in ((("--crop-scale", "0.5", "1"), "--crop-scale"),
                            (("--no-augment", "--crop-ratio", "1", "1"),
@@ -134,4 +134,9 @@ def test_augmentations_options_with_the_validation_split_are_refused(square, tmp
     r = mpitrain("preview", "--data", str(square), "--val-data", str(square), "--split", "val",
                  "--crop-fraction", "1", "--out", str(out))
     assert r.returncode == 0 and out.exists(), r.stdout + r.stderr
+    r = mpitrain("preview", "--data", str(square), "--crop-fraction", "1", "--out", str(out))
+    assert r.returncode == 2 and r.stderr.endswith(
+        "error: --crop-fraction sets the validation images' centre crop, and --split train "
+        "shows augmented training images (random crops), which do not use it: drop "
+        "--crop-fraction, or show --split val\n"), r.stderr
 

@@ -48,6 +48,10 @@ def preview(cfg, split, batch, out, say=print):
     if split == "val":
         check_no_training_options(cfg)
     train_file, val_file, transform = resolve_data(cfg, MPI.COMM_SELF, need_val=split == "val")
+    if split == "train" and transform["augment"] and cfg.crop_fraction is not None:
+        raise ConfigError("--crop-fraction sets the validation images' centre crop, and --split "
+                          "train shows augmented training images (random crops), which do "
+                          "not use it: drop --crop-fraction, or show --split val")
     path = train_file if split == "train" else val_file
     count, _, stored_size = describe_file(path)
     size = cfg.image_size or stored_size
