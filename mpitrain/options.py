@@ -160,7 +160,8 @@ OPTIONS = (
            "that is given", OPTIM, positive_float),
     Option("lr_ref_batch", None, "linear scaling rule: peak lr = LR * batch-size / N "
            "(default: no scaling)", OPTIM, positive_int, metavar="N"),
-    Option("momentum", 0.9, "momentum coefficient (SGD, LARS; Neumann: the cap of mu)", OPTIM, fraction),
+    Option("momentum", 0.9, "momentum coefficient (SGD, LARS; Neumann: the cap of mu)", OPTIM,
+           fraction),
     Option("nesterov", False, "Nesterov momentum (SGD and LARS)", OPTIM, kind="switch"),
     Option("weight_decay", 5e-4, "L2 penalty, not applied to biases and BatchNorm gamma/beta",
            OPTIM, nonnegative_float),

@@ -139,4 +139,3 @@ def test_the_options_of_the_other_split_are_refused(square, tmp_path):
         "error: --crop-fraction sets the validation images' centre crop, and --split train "
         "shows augmented training images (random crops), which do not use it: drop "
         "--crop-fraction, or show --split val\n"), r.stderr
-
