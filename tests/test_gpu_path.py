@@ -336,6 +336,50 @@ def value(argv, option):
     return argv[argv.index(option) + 1]
 
 
+# Runs mpitrain commands (argv lists, JSON in argv[1]) in one process; writes to argv[2]
+# each one's [exit status, standard error].
+RUN_COMMANDS = """
+import contextlib, io, json, sys
+from mpitrain.cli import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main(argv)
+            status = 0
+        except SystemExit as e:
+            status = e.code
+    results.append([status, err.getvalue()])
+json.dump(results, open(sys.argv[2], "w"))
+"""
+
+
+@cpu_only
+def test_check_gpu_commands_pass_every_check_ahead_of_the_device(tmp_path):
+    """Each mpitrain command that the check runs on a GPU (as `launch.sh gpu-check` is run
+    with --rounds 2) gets past the parser and the option checks, which come before the
+    device's: here it is refused for want of a GPU and for nothing else. (An option refusal
+    found first on a lent GPU would cost its minutes.)"""
+    out = tmp_path / "check"
+    r = subprocess.run([sys.executable, "-m", "mpitrain.tools.check_gpu", "--dry-run", "--out-dir",
+                        str(out), "--rounds", "2", "--steps", "10", "--warmup", "3"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    steps = json.loads((out / "report.json").read_text())["steps"]
+    commands = {name: s["command"][s["command"].index("mpitrain") + 1:]
+                for name, s in steps.items()
+                if "mpitrain" in s.get("command", []) and "convert" not in s["command"]}
+    assert len(commands) >= 20 and {argv[0] for argv in commands.values()} == \
+        {"bench", "train"}
+    results = tmp_path / "results.json"
+    subprocess.run([sys.executable, "-c", RUN_COMMANDS, json.dumps(list(commands.values())),
+                    str(results)], check=True, timeout=300, cwd=tmp_path)
+    for name, (status, err) in zip(commands, json.loads(results.read_text())):
+        assert status == 2 and "--device gpu was asked for, but no GPU can be used" in err, \
+            (name, status, err)
+
+
 def test_check_gpu_dry_run_shares_the_gpu_with_every_algorithm_then_times_the_data(tmp_path):
     """The shared steps: a train job of 2 ranks on one GPU per configuration, every
     all-reduce algorithm among them, overlap off for one, the sharded update and top-k,
