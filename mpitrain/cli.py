@@ -8,6 +8,7 @@ the command that needs it, so `--help` needs no launcher and `bench step
 --native-openblas` can replace itself (execve) with a changed environment.
 """
 import argparse
+import json
 import os
 import sys
 import time
@@ -791,10 +792,21 @@ def checkpoint_in(args, comm=None):
     if comm is not None:
         found = comm.bcast(found, root=0)
     if found is None:
+        fix = ("its run had --checkpoint-every 0, which saves one only on a stop signal: "
+               "train it again without that option" if saved_none(args.checkpoint) else "give a checkpoint file, or "
+               "train (or --resume) the run to its first checkpoint")
         args.command_parser.error(f"run directory {args.checkpoint} holds no complete "
-                                  f"checkpoint: give a checkpoint file, or train (or "
-                                  f"--resume) the run to its first checkpoint")
+                                  f"checkpoint: {fix}")
     return found
+
+
+def saved_none(run_dir):
+    """Whether the run in run_dir was trained with --checkpoint-every 0 (its config.json)."""
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            return json.load(f).get("checkpoint_every") == 0
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def run_eval(args):

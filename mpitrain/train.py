@@ -904,13 +904,15 @@ def train(comm=None, log=print, **options):
 
 def say_where(say, result):
     """The end of a run: where its checkpoint, metrics and timelines are, how to plot
-    them, and that the run directory stands for its newest checkpoint."""
+    them, and, when it saved a checkpoint, that the run directory stands for its newest
+    one."""
     run_dir = result["run_dir"]
+    uses = (f"; eval and predict take --checkpoint {run_dir}, export {run_dir}, for its "
+            f"newest checkpoint" if result["checkpoint"] else "")
     saved = (f"checkpoint {result['checkpoint']}" if result["checkpoint"] else
-             "no checkpoint (--checkpoint-every 0)")
+             "no checkpoint (--checkpoint-every 0: nothing for eval, predict or export)")
     say(f"{saved}; metrics {os.path.join(run_dir, 'metrics.jsonl')}; plots: python -m "
-        f"mpitrain plot {run_dir}; eval and predict take --checkpoint {run_dir}, export "
-        f"{run_dir}, for its newest checkpoint", flush=True)
+        f"mpitrain plot {run_dir}{uses}", flush=True)
     if result["traces"]:
         first, last = result["traces"]
         which = f"timelines {first} to {last}, one a rank" if last != first else f"timeline {first}"

@@ -118,6 +118,29 @@ def test_the_end_of_a_run_says_where_its_outputs_are(used):
         f"{run_dir}, export {run_dir}, for its newest checkpoint")
 
 
+def test_the_end_of_a_run_without_a_checkpoint_sends_nobody_to_eval_it():
+    """--checkpoint-every 0: the last line says there is nothing for eval, predict or
+    export, and does not offer the run directory to them."""
+    from mpitrain.train import say_where
+    lines = []
+    say_where(lambda line, flush: lines.append(line),
+              dict(run_dir="runs/r", checkpoint=None, traces=None))
+    assert lines == ["no checkpoint (--checkpoint-every 0: nothing for eval, predict or "
+                     "export); metrics runs/r/metrics.jsonl; plots: python -m mpitrain plot "
+                     "runs/r"]
+
+
+def test_eval_of_a_run_that_saved_no_checkpoint_says_why(digits, tmp_path):
+    r = quick(*JOB, "--epochs", "1", "--data-dir", str(digits), "--checkpoint-every", "0",
+              "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = quick("eval", "--checkpoint", str(tmp_path / "run"), cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.endswith(f"error: run directory {tmp_path / 'run'} holds no complete "
+                             f"checkpoint: its run had --checkpoint-every 0, which saves one "
+                             f"only on a stop signal: train it again without that option\n"), r.stderr
+
+
 def test_eval_predict_and_export_take_a_run_directory(used, digits, tmp_path):
     run_dir, cwd, _ = used
     checkpoint = str(run_dir / "checkpoint-000000022.h5")
