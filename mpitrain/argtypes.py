@@ -23,6 +23,12 @@ def number(kind, low=None, high=None, low_open=False, high_open=False):
     return parse
 
 
+def metavar(parse, name):
+    """How --help and the docs name the value of an option that names none: N for a count,
+    X for a real number (by the __name__ of its type `parse`), else NAME."""
+    return {"int": "N", "float": "X"}.get(getattr(parse, "__name__", None), name.upper())
+
+
 positive_int = number(int, 1)
 nonnegative_int = number(int, 0)
 positive_float = number(float, 0.0, low_open=True)

@@ -14,8 +14,8 @@ import sys
 import time
 import traceback
 
-from .argtypes import (comma_list, density, fraction, nonnegative_float, nonnegative_int, number,
-                       positive_float, positive_int, workers)
+from .argtypes import (comma_list, density, fraction, metavar, nonnegative_float, nonnegative_int,
+                       number, positive_float, positive_int, workers)
 from .options import BY_NAME, DEFAULTS, IMAGE_SIZE, add_arguments
 
 REFUSAL_GRACE = 1.0     # seconds the other ranks wait before exiting on a refusal
@@ -23,7 +23,11 @@ REFUSAL_GRACE = 1.0     # seconds the other ranks wait before exiting on a refus
 
 class Help(argparse.ArgumentDefaultsHelpFormatter):
     """Each option's default after its help where the default says something: not for a
-    flag, an option without one (None, or an empty list), or a help that words its own."""
+    flag, an option without one (None, or an empty list), or a help that words its own;
+    a number's value named N (a count) or X (a real number) where the option names none."""
+
+    def _get_default_metavar_for_optional(self, action):
+        return metavar(action.type, action.dest)
 
     def _get_help_string(self, action):
         if action.nargs == 0 or action.default in (None, ()) or "default" in (action.help or ""):
@@ -163,11 +167,12 @@ def add_inspect(commands):
                     "forward multiply-adds, and the totals. The number of classes (and so "
                     "of parameters) is the data's with --data, as train builds the model.")
     inspect.add_argument("--model", choices=MODELS, default="resnet50")
-    inspect.add_argument("--data", help="take the classes and the image size from this "
-                                        "training file, or 'digits' or 'fashion-mnist'")
-    inspect.add_argument("--data-dir", default=DEFAULTS["data_dir"],
+    inspect.add_argument("--data", metavar="FILE|digits|fashion-mnist",
+                         help="take the classes and the image size from this training file, "
+                              "or 'digits' or 'fashion-mnist'")
+    inspect.add_argument("--data-dir", default=DEFAULTS["data_dir"], metavar="DIR",
                          help="where named data sets are converted to")
-    inspect.add_argument("--image-size", type=positive_int,
+    inspect.add_argument("--image-size", type=positive_int, metavar="PX",
                          help="default: the data's with --data, else 224")
     inspect.add_argument("--num-classes", type=positive_int,
                          help="default: the data's with --data, else 1000")
@@ -213,7 +218,8 @@ def add_convert(commands):
         "synthetic", help="generated JPEGs at ImageNet sizes, for benchmarks")
     synthetic.add_argument("dst", metavar="DST")
     synthetic.add_argument("--count", type=positive_int, default=1000)
-    synthetic.add_argument("--size", type=image_size, default=(500, 375), help="WIDTHxHEIGHT")
+    synthetic.add_argument("--size", type=image_size, default=(500, 375), metavar="WxH",
+                           help="the images' width and height in pixels (default: 500x375)")
     synthetic.add_argument("--classes", type=positive_int, default=10)
     synthetic.add_argument("--seed", type=nonnegative_int, default=0)
     synthetic.set_defaults(command_parser=synthetic)
@@ -240,7 +246,7 @@ def add_bench_step(benches):
                     "all-reduce overlapped and not, against one rank with N times the "
                     "threads (scaling efficiency) and the share of communication hidden.")
     step.add_argument("--model", choices=MODELS, default="resnet50")
-    step.add_argument("--image-size", type=positive_int, default=64)
+    step.add_argument("--image-size", type=positive_int, metavar="PX", default=64)
     step.add_argument("--batch", type=positive_int, default=32)
     step.add_argument("--num-classes", type=positive_int, default=1000)
     step.add_argument("--steps", type=positive_int, default=10, help="timed steps")
@@ -310,10 +316,11 @@ def add_bench_data(benches):
         description="Images/s of the loader (read, decode, augment into batches) per worker "
                     "and in total; optionally a PyTorch DataLoader with PIL transforms on the "
                     "same file, same workers, in the same run.")
-    data.add_argument("--data", required=True, help="an HDF5 file made by `convert`")
+    data.add_argument("--data", required=True, metavar="FILE",
+                      help="an HDF5 file made by `convert`")
     data.add_argument("--workers", type=nonnegative_int, default=2)
     data.add_argument("--batch", type=positive_int, default=32)
-    data.add_argument("--image-size", type=positive_int, help=IMAGE_SIZE)
+    data.add_argument("--image-size", type=positive_int, metavar="PX", help=IMAGE_SIZE)
     data.add_argument("--batches", type=positive_int,
                       help="batches timed (default: two epochs, at least 96, so that the "
                            "batches prefetched when the clock starts and stops weigh little)")
@@ -399,15 +406,16 @@ def add_eval(commands):
                     "default the validation file its run trained with); under "
                     "mpirun the ranks share the file. The model and its number of classes "
                     "come from the checkpoint.")
-    evaluate.add_argument("--checkpoint", required=True, help=CHECKPOINT)
-    evaluate.add_argument("--data", help="an HDF5 file made by `convert` (default: the "
-                                          "validation file of the checkpoint's run)")
+    evaluate.add_argument("--checkpoint", required=True, metavar="FILE|RUN_DIR", help=CHECKPOINT)
+    evaluate.add_argument("--data", metavar="FILE",
+                          help="an HDF5 file made by `convert` (default: the validation "
+                               "file of the checkpoint's run)")
     evaluate.add_argument("--batch-size", type=positive_int,
                           help="GLOBAL batch (default: the checkpoint's training batch, "
                                "rounded up to a multiple of the ranks)")
     evaluate.add_argument("--workers", type=workers, default=DEFAULTS["workers"],
                           help="loader threads (at most the cores this process may run on)")
-    evaluate.add_argument("--image-size", type=positive_int,
+    evaluate.add_argument("--image-size", type=positive_int, metavar="PX",
                           help="square side of the images (default: the checkpoint's, which "
                                "its run took from its data or its --image-size)")
     evaluate.add_argument("--device", choices=["cpu", "gpu", "auto"], default=DEFAULTS["device"],
@@ -425,7 +433,7 @@ def add_plot(commands):
                     "validation top-1 and top-5), lr.png, throughput.png. Needs matplotlib "
                     "(pip install 'mpitrain[plot]').")
     plot.add_argument("run_dir", metavar="RUN_DIR")
-    plot.add_argument("--out", help="directory for the PNG files (default: RUN_DIR)")
+    plot.add_argument("--out", metavar="DIR", help="directory for the PNG files (default: RUN_DIR)")
     plot.set_defaults(command_parser=plot)
 
 
@@ -463,7 +471,8 @@ def add_predict(commands):
                     "images prepared as its metadata says (the same code); with "
                     "--checkpoint too, its probabilities compared with the checkpoint's "
                     "(exit 1 above --tolerance).")
-    predict.add_argument("--checkpoint", help=CHECKPOINT + " (required without --onnx)")
+    predict.add_argument("--checkpoint", metavar="FILE|RUN_DIR",
+                         help=CHECKPOINT + " (required without --onnx)")
     predict.add_argument("--onnx", metavar="FILE",
                          help="a file of `export --format onnx`, run by onnxruntime "
                               "(pip install onnxruntime)")
@@ -513,7 +522,7 @@ def add_preview(commands):
                          help="the training batches (augmented) or the validation ones")
     preview.add_argument("--batch", type=positive_int, default=16, help="images in the grid")
     BY_NAME["seed"].add_to(preview, help="the run's seed (the shuffle and the crops follow it)")
-    preview.add_argument("--out", default="batch.png", help="the PNG file to write")
+    preview.add_argument("--out", default="batch.png", metavar="FILE", help="the PNG file to write")
     preview.set_defaults(command_parser=preview)
 
 
@@ -545,7 +554,7 @@ def add_study(commands):
     large.add_argument("--augment", action=argparse.BooleanOptionalAction,
                        help="random-resized-crop and flip (default: the data's own: off for "
                             "digits, on for a file)")
-    large.add_argument("--out", default="runs/study-large-batch",
+    large.add_argument("--out", default="runs/study-large-batch", metavar="DIR",
                        help="directory for the results and the runs; one that holds an "
                             "earlier study's runs takes --resume")
     large.add_argument("--quick", action="store_true",
@@ -619,7 +628,7 @@ def add_simulate(commands):
                      help="sum the buckets during backward (--overlap) or after it")
     sim.add_argument("--batch-per-rank", type=positive_int, metavar="B",
                      help="images per rank per step; not given: 32, or 8 with --calibrate")
-    sim.add_argument("--image-size", type=positive_int,
+    sim.add_argument("--image-size", type=positive_int, metavar="PX",
                      help="input size; not given: 224, or 64 with --calibrate")
     sim.add_argument("--epochs", type=positive_float, default=90.0,
                      help="epochs of ImageNet-1k for the time-to-train column")

@@ -20,8 +20,8 @@ import argparse
 from types import SimpleNamespace
 from typing import Callable, NamedTuple
 
-from .argtypes import (density, fraction, fusion_threshold, loss_scale, nonnegative_float,
-                       nonnegative_int, positive_float, positive_int, workers)
+from .argtypes import (density, fraction, fusion_threshold, loss_scale, metavar,
+                       nonnegative_float, nonnegative_int, positive_float, positive_int, workers)
 from .nets import MODELS
 from .optim import OPTIMIZERS
 
@@ -324,7 +324,7 @@ def usage(option):
     elif isinstance(option.metavar, tuple):
         value = " ".join(option.metavar)
     else:
-        value = option.metavar or option.name.upper()
+        value = option.metavar or metavar(option.parse, option.name)
     return f"{option.flag} {value}" + (" ..." if option.nargs == "+" else "")
 
 

@@ -129,6 +129,33 @@ def test_help(argv, capsys):
         assert "--epochs N passes over the training data (default: 8)" in out, out
 
 
+def parsers(parser, path=()):
+    """(command words, parser) of every command and subcommand below `parser`."""
+    import argparse
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from parsers(sub, (*path, name))
+
+
+def test_every_option_names_its_value_by_its_kind():
+    """In every command's --help, a number's value is N (a count) or X (a real number), a
+    path's FILE, DIR or FILE|RUN_DIR: never the option's own name again (`--lr LR`,
+    `--checkpoint CHECKPOINT`)."""
+    from mpitrain.cli import build_parser
+    commands = dict(parsers(build_parser()))
+    assert ("bench", "step") in commands and ("convert", "synthetic") in commands
+    for words, parser in commands.items():
+        text = parser.format_help()
+        repeated = [m.group(0) for m in re.finditer(r"--([a-z-]+) ([A-Z_]+)\b", text)
+                    if m.group(1).replace("-", "_").upper() == m.group(2)]
+        assert not repeated, (words, repeated)
+    train = commands[("train",)].format_help()
+    assert "--lr X" in train and "--epochs N" in train
+    assert "--checkpoint FILE|RUN_DIR" in commands[("eval",)].format_help()
+
+
 def test_inspect_resnet50(capsys):
     main(["inspect", "--model", "resnet50", "--image-size", "224"])
     assert "25,557,032" in capsys.readouterr().out

@@ -167,7 +167,11 @@ def test_simulate_sweep_json(capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--ranks", "12", "--ranks-per-node", "8"], "--ranks 12 is not a whole number of nodes"),
+    (["--ranks", "12", "--ranks-per-node", "8"], "--ranks 12 is not a whole number of nodes "
+                                                 "of --ranks-per-node 8; give a multiple of 8"),
+    (["--ranks", "12", "--device", "v100"], "--ranks 12 is not a whole number of nodes of 8 "
+                                            "ranks (a v100 node; --ranks-per-node sets "
+                                            "another); give a multiple of 8"),
     (["--device", "v100", "--allreduce", "shm"], "shm sums in a CPU host's shared memory"),
     (["--device", "p40", "--calibration", "x.json"], "use it with --device cpu"),
     (["--network", "0"], "argument --network: 0 must be > 0.0"),

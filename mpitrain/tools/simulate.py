@@ -407,8 +407,10 @@ def run(args):
     calibration = load_calibration(args.calibration) if args.calibration else None
     k = args.ranks_per_node or device.ranks_per_node
     if args.ranks > k and args.ranks % k:
-        raise ValueError(f"--ranks {args.ranks} is not a whole number of nodes of "
-                         f"--ranks-per-node {k}; give a multiple of {k}")
+        given = (f"--ranks-per-node {k}" if args.ranks_per_node else
+                 f"{k} ranks (a {args.device} node; --ranks-per-node sets another)")
+        raise ValueError(f"--ranks {args.ranks} is not a whole number of nodes of {given}; "
+                         f"give a multiple of {k}")
     net = Link.of(args.network_latency, args.network * GBIT)
     algorithms = [*algorithms_of(device), "hybrid"] if args.allreduce == "all" \
         else [args.allreduce]
