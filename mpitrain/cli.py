@@ -8,6 +8,7 @@ the command that needs it, so `--help` needs no launcher and `bench step
 --native-openblas` can replace itself (execve) with a changed environment.
 """
 import argparse
+import errno
 import json
 import os
 import sys
@@ -914,9 +915,23 @@ def run_plot(args):
         print(path)
 
 
+FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def os_error(e):
+    """An OSError of a named file, or of a full disk, as one line with the fix."""
+    if e.errno in FULL:
+        return (f"{e.strerror}{f' ({e.filename})' if e.filename else ''}: free space on "
+                f"the file system being written, or write elsewhere")
+    return f"{e.filename}: {e.strerror}"
+
+
 def run(argv=None):
     """What `python -m mpitrain` and the installed `mpitrain` script run (mpitrain/__main__.py):
     main(), and when it fails on any rank, the end of the whole job.
+
+    An error of the operating system on a named file (a path that cannot be made), or a
+    full disk, is said in one line, without the traceback (exit status 1).
 
     Without the Abort, one rank dying inside a training step (or stopped by Ctrl-C
     before the run handles signals) leaves the others waiting forever in their next
@@ -937,6 +952,8 @@ def run(argv=None):
             sys.stderr.write(f"{where}: interrupted, ending the job\n")
         elif isinstance(e, data_error):
             sys.stderr.write(f"{where}: error: {e}\n")
+        elif isinstance(e, OSError) and (e.filename is not None or e.errno in FULL):
+            sys.stderr.write(f"{where}: error: {os_error(e)}\n")
         else:
             sys.stderr.write(f"{where}: uncaught exception, ending the job\n"
                              f"{traceback.format_exc()}")

@@ -652,6 +652,26 @@ def test_reports_are_written_whole_or_not_at_all(small_fs):
     assert sorted(os.listdir(fs)) == ["filler"]
 
 
+def test_a_full_disk_or_a_path_that_cannot_be_made_is_one_line_with_nothing_half_written(
+        small_fs, one_epoch, tmp_path):
+    """plot and convert writing into a full file system, and plot into a directory whose
+    name is too long for it: exit 1 with one line that says why, no traceback, and no
+    file half-written (each PNG whole or absent, no HDF5 file)."""
+    fs = small_fs(40)
+    for args in (("plot", str(one_epoch), "--out", str(fs / "plots")),
+                 ("convert", "synthetic", str(fs / "s.h5"), "--count", "50")):
+        r = quick(*args)
+        assert r.returncode == 1 and r.stderr == (
+            "mpitrain: error: No space left on device: free space on the file system being "
+            "written, or write elsewhere\n"), r.stdout + r.stderr
+    assert os.listdir(fs) == ["plots"]
+    assert all(png.read_bytes().endswith(b"IEND\xaeB`\x82") for png in (fs / "plots").iterdir())
+    long = tmp_path / ("x" * 300)
+    r = quick("plot", str(one_epoch), "--out", str(long))
+    assert r.returncode == 1 and r.stderr == f"mpitrain: error: {long}: File name too long\n", \
+        r.stderr
+
+
 def test_metrics_records_without_room_are_left_out_whole(small_fs):
     import io
     from mpitrain.metrics import MetricsLog, read_metrics
