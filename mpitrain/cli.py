@@ -433,7 +433,8 @@ def add_plot(commands):
                     "loss.png (training and validation), accuracy.png (training top-1, "
                     "validation top-1 and top-5), lr.png, throughput.png. Needs matplotlib "
                     "(pip install 'mpitrain[plot]').")
-    plot.add_argument("run_dir", metavar="RUN_DIR")
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="a training run's --run-dir (or its "
+                                                        "metrics.jsonl)")
     plot.add_argument("--out", metavar="DIR", help="directory for the PNG files (default: RUN_DIR)")
     plot.set_defaults(command_parser=plot)
 

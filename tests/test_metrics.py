@@ -169,6 +169,9 @@ def test_plot_draws_the_curves(tmp_path):
             assert len(im.convert("RGB").getcolors(1 << 16)) > 20    # not a blank canvas
     with pytest.raises(PlotError, match="does not exist"):
         plot_run(str(tmp_path / "png"))
+    # the run's metrics.jsonl named instead of its directory: the same run
+    assert plot_run(str(tmp_path / "metrics.jsonl"), str(tmp_path / "again")) == \
+        [str(tmp_path / "again" / os.path.basename(p)) for p in paths]
     assert sorted(os.listdir(tmp_path / "png")) == sorted(map(os.path.basename, paths))  # whole
     # an --out that is a file, or lies under one: refused before anything is drawn
     with pytest.raises(PlotError, match=f"--out {paths[0]} is a file; give a directory"):

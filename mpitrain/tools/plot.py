@@ -44,7 +44,10 @@ def pyplot():
 
 
 def plot_run(run_dir, out=None):
-    """Write the PNG files into `out` (default run_dir); returns their paths."""
+    """Write the PNG files into `out` (default run_dir); returns their paths. run_dir may
+    also name the run's metrics.jsonl itself."""
+    if os.path.basename(run_dir) == "metrics.jsonl" and os.path.isfile(run_dir):
+        run_dir = os.path.dirname(run_dir) or "."
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise PlotError(f"{path} does not exist: RUN_DIR must be a training run's --run-dir")
