@@ -811,6 +811,17 @@ def checkpoint_in(args, comm=None):
     return found
 
 
+def refuse_image_size(args):
+    """After a ValueError of bench step: the ConfigError of train's check of its
+    --image-size (checks.check_image_size) when that is the cause, the network's feature
+    maps vanishing in a layer; `run` says it and ends the job (under mpirun the error may
+    be one rank's). Checked only then, which keeps an extra model and forward pass out of
+    every benchmark."""
+    from mpitrain.checks import check_image_size
+    from mpitrain.nets import build_model
+    check_image_size(build_model(args.model, num_classes=2), args.model, args.image_size)
+
+
 def saved_none(run_dir):
     """Whether the run in run_dir was trained with --checkpoint-every 0 (its config.json)."""
     try:
@@ -947,8 +958,11 @@ def run(argv=None):
             and not MPI.Is_finalized() else None
         where = f"rank {world.rank} of {world.size}" if world is not None else "mpitrain"
         interrupted = isinstance(e, KeyboardInterrupt)
-        # a record that cannot be read is bad input met by one rank: its message says it all
-        data_error = getattr(sys.modules.get("mpitrain.datasets.loader"), "DataError", ())
+        # a record that cannot be read, or a refusal that only some ranks reach: bad input,
+        # its message says it all
+        data_error = tuple(getattr(sys.modules.get(module), name, ())
+                           for module, name in (("mpitrain.datasets.loader", "DataError"),
+                                                ("mpitrain.checks", "ConfigError")))
         if interrupted:
             sys.stderr.write(f"{where}: interrupted, ending the job\n")
         elif isinstance(e, data_error):
@@ -1007,13 +1021,17 @@ def main(argv=None):
         if args.decode == "gpu" and not args.data:
             args.command_parser.error("--decode gpu times the loader's decoding: give it a "
                                       "file with --data FILE, or drop --decode")
-        if args.data:
-            from mpitrain.tools.bench.step_data import main
-            if args.decode == "gpu" and args.device == "gpu":
-                gpu_decode_or_refuse(args)
-            main(args)
-        else:
-            main_step(args, argv)
+        try:
+            if args.data:
+                from mpitrain.tools.bench.step_data import main
+                if args.decode == "gpu" and args.device == "gpu":
+                    gpu_decode_or_refuse(args)
+                main(args)
+            else:
+                main_step(args, argv)
+        except ValueError:
+            refuse_image_size(args)
+            raise
     elif args.bench == "data":
         from mpitrain.tools.bench.data import run
         if args.device == "gpu":

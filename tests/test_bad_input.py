@@ -210,6 +210,20 @@ def test_an_image_size_the_network_cannot_take(synth, tmp_path):
     refused(r, "--image-size 32 is too small for alexnet", "the smallest size it takes is 63")
 
 
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.launches)])
+def test_bench_step_refuses_an_image_size_the_network_cannot_take(synth, ranks):
+    """As train does, on random data and on a file, in one process and in a job of two
+    ranks (which ends, with one line, rather than wait for the rank that stopped)."""
+    message = ("error: --image-size 32 is too small for alexnet: its feature maps shrink to "
+               "nothing; the smallest size it takes is 63\n")
+    bench = ("bench", "step", "--model", "alexnet", "--image-size", "32", "--batch", "4",
+             "--steps", "1", "--warmup", "0")
+    for data in [(), ("--data", str(synth / "s.h5"))][:3 - ranks]:     # --data: one process
+        r = quick(*bench, *data) if ranks == 1 else run(ranks, *bench, timeout=120)
+        assert r.returncode == 2 and message in r.stderr, r.stdout + r.stderr
+        assert "Traceback" not in r.stderr, r.stderr
+
+
 def test_argument_errors_are_said_once_per_job(digits):
     from test_checkpoint import command
     r = subprocess.run(command(2, "train", "--lr", "-1"), capture_output=True, text=True,
