@@ -804,19 +804,19 @@ def checkpoint_in(args, comm=None):
         found = comm.bcast(found, root=0)
     if found is None:
         fix = ("its run had --checkpoint-every 0, which saves one only on a stop signal: "
-               "train it again without that option" if saved_none(args.checkpoint) else "give a checkpoint file, or "
-               "train (or --resume) the run to its first checkpoint")
+               "train it again without that option" if saved_none(args.checkpoint) else
+               "give a checkpoint file, or train (or --resume) the run to its first checkpoint")
         args.command_parser.error(f"run directory {args.checkpoint} holds no complete "
                                   f"checkpoint: {fix}")
     return found
 
 
 def refuse_image_size(args):
-    """After a ValueError of bench step: the ConfigError of train's check of its
-    --image-size (checks.check_image_size) when that is the cause, the network's feature
-    maps vanishing in a layer; `run` says it and ends the job (under mpirun the error may
-    be one rank's). Checked only then, which keeps an extra model and forward pass out of
-    every benchmark."""
+    """After a ValueError of bench step: when its --image-size is the cause (the network's
+    feature maps vanish in a layer), raise train's refusal of it (checks.check_image_size,
+    a ConfigError), which `run` says in one line before it ends the job: under mpirun it
+    may be one rank's. Checked only then, so that no benchmark pays for an extra model
+    and forward pass."""
     from mpitrain.checks import check_image_size
     from mpitrain.nets import build_model
     check_image_size(build_model(args.model, num_classes=2), args.model, args.image_size)

@@ -138,7 +138,8 @@ def test_eval_of_a_run_that_saved_no_checkpoint_says_why(digits, tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.endswith(f"error: run directory {tmp_path / 'run'} holds no complete "
                              f"checkpoint: its run had --checkpoint-every 0, which saves one "
-                             f"only on a stop signal: train it again without that option\n"), r.stderr
+                             f"only on a stop signal: train it again without that "
+                             f"option\n"), r.stderr
 
 
 def test_eval_predict_and_export_take_a_run_directory(used, digits, tmp_path):
