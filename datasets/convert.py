@@ -83,6 +83,11 @@ def list_imagefolder(src):
     if not items:
         raise ConvertError(f"{src}: its {len(classes)} class folder(s) hold no image files "
                            f"(expected SRC/<class>/<image>)")
+    empty = sorted(set(classes) - {rel.split(os.sep, 1)[0] for rel, _ in items})
+    if empty:
+        raise ConvertError(f"{src}: class folder(s) {', '.join(empty)} hold no image file, "
+                           f"so the network would have a class it never sees: put its images "
+                           f"in, or remove the folder")
     return classes, items, skipped
 
 
@@ -164,6 +169,14 @@ def _plan(src, val_fraction, seed):
         raise ConvertError(f"--val-fraction {val_fraction:g} of {len(items)} images in "
                            f"{len(classes)} class(es) rounds to no validation image in any "
                            f"class; give a larger --val-fraction")
+    labels = np.array([label for _, label in items])
+    trained = np.bincount(labels[~is_val], minlength=len(classes))   # every class has images
+    if not trained.all():
+        c = int(np.argmin(trained))
+        raise ConvertError(f"--val-fraction {val_fraction:g} takes every image of class "
+                           f"{classes[c]} ({np.count_nonzero(labels == c)}) into the "
+                           f"validation split, leaving it none to train on; give a smaller "
+                           f"--val-fraction")
     return classes, items, is_val, skipped
 
 

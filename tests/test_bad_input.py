@@ -537,18 +537,39 @@ def png(path, value=100):
     Image.fromarray(np.full((12, 12, 3), value, np.uint8)).save(path)
 
 
-@pytest.mark.parametrize("case", ["no class folders", "no images"])
+@pytest.mark.parametrize("case", ["no class folders", "no images", "a class without images",
+                                  "a class without training images", "no validation image"])
 def test_converting_a_folder_without_images_is_refused(tmp_path, case):
+    """Before any work, nothing written: a folder with no class folders or no images, a
+    class folder without images (a class the network would never see), a --val-fraction
+    that takes all of a class's images, or none of any."""
     src = tmp_path / "src"
     src.mkdir()
+    options = ()
     if case == "no images":
         (src / "cat").mkdir()
         (src / "dog").mkdir()
         expect = f"{src}: its 2 class folder(s) hold no image files"
-    else:
+    elif case == "no class folders":
         png(src / "loose.png")
         expect = f"{src}: no class folders (expected SRC/<class>/<image>)"
-    r = quick("convert", "imagefolder", str(src), str(tmp_path / "out.h5"))
+    else:
+        empty = case == "a class without images"
+        for c, count in (("cat", 5), ("dog", 7), ("empty", 0 if empty else 5)):
+            (src / c).mkdir()
+            for i in range(count):
+                png(src / c / f"{i}.png", 20 * i)
+        options, expect = {
+            "a class without images": ((), f"{src}: class folder(s) empty hold no image file, "
+                                           f"so the network would have a class it never sees"),
+            "a class without training images": (
+                ("--val-fraction", "0.95"), "--val-fraction 0.95 takes every image of class cat "
+                                            "(5) into the validation split, leaving it none to "
+                                            "train on; give a smaller --val-fraction"),
+            "no validation image": (
+                ("--val-fraction", "0.05"), "--val-fraction 0.05 of 17 images in 3 class(es) "
+                                            "rounds to no validation image in any class")}[case]
+    r = quick("convert", "imagefolder", str(src), str(tmp_path / "out.h5"), *options)
     refused(r, expect)
     assert sorted(os.listdir(tmp_path)) == ["src"]
 
