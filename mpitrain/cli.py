@@ -524,7 +524,8 @@ def add_preview(commands):
                          help="the training batches (augmented) or the validation ones")
     preview.add_argument("--batch", type=positive_int, default=16, help="images in the grid")
     BY_NAME["seed"].add_to(preview, help="the run's seed (the shuffle and the crops follow it)")
-    preview.add_argument("--out", default="batch.png", metavar="FILE", help="the PNG file to write")
+    preview.add_argument("--out", default="batch.png", metavar="FILE",
+                         help="the PNG file to write (its name ends in .png)")
     preview.set_defaults(command_parser=preview)
 
 

@@ -99,7 +99,9 @@ def test_an_out_that_cannot_be_written_is_refused_with_nothing_written(square, t
     (tmp_path / "afile").write_text("x")
     for out, message in ((tmp_path / "afile" / "b.png", f"--out {tmp_path / 'afile'} is a "
                           f"file, so {tmp_path / 'afile' / 'b.png'} cannot be written"),
-                         (tmp_path, f"--out {tmp_path} is a directory; name the file")):
+                         (tmp_path, f"--out {tmp_path} is a directory; name the file"),
+                         (tmp_path / "b.jpg", f"--out {tmp_path / 'b.jpg'} does not end in "
+                          f".png, the format written; name it {tmp_path / 'b.png'}")):
         r = mpitrain("preview", "--data", str(square), "--out", str(out))
         assert r.returncode == 2 and message in r.stderr, r.stderr
     assert os.listdir(tmp_path) == ["afile"]

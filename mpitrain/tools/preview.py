@@ -12,6 +12,7 @@ and the images laid out in a grid, each under its label's name. The file is writ
 under a temporary name and renamed when complete.
 """
 import math
+import os
 
 import numpy as np
 
@@ -42,7 +43,9 @@ def preview(cfg, split, batch, out, say=print):
     from mpitrain.files import output_problem, write_atomic
     from mpitrain.datasets.h5format import Reader, white_level
     from mpitrain.datasets.loader import Loader
-    problem = output_problem(out)
+    problem = output_problem(out) or (None if out.lower().endswith(".png") else
+                                      f"{out} does not end in .png, the format written; "
+                                      f"name it {os.path.splitext(out)[0]}.png")
     if problem:
         raise ConfigError(f"--out {problem}")
     if split == "val":
