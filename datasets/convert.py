@@ -69,6 +69,9 @@ def list_imagefolder(src):
     if not classes:
         raise ConvertError(f"{src}: no class folders (expected SRC/<class>/<image>): put "
                            f"each class's images in a sub-folder named after it")
+    if len(classes) == 1:
+        raise ConvertError(f"{src}: one class folder ({classes[0]}), and a classifier needs "
+                           f"two or more: put each class's images in a sub-folder of its own")
     items, skipped = [], []
     for label, name in enumerate(classes):
         folder = os.path.join(src, name)

@@ -35,6 +35,7 @@ positive_float = number(float, 0.0, low_open=True)
 density = number(float, 0.0, 1.0, low_open=True)
 nonnegative_float = number(float, 0.0)
 fraction = number(float, 0.0, 1.0, high_open=True)     # [0, 1)
+class_count = number(int, 2)                            # a classifier's outputs
 
 
 def comma_list(item, choices=None):

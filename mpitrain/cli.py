@@ -15,8 +15,8 @@ import sys
 import time
 import traceback
 
-from .argtypes import (comma_list, density, fraction, metavar, nonnegative_float, nonnegative_int,
-                       number, positive_float, positive_int, workers)
+from .argtypes import (class_count, comma_list, density, fraction, metavar, nonnegative_float,
+                       nonnegative_int, number, positive_float, positive_int, workers)
 from .options import BY_NAME, DEFAULTS, IMAGE_SIZE, add_arguments
 
 REFUSAL_GRACE = 1.0     # seconds the other ranks wait before exiting on a refusal
@@ -175,7 +175,7 @@ def add_inspect(commands):
                          help="where named data sets are converted to")
     inspect.add_argument("--image-size", type=positive_int, metavar="PX",
                          help="default: the data's with --data, else 224")
-    inspect.add_argument("--num-classes", type=positive_int,
+    inspect.add_argument("--num-classes", type=class_count,
                          help="default: the data's with --data, else 1000")
     inspect.set_defaults(command_parser=inspect)
 
@@ -221,7 +221,7 @@ def add_convert(commands):
     synthetic.add_argument("--count", type=positive_int, default=1000)
     synthetic.add_argument("--size", type=image_size, default=(500, 375), metavar="WxH",
                            help="the images' width and height in pixels (default: 500x375)")
-    synthetic.add_argument("--classes", type=positive_int, default=10)
+    synthetic.add_argument("--classes", type=class_count, default=10)
     synthetic.add_argument("--seed", type=nonnegative_int, default=0)
     synthetic.set_defaults(command_parser=synthetic)
 
@@ -249,7 +249,7 @@ def add_bench_step(benches):
     step.add_argument("--model", choices=MODELS, default="resnet50")
     step.add_argument("--image-size", type=positive_int, metavar="PX", default=64)
     step.add_argument("--batch", type=positive_int, default=32)
-    step.add_argument("--num-classes", type=positive_int, default=1000)
+    step.add_argument("--num-classes", type=class_count, default=1000)
     step.add_argument("--steps", type=positive_int, default=10, help="timed steps")
     step.add_argument("--warmup", type=nonnegative_int, default=2, help="untimed steps first")
     step.add_argument("--seed", type=nonnegative_int, default=0)

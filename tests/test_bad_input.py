@@ -537,11 +537,12 @@ def png(path, value=100):
     Image.fromarray(np.full((12, 12, 3), value, np.uint8)).save(path)
 
 
-@pytest.mark.parametrize("case", ["no class folders", "no images", "a class without images",
-                                  "a class without training images", "no validation image"])
+@pytest.mark.parametrize("case", ["no class folders", "one class folder", "no images",
+                                  "a class without images", "a class without training images",
+                                  "no validation image"])
 def test_converting_a_folder_without_images_is_refused(tmp_path, case):
-    """Before any work, nothing written: a folder with no class folders or no images, a
-    class folder without images (a class the network would never see), a --val-fraction
+    """Before any work, nothing written: a folder with no class folders, one, or no
+    images, a class folder without images (a class the network would never see), a --val-fraction
     that takes all of a class's images, or none of any."""
     src = tmp_path / "src"
     src.mkdir()
@@ -553,6 +554,10 @@ def test_converting_a_folder_without_images_is_refused(tmp_path, case):
     elif case == "no class folders":
         png(src / "loose.png")
         expect = f"{src}: no class folders (expected SRC/<class>/<image>)"
+    elif case == "one class folder":
+        (src / "cat").mkdir()
+        png(src / "cat" / "0.png")
+        expect = f"{src}: one class folder (cat), and a classifier needs two or more"
     else:
         empty = case == "a class without images"
         for c, count in (("cat", 5), ("dog", 7), ("empty", 0 if empty else 5)):
