@@ -156,6 +156,18 @@ def test_every_option_names_its_value_by_its_kind():
     assert "--checkpoint FILE|RUN_DIR" in commands[("eval",)].format_help()
 
 
+@pytest.mark.parametrize("argv", [["inspect", "--num-classes", "1"],
+                                  ["bench", "step", "--num-classes", "1"],
+                                  ["convert", "synthetic", "x.h5", "--classes", "1"]])
+def test_a_network_of_one_class_is_refused_by_name(argv, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"argument {argv[-2]}: 1 must be >= 2" in err, err
+    assert not os.listdir(tmp_path)
+
+
 def test_inspect_resnet50(capsys):
     main(["inspect", "--model", "resnet50", "--image-size", "224"])
     assert "25,557,032" in capsys.readouterr().out
