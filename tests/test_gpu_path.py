@@ -295,17 +295,23 @@ def test_step_comparison_finds_no_difference_between_two_cpu_runs(precision):
     assert result["loss"]["cpu"] == result["loss"]["gpu"]
 
 
+def dry_run(out, *options):
+    """check-gpu --dry-run writing into `out`, with `options`: its finished process (exit
+    status 0) and its report's steps."""
+    r = subprocess.run([sys.executable, "-m", "mpitrain.tools.check_gpu", "--dry-run",
+                        "--out-dir", str(out), *options], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r, json.loads((out / "report.json").read_text())["steps"]
+
+
 def test_check_gpu_dry_run_goes_through_every_step_measurements_first(tmp_path):
     """Without a GPU, --dry-run takes the check's whole control flow: every step in order,
     the bench rows and profiles before the tests, each command recorded and its log
     written to --out-dir as the step ends, the report beside them."""
     out = tmp_path / "check"
-    r = subprocess.run([sys.executable, "-m", "mpitrain.tools.check_gpu", "--dry-run", "--out-dir",
-                        str(out), "--steps", "7", "--rounds", "2", "--profile-steps", "4"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    report = json.loads((out / "report.json").read_text())
-    names = list(report["steps"])
+    r, steps = dry_run(out, "--steps", "7", "--rounds", "2", "--profile-steps", "4")
+    names = list(steps)
     from mpitrain.tools.check_gpu import SHARED
     assert names == ["install", "build", "environment", "bench resnet50 fp16 graph",
                      "bench resnet50 fp16", "bench resnet50 fp32", "bench alexnet fp16 graph",
@@ -315,17 +321,17 @@ def test_check_gpu_dry_run_goes_through_every_step_measurements_first(tmp_path):
                      "data loader", "data step gpu", "data step cpu", "data train gpu",
                      "data train cpu", "tests", "compare fp32",
                      "compare fp16", "nccl"]
-    bench = report["steps"]["bench alexnet fp16"]["command"]
+    bench = steps["bench alexnet fp16"]["command"]
     assert bench[bench.index("--model") + 1] == "alexnet" and "--reference" in bench
     assert "--cuda-graph" not in bench
     for graph in ("bench resnet50 fp16 graph", "bench alexnet fp16 graph",
                   "bench resnet50 fp16 graph nondeterministic"):
-        assert "--cuda-graph" in report["steps"][graph]["command"]
-    assert [name for name, s in report["steps"].items()
+        assert "--cuda-graph" in steps[graph]["command"]
+    assert [name for name, s in steps.items()
             if "--nondeterministic-plans" in s.get("command", [])] == \
         ["bench resnet50 fp16 graph nondeterministic"]
     assert bench[bench.index("--steps") + 1] == "7" and bench[bench.index("--rounds") + 1] == "2"
-    profile = report["steps"]["profile resnet50"]["command"]
+    profile = steps["profile resnet50"]["command"]
     assert profile[profile.index("--profile") + 1] == "4"
     assert "dry run: " in (out / "bench-resnet50-fp32.log").read_text()
     assert "pytest" in (out / "tests.log").read_text()
@@ -361,12 +367,7 @@ def test_check_gpu_commands_pass_every_check_ahead_of_the_device(tmp_path):
     with --rounds 2) gets past the parser and the option checks, which come before the
     device's: here it is refused for want of a GPU and for nothing else. (An option refusal
     found first on a lent GPU would cost its minutes.)"""
-    out = tmp_path / "check"
-    r = subprocess.run([sys.executable, "-m", "mpitrain.tools.check_gpu", "--dry-run", "--out-dir",
-                        str(out), "--rounds", "2", "--steps", "10", "--warmup", "3"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    steps = json.loads((out / "report.json").read_text())["steps"]
+    _, steps = dry_run(tmp_path / "check", "--rounds", "2", "--steps", "10", "--warmup", "3")
     commands = {name: s["command"][s["command"].index("mpitrain") + 1:]
                 for name, s in steps.items()
                 if "mpitrain" in s.get("command", []) and "convert" not in s["command"]}
@@ -388,12 +389,8 @@ def test_check_gpu_dry_run_shares_the_gpu_with_every_algorithm_then_times_the_da
     from mpitrain.comm import ALGORITHMS
     from mpitrain.launcher import cores
     out = tmp_path / "check"
-    r = subprocess.run([sys.executable, "-m", "mpitrain.tools.check_gpu", "--dry-run", "--out-dir",
-                        str(out), "--jpegs", "300", "--skip", "install", "build", "bench",
-                        "profile", "tests", "compare", "nccl"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    steps = json.loads((out / "report.json").read_text())["steps"]
+    _, steps = dry_run(out, "--jpegs", "300", "--skip", "install", "build", "bench", "profile",
+                       "tests", "compare", "nccl")
     jobs = {name: s["command"] for name, s in steps.items() if name.startswith("shared ")}
     assert len(jobs) >= len(ALGORITHMS) + 3
     for argv in jobs.values():
@@ -439,24 +436,15 @@ def test_check_gpu_dry_run_shares_the_gpu_with_every_algorithm_then_times_the_da
 
 
 def test_check_gpu_skips_the_shared_and_data_steps_when_asked(tmp_path):
-    out = tmp_path / "check"
-    r = subprocess.run([sys.executable, "-m", "mpitrain.tools.check_gpu", "--dry-run", "--out-dir",
-                        str(out), "--skip", "shared", "data", "bench", "profile", "tests"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    steps = json.loads((out / "report.json").read_text())["steps"]
+    _, steps = dry_run(tmp_path / "check", "--skip", "shared", "data", "bench", "profile",
+                       "tests")
     skipped = [name for name in steps if name.startswith(("shared ", "data "))]
     assert len(skipped) > 3 and all(steps[name] == {"skipped": True} for name in skipped)
     assert "command" in steps["compare fp32"]
 
 
 def test_check_gpu_starts_no_step_past_its_budget(tmp_path):
-    out = tmp_path / "check"
-    r = subprocess.run([sys.executable, "-m", "mpitrain.tools.check_gpu", "--dry-run", "--budget", "0",
-                        "--out-dir", str(out), "--skip", "tests"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    steps = json.loads((out / "report.json").read_text())["steps"]
+    r, steps = dry_run(tmp_path / "check", "--budget", "0", "--skip", "tests")
     assert steps["tests"] == {"skipped": True}
     for name in ("bench resnet50 fp16 graph", "shared hybrid", "shared topk", "data convert",
                  "data step gpu"):
