@@ -5,8 +5,8 @@ import sys
 
 def main():
     if sys.argv[1:2] == ["train"]:  # a stop signal from here on is kept (control.record_early):
-        from mpitrain.control import record_early   # the command line's imports take a
-        record_early()                              # second, and Slurm's --signal may come in it
+        from mpitrain.control import record_early   # the run's imports take a second or
+        record_early()                              # two, and Slurm's --signal may come in them
     from mpitrain.cli import run
     run()
 

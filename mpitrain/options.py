@@ -22,10 +22,12 @@ from typing import Callable, NamedTuple
 
 from .argtypes import (density, fraction, fusion_threshold, loss_scale, metavar,
                        nonnegative_float, nonnegative_int, positive_float, positive_int, workers)
-from .nets import MODELS
-from .optim import OPTIMIZERS
-
-# comm.ALGORITHMS, which is not imported here (it would start MPI); a test holds them equal
+# nets.MODELS, optim.OPTIMIZERS and comm.ALGORITHMS, which are not imported here (the first
+# two bring Numba, so a refused option would wait a second for its answer; the third would
+# start MPI); a test holds them equal
+MODELS = ("alexnet", "alexnet_bn", "resnet101", "resnet152", "resnet18", "resnet34", "resnet50",
+          "resnet_small")
+OPTIMIZERS = ("sgd", "lars", "lamb", "neumann", "nlcg")
 ALLREDUCE = ("flat", "hierarchical", "2d", "shm", "hybrid")
 DEVICES = ("cpu", "gpu", "auto")
 
@@ -104,7 +106,7 @@ RUN, COMM = "the run around the loop", "communication"
 OPTIONS = (
     # ----- model and data -----
     Option("model", "resnet_small", "the network (`python -m mpitrain inspect` lists its "
-           "layers)", MODEL, choices=tuple(sorted(MODELS))),
+           "layers)", MODEL, choices=MODELS),
     Option("data", "digits", "a training file made by `convert` (with its FILE_val.h5), or "
            "'digits': scikit-learn's bundled handwritten digits at 32x32, or 'fashion-mnist' "
            "(28x28), converted into --data-dir on first use", MODEL,
@@ -155,7 +157,7 @@ OPTIONS = (
     Option("optimizer", "sgd", "SGD with momentum; LARS (per-layer trust ratio on SGD); LAMB; "
            "neumann (Krishnan et al.: --momentum caps mu, the warm-up epochs are its SGD "
            "burn-in); nlcg (preconditioned nonlinear conjugate gradients, Adya et al.); each "
-           "one fused kernel over the parameter arena", OPTIM, choices=tuple(OPTIMIZERS)),
+           "one fused kernel over the parameter arena", OPTIM, choices=OPTIMIZERS),
     Option("lr", 0.1, "peak learning rate (after warm-up), for the batch --lr-ref-batch when "
            "that is given", OPTIM, positive_float),
     Option("lr_ref_batch", None, "linear scaling rule: peak lr = LR * batch-size / N "

@@ -113,6 +113,21 @@ def test_unknown_model_lists_the_choices():
         assert f"'{name}'" in r.stderr or f" {name}" in r.stderr
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["train", "--epochs", "-1"],
+                                  ["train", "--model", "resnet51"], ["eval", "--data", "v.h5"]])
+def test_help_and_a_refused_option_answer_without_loading_numba_or_mpi(argv):
+    """The command line, its help and the refusals of one value are plain Python: their
+    answer does not wait for Numba's and MPI's second of imports."""
+    code = ("import atexit, sys\n"
+            "atexit.register(lambda: print(sorted({'numba', 'mpi4py.MPI', 'h5py'}"
+            " & set(sys.modules))))\n"
+            f"from mpitrain.cli import main\nmain({argv!r})\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == (0 if "--help" in argv else 2), r.stderr
+    assert r.stdout.splitlines()[-1] == "[]", r.stdout[-300:]
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["inspect", "--help"],
                                   ["bench", "--help"], ["bench", "step", "--help"]])
 def test_help(argv, capsys):
