@@ -377,16 +377,24 @@ def describe_data(train_file, val_file, image_size, batch, workers, prefetch, dt
     return num_train, names, size, normalise
 
 
-def check_image_size(model, name, size):
+def check_image_size(model, name, size, data=None):
     """Refuse an image size the network cannot take (its feature maps would vanish): one
-    eval forward of a single image, before any work."""
+    eval forward of a single image, before any work. data: the file the size came from
+    (None: --image-size gave it), which the refusal names with the option that changes it."""
     try:
         model.forward(backend.xp.zeros((1, size, size, 3), model.dtype), train=False)
     except ValueError:
         smallest = next((s for s in range(size + 1, 513) if _takes(model, s)), None)
-        raise ConfigError(f"--image-size {size} is too small for {name}: its feature maps "
-                          f"shrink to nothing" + (f"; the smallest size it takes is {smallest}"
-                                                  if smallest else "")) from None
+        what = f"--image-size {size}" if data is None else \
+            f"{size}x{size}, the image size of {data},"
+        if smallest is None:
+            fix = ""
+        elif data is None:
+            fix = f"; the smallest size it takes is {smallest}"
+        else:
+            fix = f"; give --image-size {smallest} or more (the images are resized to it)"
+        raise ConfigError(f"{what} is too small for {name}: its feature maps shrink to "
+                          f"nothing{fix}") from None
 
 
 def _takes(model, size):

@@ -402,7 +402,8 @@ class Run:
         self.model = model = build_model(cfg.model, num_classes=len(data.class_names),
                                          seed=cfg.seed, rank=self.comm.rank,
                                          working_dtype=data.working)
-        check_image_size(model, cfg.model, data.image_size)
+        check_image_size(model, cfg.model, data.image_size,
+                         data=None if cfg.image_size else data.train_file)
         self.net = model
         if cfg.layers == "plain":
             try:

@@ -205,9 +205,16 @@ def test_non_finite_numbers_are_refused(flag, value):
 
 
 def test_an_image_size_the_network_cannot_take(synth, tmp_path):
-    r = quick("train", "--model", "alexnet", "--data", str(synth / "s.h5"), "--batch-size", "16",
-              "--image-size", "32", "--run-dir", str(tmp_path / "run"))
-    refused(r, "--image-size 32 is too small for alexnet", "the smallest size it takes is 63")
+    """Given by --image-size, the option is named; taken from the data (40x40), the file is,
+    and the option that changes it."""
+    train = ("train", "--model", "alexnet", "--data", str(synth / "s.h5"), "--batch-size", "16",
+             "--run-dir", str(tmp_path / "run"))
+    refused(quick(*train, "--image-size", "32"), "--image-size 32 is too small for alexnet",
+            "the smallest size it takes is 63")
+    refused(quick(*train), f"40x40, the image size of {synth / 's.h5'}, is too small for "
+            f"alexnet: its feature maps shrink to nothing; give --image-size 63 or more (the "
+            f"images are resized to it)")
+    assert not (tmp_path / "run" / "config.json").exists()
 
 
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.launches)])
@@ -526,9 +533,12 @@ def test_too_many_workers_are_refused_with_the_reason():
             "argument --workers: 1000 exceeds")
 
 
-def test_inspect_refuses_an_image_size_the_network_cannot_take():
+def test_inspect_refuses_an_image_size_the_network_cannot_take(synth):
     refused(quick("inspect", "--model", "alexnet", "--image-size", "32"),
             "--image-size 32 is too small for alexnet", "the smallest size it takes is 63")
+    refused(quick("inspect", "--model", "alexnet", "--data", str(synth / "s.h5")),
+            f"40x40, the image size of {synth / 's.h5'}, is too small for alexnet",
+            "give --image-size 63 or more")
 
 
 # ----- converting folders -----

@@ -18,13 +18,13 @@ from mpitrain.nets import build_model, describe_parameters
 DEFAULT_CLASSES = 1000      # inspect without --data or --num-classes: ImageNet's
 
 
-def layer_table(model_name, image_size=224, num_classes=1000):
+def layer_table(model_name, image_size=224, num_classes=1000, size_from=None):
     """Rows (name, type, output shape, parameters, multiply-adds) for every leaf layer
     in forward order, and the model (for totals). ConfigError for an image size the
-    network cannot take."""
+    network cannot take (size_from: the data file it came from, None: --image-size)."""
     from mpitrain.checks import check_image_size
     model = build_model(model_name, num_classes=num_classes)
-    check_image_size(model, model_name, image_size)
+    check_image_size(model, model_name, image_size, data=size_from)
     rows = []
     for name, m in model.named_modules():
         if not m.children():
@@ -45,10 +45,11 @@ def _record_forward(module, name, rows):
     module.forward = recording_forward
 
 
-def report(model_name, image_size=224, num_classes=1000, classes_from=None):
+def report(model_name, image_size=224, num_classes=1000, classes_from=None, size_from=None):
     """The table as text, with totals: parameters and multiply-adds of one image's forward
-    pass. classes_from: where the number of classes came from, for the first line."""
-    rows, model = layer_table(model_name, image_size, num_classes)
+    pass. classes_from: where the number of classes came from, for the first line;
+    size_from: the data file the image size came from (None: --image-size or 224)."""
+    rows, model = layer_table(model_name, image_size, num_classes, size_from)
     total_macs = sum(r[4] for r in rows)
     header = ("layer", "type", "output (H, W, C)", "parameters", "multiply-adds")
     cells = [header] + [(n, t, str(s), f"{p:,}", f"{m:,}") for n, t, s, p, m in rows]
@@ -90,17 +91,18 @@ def run(args):
     from mpitrain.checks import ConfigError
     from mpitrain.datasets.h5format import FormatError
     try:
-        classes, size, source = args.num_classes, args.image_size, None
+        classes, size, source, size_from = args.num_classes, args.image_size, None, None
         if args.data:
             found, stored, path = data_shape(args.data, args.data_dir)
             if classes is not None and classes != found:
                 raise ConfigError(f"--num-classes {classes} but --data {args.data} has {found} "
                                   f"classes ({path}); give one or the other")
             classes, size, source = found, size or stored, f"from {path}"
+            size_from = None if args.image_size else path
         elif classes is None:
             classes, source = DEFAULT_CLASSES, ("by default; --data or --num-classes for "
                                                 "another count")
         print(report(args.model, image_size=size or 224, num_classes=classes,
-                     classes_from=source))
+                     classes_from=source, size_from=size_from))
     except (ConfigError, FormatError) as e:
         args.command_parser.error(str(e))
