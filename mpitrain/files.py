@@ -7,7 +7,8 @@ import os
 def write_atomic(out, write):
     """Run write(tmp) for a temporary path beside `out`, fsync it and rename it over `out`;
     on any failure remove the temporary file and leave `out` as it was (a full disk leaves
-    the old file or none, never a truncated one). `out`'s directory is made where missing."""
+    the old file or none, never a truncated one). `out`'s directory is made where missing.
+    An OSError of the temporary file, or of no file, is raised naming `out`."""
     directory = os.path.dirname(os.path.abspath(out))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(out)}.tmp-{os.getpid()}")
@@ -16,9 +17,11 @@ def write_atomic(out, write):
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(e, OSError) and e.filename in (tmp, None):
+            e.filename = out        # the file the user named, not the one just removed
         raise
 
 
