@@ -265,7 +265,7 @@ def add_bench_step(benches):
     step.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     for name, text in (("fusion_threshold", "under mpirun: gradient bucket size; auto: tune "
                                              "it as training does, then time the choice "
-                                             "against the fixed default"),
+                                             "against train's fixed size"),
                        ("allreduce", "under mpirun: all-reduce algorithm"),
                        ("comm_dtype", "under mpirun: gradient dtype on the wire"),
                        ("compress", "under mpirun: also time top-k sparsified gradients "

@@ -171,6 +171,22 @@ def test_every_option_names_its_value_by_its_kind():
     assert "--checkpoint FILE|RUN_DIR" in commands[("eval",)].format_help()
 
 
+def test_every_option_with_a_default_says_its_default():
+    """An option that takes a value and has a default says it in its help, in cli.Help's
+    words or its own; a help that says "default" of something else would hide it."""
+    import argparse
+    from mpitrain.cli import build_parser
+    hidden = []
+    for words, parser in parsers(build_parser()):
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if action.nargs != 0 and action.default not in (None, (), argparse.SUPPRESS):
+                said = formatter._get_help_string(action) % dict(default=action.default)
+                if not re.search(r"default[^)]*:", said):
+                    hidden.append((words, action.option_strings, said))
+    assert not hidden, hidden
+
+
 @pytest.mark.parametrize("argv", [["inspect", "--num-classes", "1"],
                                   ["bench", "step", "--num-classes", "1"],
                                   ["convert", "synthetic", "x.h5", "--classes", "1"]])
