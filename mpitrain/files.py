@@ -8,7 +8,7 @@ def write_atomic(out, write):
     """Run write(tmp) for a temporary path beside `out`, fsync it and rename it over `out`;
     on any failure remove the temporary file and leave `out` as it was (a full disk leaves
     the old file or none, never a truncated one). `out`'s directory is made where missing.
-    An OSError of the temporary file, or of no file, is raised naming `out`."""
+    An error of the system on the temporary file, or on no file, is raised naming `out`."""
     directory = os.path.dirname(os.path.abspath(out))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(out)}.tmp-{os.getpid()}")
@@ -20,7 +20,7 @@ def write_atomic(out, write):
     except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
-        if isinstance(e, OSError) and e.filename in (tmp, None):
+        if isinstance(e, OSError) and e.errno is not None and e.filename in (tmp, None):
             e.filename = out        # the file the user named, not the one just removed
         raise
 
