@@ -111,6 +111,17 @@ def check_options_used(args):
                               f"{by} {given[chooser]} would ignore it: drop {flag}{alone}")
 
 
+def refuse_options(cfg, world_size):
+    """The rules between options, and the global batch against the ranks: what `train`'s
+    command line checks before the run's imports (its answer in half a second, not two),
+    and the run again (train() is called from Python too)."""
+    check_layers(cfg)           # first: --layers plain refuses any --bn-group above 1
+    comm_options(cfg, world_size)
+    check_options_used(cfg)
+    check_milestones(cfg)
+    check_batch(cfg.batch_size, world_size)
+
+
 def check_milestones(cfg):
     """Refuse a step schedule without milestones, or with one the run never reaches."""
     if cfg.schedule != "step":

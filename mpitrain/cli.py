@@ -769,13 +769,18 @@ def run_train(args, parser=None, argv=()):
     from mpitrain.control import EXIT_STATUS, record_early
     record_early()                               # before the imports and set-up: seconds
     from mpi4py import MPI
-    from mpitrain.precision import LossScaleError
-    from mpitrain.checks import ConfigError
-    from mpitrain.train import TrainingError, describe_nonfinite, train
+    from mpitrain.checks import ConfigError, refuse_options
+    from mpitrain.options import Config
     if getattr(args, "config", None):
         apply_config_file(args, parser, argv)
     options = {k: v for k, v in vars(args).items()
                if k not in ("command", "command_parser", "config")}
+    try:                                         # before the run's imports: a second or two
+        refuse_options(Config(**options), MPI.COMM_WORLD.size)
+    except ValueError as e:                      # a ConfigError, or Config's own refusal
+        args.command_parser.error(str(e))
+    from mpitrain.precision import LossScaleError
+    from mpitrain.train import TrainingError, describe_nonfinite, train
     try:
         result = train(**options)
     except ConfigError as e:                     # raised on every rank alike

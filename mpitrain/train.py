@@ -53,9 +53,8 @@ from threadpoolctl import threadpool_limits
 
 from . import backend, checkpoint
 from .checks import (ConfigError, check_batch, check_decode, check_free_space, check_image_size,
-                     check_launch, check_layers, check_milestones, check_options_used,
-                     check_threads, comm_options, describe_data, find_resume, free_space,
-                     prepare_run_dir, resolve_data)
+                     check_launch, check_threads, describe_data, find_resume, free_space,
+                     prepare_run_dir, refuse_options, resolve_data)
 from .comm import Communicator, syncbn
 from .comm.autotune import FusionTuner
 from .comm.buckets import Reducer, share_gradients
@@ -358,14 +357,9 @@ class Run:
 
     def refuse_what_cannot_work(self, world_size):
         """Options, MPI and the launcher checked before any work (mpitrain.checks)."""
-        cfg = self.cfg
         check_threads()
         check_launch(world_size)
-        check_layers(cfg)           # first: --layers plain refuses any --bn-group above 1
-        comm_options(cfg, world_size)
-        check_options_used(cfg)
-        check_milestones(cfg)
-        check_batch(cfg.batch_size, world_size)
+        refuse_options(self.cfg, world_size)
 
     def join_ranks(self, mpi_comm, log):
         """The run's one Communicator, this rank's device and its share of the cores;

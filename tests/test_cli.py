@@ -113,19 +113,31 @@ def test_unknown_model_lists_the_choices():
         assert f"'{name}'" in r.stderr or f" {name}" in r.stderr
 
 
+def loaded_after(argv, modules):
+    """(exit status, those of `modules` imported) after `main(argv)` in a fresh process."""
+    code = ("import atexit, sys\n"
+            f"atexit.register(lambda: print(sorted({set(modules)!r} & set(sys.modules))))\n"
+            f"from mpitrain.cli import main\nmain({argv!r})\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    return r.returncode, r.stdout.splitlines()[-1]
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["train", "--epochs", "-1"],
                                   ["train", "--model", "resnet51"], ["eval", "--data", "v.h5"]])
 def test_help_and_a_refused_option_answer_without_loading_numba_or_mpi(argv):
     """The command line, its help and the refusals of one value are plain Python: their
     answer does not wait for Numba's and MPI's second of imports."""
-    code = ("import atexit, sys\n"
-            "atexit.register(lambda: print(sorted({'numba', 'mpi4py.MPI', 'h5py'}"
-            " & set(sys.modules))))\n"
-            f"from mpitrain.cli import main\nmain({argv!r})\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == (0 if "--help" in argv else 2), r.stderr
-    assert r.stdout.splitlines()[-1] == "[]", r.stdout[-300:]
+    status, loaded = loaded_after(argv, ("numba", "mpi4py.MPI", "h5py"))
+    assert (status, loaded) == (0 if "--help" in argv else 2, "[]")
+
+
+@pytest.mark.parametrize("argv", [["train", "--compress", "topk", "--comm-dtype", "fp16"],
+                                  ["train", "--optimizer", "sgd", "--lars-eta", "0.01"],
+                                  ["train", "--schedule", "step"]])
+def test_train_refuses_options_that_cannot_work_together_before_the_runs_imports(argv):
+    """checks.refuse_options, before the run's imports (Numba, the layers, the loader)."""
+    assert loaded_after(argv, ("numba", "mpitrain.train", "h5py")) == (2, "[]")
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["inspect", "--help"],
