@@ -11,6 +11,7 @@ import argparse
 import errno
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -747,7 +748,8 @@ def explicit_options(parser, argv):
 
 def apply_config_file(args, parser, argv):
     """Fill in args from --config YAML where the command line did not give the option;
-    each YAML value goes through the flag's own type and choices (Option.convert)."""
+    each YAML value goes through the flag's own type and choices (Option.convert).
+    Returns the names of the options it set."""
     from mpitrain.config import ConfigFileError, load_yaml
     sub = args.command_parser
     try:
@@ -763,6 +765,15 @@ def apply_config_file(args, parser, argv):
         except ValueError as e:
             sub.error(f"config file {args.config}: {key}: {e}")
         setattr(args, key, value)
+    return [key for key in values if key not in explicit]
+
+
+def from_config_file(message, keys, path):
+    """For a refusal that names options by their flags: ' (set by --config PATH: KEY, ...)'
+    for those of `keys` (the options that file set) that it names, else ''."""
+    named = [key for key in keys
+             if re.search(re.escape(BY_NAME[key].flag) + r"(?![\w-])", message)]
+    return f" (set by --config {path}: {', '.join(named)})" if named else ""
 
 
 def run_train(args, parser=None, argv=()):
@@ -771,20 +782,22 @@ def run_train(args, parser=None, argv=()):
     from mpi4py import MPI
     from mpitrain.checks import ConfigError, refuse_options
     from mpitrain.options import Config
-    if getattr(args, "config", None):
-        apply_config_file(args, parser, argv)
+    from_file = apply_config_file(args, parser, argv) if getattr(args, "config", None) else []
     options = {k: v for k, v in vars(args).items()
                if k not in ("command", "command_parser", "config")}
+
+    def refuse(e):                               # exit status 2, said once
+        args.command_parser.error(f"{e}{from_config_file(str(e), from_file, args.config)}")
     try:                                         # before the run's imports: a second or two
         refuse_options(Config(**options), MPI.COMM_WORLD.size)
     except ValueError as e:                      # a ConfigError, or Config's own refusal
-        args.command_parser.error(str(e))
+        refuse(e)
     from mpitrain.precision import LossScaleError
     from mpitrain.train import TrainingError, describe_nonfinite, train
     try:
         result = train(**options)
     except ConfigError as e:                     # raised on every rank alike
-        args.command_parser.error(str(e))        # usage and message on stderr, exit status 2
+        refuse(e)
     except (TrainingError, LossScaleError) as e:   # raised on every rank alike
         if MPI.COMM_WORLD.rank == 0:
             sys.stderr.write(f"mpitrain train: error: {e}\n")

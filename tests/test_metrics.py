@@ -144,6 +144,28 @@ def test_bad_yaml_is_refused_by_name(tmp_path, capsys, text, message):
     assert message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("text,flags,said", [
+    ("optimizer: sgd\nlars_eta: 0.01\nepochs: 2\n", (),
+     "drop --lars-eta (or add --optimizer lars) (set by --config PATH: optimizer, lars_eta)\n"),
+    ("lars_eta: 0.01\n", ("--optimizer", "sgd"),
+     "drop --lars-eta (or add --optimizer lars) (set by --config PATH: lars_eta)\n"),
+    ("lr: 0.2\n", ("--schedule", "step"),          # the file names nothing refused
+     "(for example --milestones 30 60 80)\n"),
+    ("data: no/such.h5\n", (), "convert ...` (set by --config PATH: data)\n"),
+])
+def test_a_refusal_of_options_from_the_config_file_says_they_came_from_it(
+        tmp_path, text, flags, said):
+    """The rules between options name each by its flag; those the file set, the refusal
+    says came from it (the run's checks, and those of the command line before them)."""
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    r = subprocess.run([sys.executable, "-m", "mpitrain", "train", "--config", str(path),
+                        "--run-dir", str(tmp_path / "run"), *flags], capture_output=True,
+                       text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.endswith(said.replace("PATH", str(path))), r.stderr
+    assert r.stderr.count("\n") == 1 and ("set by" in r.stderr) == ("set by" in said)
+
+
 # ----- plot -----
 def test_plot_draws_the_curves(tmp_path):
     pytest.importorskip("matplotlib")
