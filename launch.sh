@@ -209,12 +209,13 @@ install() {
     [[ -x "$PY" ]] || step "creating the venv" "a few seconds" python3 -m venv "$VENV"
     step "installing Cython, NumPy, setuptools, wheel" "under a minute" \
         "$PY" -m pip install cython numpy setuptools wheel
-    if [[ $MPI_KIND == system ]]; then     # mpi4py compiled against the system MPI
+    if [[ $MPI_KIND == system ]]; then     # mpi4py compiled against the system MPI, into
+        # the venv even where one is importable already (a venv that sees other packages)
         echo "launch.sh: mpi4py is compiled against the MPI on PATH; to skip the compile," \
              "stop here (Ctrl-C), remove $VENV and run again with MPITRAIN_MPI=wheel (MPICH" \
              "from the mpich wheel, no compile)"
         MPICC=$cc step "compiling mpi4py against $cc" "5 to 10 minutes on 2 cores" \
-            "$PY" -m pip install -v --no-binary=mpi4py --no-cache-dir mpi4py
+            "$PY" -m pip install -v --no-binary=mpi4py --no-cache-dir --ignore-installed mpi4py
     else                                   # MPICH from PyPI, in the venv
         step "installing MPICH (the mpich wheel) and mpi4py" "under a minute" \
             "$PY" -m pip install mpich mpi4py
@@ -260,6 +261,10 @@ setup() {
     if [[ $MPI_IMPL == openmpi && $EUID == 0 ]]; then   # Open MPI refuses root without them
         export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
     fi
+    # the checkout's byte code, which an editable install does not write (pip writes that
+    # of the packages it installs): without it, and with PYTHONDONTWRITEBYTECODE set, every
+    # process compiles the modules it imports; a quiet no-op where it is up to date
+    "$PY" -m compileall -q mpitrain nets kernels datasets >/dev/null 2>&1 || true
     # a new venv: Numba compiles the CPU kernels now, not in every rank of the first run
     if [[ -n "$stale" ]]; then
         step "compiling the CPU kernels (an epoch of the digits in fp32 and in fp16)" \

@@ -4,11 +4,11 @@ Where a CPU can check them: the CUDA source compiles with nvcc for every
 template instance the module asks NVRTC for (skipped without nvcc); the NumPy
 Philox4x32-10 that defines the GPU dropout masks matches the published
 known-answer vectors; and the very same kernel source, compiled by the host's
-C++ compiler with a thin CUDA emulation (every CUDA thread a host thread,
-__syncthreads a barrier; `emulated_cupy`), runs the GPU branches of the layers
-on NumPy arrays against their CPU paths. The `gpu`-marked tests (skipped
-without a GPU) compare every kernel with the CPU path on the device, in
-float32 and float16.
+C++ compiler with a thin CUDA emulation (a block's CUDA threads one after
+another on one host thread, as fibers that meet at __syncthreads;
+`emulated_cupy`), runs the GPU branches of the layers on NumPy arrays against
+their CPU paths. The `gpu`-marked tests (skipped without a GPU) compare every
+kernel with the CPU path on the device, in float32 and float16.
 """
 import ctypes
 import hashlib
@@ -94,22 +94,26 @@ def test_a_dropout_key_is_two_words_low_first():
 TOL = {np.float32: dict(rtol=2e-5, atol=2e-5), np.float16: dict(rtol=2e-3, atol=2e-3)}
 
 EMULATION = r"""
-#include <barrier>
 #include <cmath>
-#include <thread>
+#include <functional>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
+#include <ucontext.h>
 struct dim3 { unsigned x, y, z; };
-thread_local dim3 threadIdx, blockIdx;
-dim3 blockDim, gridDim;
-static std::barrier<>* block_barrier;
+dim3 threadIdx, blockIdx, blockDim, gridDim;    // those of the thread running now
+// A block whose kernel synchronises runs its threads as fibers on this host thread: each
+// runs up to its next __syncthreads and hands over to the next, so all have arrived when
+// the last has (and a read of a slot that a later thread has yet to write, a missing
+// barrier, reads the wrong value on every run).
+static ucontext_t block_context, *fiber_context;
 #define __global__
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
-inline void __syncthreads() { block_barrier->arrive_and_wait(); }
+inline void __syncthreads() { swapcontext(fiber_context, &block_context); }
 inline unsigned int __umulhi(unsigned int a, unsigned int b) {
     return (unsigned int)(((unsigned long long)a * b) >> 32);
 }
@@ -117,37 +121,57 @@ using std::sqrt;
 """
 
 LAUNCHER = r"""
-// Blocks one after another; the threads of a block as host threads when the kernel
-// synchronises them, else one after another.
+static std::function<void()> thread_body;         // the kernel on the launch's arguments
+static bool fiber_done;
+static void fiber_entry() { thread_body(); fiber_done = true; }
+
+// Blocks one after another; a block's threads one after another, as fibers when `synced`:
+// each round runs every thread on to its next __syncthreads or its end.
 template <typename... Args, std::size_t... I>
-void run(void (*kernel)(Args...), void** argv, bool threaded, std::index_sequence<I...>) {
+void run(void (*kernel)(Args...), void** argv, bool synced, std::index_sequence<I...>) {
     const std::tuple<Args...> args{*reinterpret_cast<std::remove_cv_t<Args>*>(argv[I])...};
+    thread_body = [&] { std::apply(kernel, args); };
+    const unsigned n = blockDim.x * blockDim.y, stack = 1 << 17;
+    std::vector<ucontext_t> fibers(n);
+    std::vector<bool> done(n);
+    std::unique_ptr<char[]> stacks(new char[synced ? std::size_t(n) * stack : 0]);
     for (unsigned by = 0; by < gridDim.y; ++by) {
         for (unsigned bx = 0; bx < gridDim.x; ++bx) {
-            std::barrier<> bar(threaded ? blockDim.x * blockDim.y : 1);
-            block_barrier = &bar;
-            std::vector<std::thread> threads;
-            for (unsigned ty = 0; ty < blockDim.y; ++ty) {
-                for (unsigned tx = 0; tx < blockDim.x; ++tx) {
-                    auto body = [&, tx, ty, bx, by] {
-                        threadIdx = {tx, ty, 0};
-                        blockIdx = {bx, by, 0};
-                        std::apply(kernel, args);
-                    };
-                    if (threaded)
-                        threads.emplace_back(body);
-                    else
-                        body();
+            blockIdx = {bx, by, 0};
+            if (!synced) {
+                for (unsigned t = 0; t < n; ++t) {
+                    threadIdx = {t % blockDim.x, t / blockDim.x, 0};
+                    thread_body();
+                }
+                continue;
+            }
+            for (unsigned t = 0; t < n; ++t) {
+                getcontext(&fibers[t]);
+                fibers[t].uc_stack = {stacks.get() + std::size_t(t) * stack, 0, stack};
+                fibers[t].uc_link = &block_context;
+                makecontext(&fibers[t], fiber_entry, 0);
+            }
+            done.assign(n, false);
+            for (unsigned left = n; left;) {
+                for (unsigned t = 0; t < n; ++t) {
+                    if (done[t])
+                        continue;
+                    threadIdx = {t % blockDim.x, t / blockDim.x, 0};
+                    fiber_context = &fibers[t];
+                    fiber_done = false;
+                    swapcontext(&block_context, &fibers[t]);
+                    if (fiber_done) {
+                        done[t] = true;
+                        --left;
+                    }
                 }
             }
-            for (auto& t : threads)
-                t.join();
         }
     }
 }
 template <typename... Args>
-void launch(void (*kernel)(Args...), void** argv, bool threaded) {
-    run(kernel, argv, threaded, std::index_sequence_for<Args...>{});
+void launch(void (*kernel)(Args...), void** argv, bool synced) {
+    run(kernel, argv, synced, std::index_sequence_for<Args...>{});
 }
 """
 
@@ -165,7 +189,7 @@ class EmulatedModule:
         if key not in self._built:
             self._built[key] = self._build(code, key)
         self.lib = self._built[key]
-        # kernels that call __syncthreads need their threads to run at once
+        # kernels that call __syncthreads run their threads as fibers that meet there
         bodies = re.split(r"__global__ void ", code)[1:]
         self.synced = {b.split("(")[0] for b in bodies
                        if "__syncthreads" in b.split("__global__")[0]}
@@ -175,19 +199,19 @@ class EmulatedModule:
         folder = tempfile.mkdtemp(prefix="emulated_kernels_")
         wrappers = "".join(
             f'extern "C" void launch_{i}(unsigned gx, unsigned gy, unsigned bx, unsigned by, '
-            f'void** argv, bool threaded) {{ gridDim = {{gx, gy, 1}}; blockDim = {{bx, by, 1}}; '
-            f'launch(&{name}, argv, threaded); }}\n' for i, name in enumerate(self.names))
+            f'void** argv, bool synced) {{ gridDim = {{gx, gy, 1}}; blockDim = {{bx, by, 1}}; '
+            f'launch(&{name}, argv, synced); }}\n' for i, name in enumerate(self.names))
         src = f"{folder}/k.cpp"
         with open(src, "w") as f:
             f.write(EMULATION + code + LAUNCHER + wrappers)
-        run = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", src,
+        run = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", src,
                               "-o", f"{folder}/k.so"], capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-4000:]
         return ctypes.CDLL(f"{folder}/k.so")
 
     def get_function(self, name):
         launcher = getattr(self.lib, f"launch_{self.names.index(name)}")
-        threaded = name.split("<")[0] in self.synced
+        synced = name.split("<")[0] in self.synced
 
         def kernel(grid, block, args):
             if EmulatedModule.recording is not None:
@@ -204,7 +228,7 @@ class EmulatedModule:
             gx, gy = (tuple(grid) + (1,))[:2]
             bx, by = (tuple(block) + (1,))[:2]
             launcher(ctypes.c_uint(gx), ctypes.c_uint(gy), ctypes.c_uint(bx), ctypes.c_uint(by),
-                     argv, ctypes.c_bool(threaded))
+                     argv, ctypes.c_bool(synced))
         return kernel
 
 
@@ -218,8 +242,8 @@ def emulated_cupy(monkeypatch):
         RawModule=EmulatedModule, empty=np.empty, empty_like=np.empty_like, zeros=np.zeros,
         ascontiguousarray=np.ascontiguousarray))
     monkeypatch.setattr(gpu, "_module", None)
-    # a GPU's thousand blocks of a partial-sum pass are as many host threads per block
-    # here: 64 cover the same code (several blocks, several rows a thread) at a sixteenth
+    # a GPU's thousand blocks of a partial-sum pass run one after another here: 64 cover
+    # the same code (several blocks, several rows a thread) at a sixteenth of the time
     monkeypatch.setattr(gpu, "TARGET_BLOCKS", 64)
 
 

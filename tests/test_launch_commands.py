@@ -3,8 +3,12 @@ under the venv's recorded MPI with its options and the others in one process, an
 set-up that names each step with how long it usually takes (and the mpich wheel as the
 way around compiling mpi4py). The venv here is a stand-in (tests/test_openmpi.py's):
 its MPI launcher and, for the set-up, its Python record how they were called."""
+import importlib.util
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -139,8 +143,52 @@ def test_setup_names_each_step_and_the_wheel_that_skips_the_compile(tmp_path):
         in r.stdout, r.stdout
     assert r.stdout.count("launch.sh:   done in ") == 4, r.stdout
     calls_made = log.read_text()
-    assert "--no-binary=mpi4py" in calls_made
+    # into the venv even where another mpi4py is importable (a venv that sees more packages)
+    assert "--no-binary=mpi4py --no-cache-dir --ignore-installed mpi4py" in calls_made
     assert calls_made.splitlines()[-1] == "args=-m mpitrain.tools.warm", calls_made
+
+
+def test_every_command_leaves_the_checkouts_byte_code_up_to_date(tmp_path):
+    """launch.sh byte-compiles the checkout's modules, as pip does those of the packages
+    it installs (an editable install has none): with PYTHONDONTWRITEBYTECODE set, no
+    process that imports them writes any."""
+    removed = ROOT / "mpitrain" / "argtypes.py"
+    Path(importlib.util.cache_from_source(str(removed))).unlink(missing_ok=True)
+    r, _, _ = launch(tmp_path, "mpich", "plot", "--help", PYTHONDONTWRITEBYTECODE="1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    for folder in ("mpitrain", "nets", "kernels", "datasets"):
+        for source in (ROOT / folder).rglob("*.py"):
+            pyc = Path(importlib.util.cache_from_source(str(source)))
+            assert pyc.exists(), source
+            header = pyc.read_bytes()[:16]          # magic, flags, the source's mtime, size
+            assert header[:4] == importlib.util.MAGIC_NUMBER, pyc
+            assert int.from_bytes(header[8:12], "little") == int(source.stat().st_mtime), pyc
+
+
+def test_a_second_venv_copies_the_kernels_built_in_place_and_compiles_a_stale_one(tmp_path):
+    """setup.py's build_ext, which pip's editable install runs into a new build folder,
+    copies a kernels/*.so that is newer than the sources and NumPy's headers, compiling
+    nothing; one older than its sources it compiles (here with a C compiler that fails)."""
+    shutil.copytree(ROOT / "kernels", tmp_path / "kernels",              # mtimes kept
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(ROOT / "setup.py", tmp_path)
+    built = sorted((tmp_path / "kernels").glob("_*.so"))
+    assert [so.name.split(".")[0] for so in built] == ["_im2col", "_pool"]
+
+    def build_ext(out, **env):
+        return subprocess.run([sys.executable, "setup.py", "build_ext", "--build-lib", out,
+                               "--build-temp", "tmp"], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120, env=dict(os.environ, **env))
+
+    r = build_ext("out")
+    assert r.returncode == 0 and "building '" not in r.stdout + r.stderr, r.stdout + r.stderr
+    for so in built:
+        assert (tmp_path / "out/mpitrain/kernels" / so.name).read_bytes() == so.read_bytes()
+    os.utime(built[1], (0, 0))                          # _pool.so older than its sources
+    r = build_ext("out2", CC="false")
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "building 'mpitrain.kernels._pool' extension" in r.stdout, r.stdout + r.stderr
+    assert "building 'mpitrain.kernels._im2col'" not in r.stdout, r.stdout
 
 
 def test_help_lists_every_command_of_launch_sh():
