@@ -468,13 +468,12 @@ run_phase() {   # name, time limit in seconds, command...
 # pytest-xdist's options for the single-process phase: a test process per core, up to 4
 # (most of these tests keep one core busy, and their MPI jobs are small); each file's tests
 # stay in one process, in order, so a module's fixture (a Slurm cluster, a converted data
-# set) is made once; the files go out in collection order, the longest first (tests/
-# conftest.py), not by their number of tests. None where there is one core or no xdist.
+# set) is made once. None where there is one core or no pytest-xdist.
 test_processes() {
     local n
     n=$(nproc)
     (( n > 4 )) && n=4
-    (( n > 1 )) && "$PY" -c "import xdist" 2>/dev/null && echo "-n $n --dist loadfile --no-loadscope-reorder"
+    (( n > 1 )) && "$PY" -c "import xdist" 2>/dev/null && echo "-n $n --dist loadfile"
     return 0
 }
 

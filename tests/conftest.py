@@ -57,17 +57,7 @@ def pytest_unconfigure(config):
             pass
 
 
-# The test files that take a minute or more of this host's CPU, longest first. launch.sh's
-# pytest-xdist hands whole files to its processes in collection order (--dist loadfile
-# --no-loadscope-reorder): these go first, so that the processes end together on the short
-# ones rather than one of them on a long file alone.
-LONG_FILES = ("test_bad_input.py", "test_cli.py", "test_train.py", "test_warm.py",
-              "test_study.py", "test_slurm.py", "test_signals.py", "test_checkpoint.py")
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: LONG_FILES.index(item.path.name)
-               if item.path.name in LONG_FILES else len(LONG_FILES))
     from mpitrain.backend import gpu_available
     no_gpu = pytest.mark.skip(reason="no GPU visible to CuPy")
     no_torch = pytest.mark.skip(reason="torch is not installed (.ci/run installs it)")
