@@ -37,6 +37,7 @@ class BuildExt(build_ext):
         os.makedirs(os.path.dirname(target), exist_ok=True)
         shutil.copy2(built, target)
 
+
 setup(
     name="mpitrain",
     version="0.1.0",
