@@ -300,18 +300,23 @@ check_emulated_hosts() {   # hosts, ranks
 }
 
 # mpiexec and its options for $1 ranks, on this host or on $2 emulated hosts (prints one
-# word per line)
+# word per line). Ranks that outnumber this machine's cores yield the core while they
+# wait for a message, rather than spin on it: MPICH's with ENABLE_HEAVY_YIELD (they sleep
+# in their wait loop), Open MPI's with mpi_yield_when_idle (which --oversubscribe sets).
 mpiexec_words() {   # ranks, [hosts]
     local names=({A..Z}) list="" i
     echo "$MPI_EXEC"
     # Open MPI: no help messages after a rank's exit, so that a refused job's last line
     # is its own reason and fix
     [[ $MPI_IMPL != openmpi ]] || echo --quiet
+    if [[ $MPI_IMPL != openmpi && -z "${HOSTFILE:-}" ]] && (( $1 > $(nproc) )); then
+        printf '%s\n' -genv MPIR_CVAR_ENABLE_HEAVY_YIELD 1
+    fi
     if [[ -n "${2:-}" ]]; then
         for ((i = 0; i < $2; i++)); do list+=${list:+,}node${names[i]}:$(( $1 / $2 )); done
         if [[ $MPI_IMPL == openmpi ]]; then
-            # each daemon reports to mpirun directly; ranks that outnumber the cores yield
-            # while they wait (each host's slots hold its ranks: Open MPI sees no
+            # each daemon reports to mpirun directly; ranks that outnumber the cores are
+            # told to yield (each host's slots hold its ranks: Open MPI sees no
             # oversubscription)
             printf '%s\n' --bind-to none --host "$list" --mca plm_rsh_agent "$AGENT" \
                 --mca routed direct

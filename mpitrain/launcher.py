@@ -126,10 +126,17 @@ def cores():
 def launch_options(ranks, family):
     """mpiexec's options for `ranks` ranks on this host. Open MPI: no help messages after
     a rank's exit (a refused job's last line is its own reason), no binding (each rank's
-    threads share the cores, as under MPICH) and more ranks than cores allowed."""
+    threads share the cores, as under MPICH) and more ranks than cores allowed. Ranks that
+    outnumber the cores yield the core while they wait, rather than spin: Open MPI's
+    --oversubscribe says so, MPICH's need ENABLE_HEAVY_YIELD (yields that sleep)."""
+    crowded = ranks > cores()
     if family != "openmpi":
-        return []
-    return ["--quiet", "--bind-to", "none"] + (["--oversubscribe"] if ranks > cores() else [])
+        return ["-genv", HEAVY_YIELD, "1"] if crowded else []
+    return ["--quiet", "--bind-to", "none"] + (["--oversubscribe"] if crowded else [])
+
+
+# MPICH's ranks sleep while they wait for a message with this set to 1 (else they spin)
+HEAVY_YIELD = "MPIR_CVAR_ENABLE_HEAVY_YIELD"
 
 
 def job_environment(family, threads=None):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mpitrain.cli import build_parser
-from mpitrain.launcher import outside_environment
+from mpitrain.launcher import cores, launch_options, outside_environment
 from test_openmpi import ROOT, calls, fake_venv, stand_in
 
 
@@ -31,7 +31,7 @@ def launch(tmp_path, impl, *args, **extra):
                                         f"mpiexec={venv}/bin/mpiexec\nlibrary=test\n")
     env = {k: v for k, v in outside_environment().items()
            if not k.startswith(("SLURM_", "MPITRAIN_", "OMPI_")) and not k.endswith("_NUM_THREADS")}
-    env.update(MPITRAIN_VENV=str(venv), NP="2", **extra)
+    env.update({"MPITRAIN_VENV": str(venv), "NP": "2", **extra})
     r = subprocess.run([str(ROOT / "launch.sh"), *args], env=env, cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     return r, log, venv
@@ -62,6 +62,22 @@ def test_a_hostfile_is_passed_to_mpirun_and_a_missing_one_refused(tmp_path, impl
         f"launch.sh: HOSTFILE={missing}: no such file (mpirun --hostfile reads one host a "
         f"line, \"host\" or \"host:slots\"); unset HOSTFILE to run on this machine\n"), r.stderr
     assert calls(log, "mpiexec") == ""
+
+
+@pytest.mark.parametrize("impl, crowded", [("mpich", "-genv MPIR_CVAR_ENABLE_HEAVY_YIELD 1 "),
+                                           ("openmpi", "--quiet --bind-to none --oversubscribe ")])
+def test_ranks_that_outnumber_the_cores_yield_them_while_they_wait(tmp_path, impl, crowded):
+    """NP above the cores: MPICH's ranks sleep in their wait loop, Open MPI is told it
+    oversubscribes (its ranks yield then); mpitrain's own launches (a study's runs) alike,
+    and neither at NP up to the cores."""
+    ranks = cores() + 1
+    r, log, venv = launch(tmp_path, impl, "train", NP=str(ranks))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"args={crowded}-np {ranks} {venv}/bin/python -m mpitrain train\n" in \
+        calls(log, "mpiexec"), calls(log, "mpiexec")
+    assert launch_options(ranks, impl) == crowded.split()
+    assert launch_options(cores(), impl) == \
+        ([] if impl == "mpich" else ["--quiet", "--bind-to", "none"])
 
 
 def test_the_main_job_runs_in_the_checkout_and_says_so_to_a_caller_elsewhere(tmp_path):
