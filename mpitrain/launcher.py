@@ -123,6 +123,10 @@ def cores():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
+# MPICH's ranks sleep while they wait for a message with this set to 1 (else they spin)
+HEAVY_YIELD = "MPIR_CVAR_ENABLE_HEAVY_YIELD"
+
+
 def launch_options(ranks, family):
     """mpiexec's options for `ranks` ranks on this host. Open MPI: no help messages after
     a rank's exit (a refused job's last line is its own reason), no binding (each rank's
@@ -133,10 +137,6 @@ def launch_options(ranks, family):
     if family != "openmpi":
         return ["-genv", HEAVY_YIELD, "1"] if crowded else []
     return ["--quiet", "--bind-to", "none"] + (["--oversubscribe"] if crowded else [])
-
-
-# MPICH's ranks sleep while they wait for a message with this set to 1 (else they spin)
-HEAVY_YIELD = "MPIR_CVAR_ENABLE_HEAVY_YIELD"
 
 
 def job_environment(family, threads=None):
