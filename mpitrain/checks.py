@@ -42,16 +42,18 @@ class ConfigError(ValueError):
 
 
 def check_batch(global_batch, world_size, num_train=None):
-    """Refuse a global batch that the ranks cannot share evenly (or that exceeds the data)."""
+    """Refuse a global batch that the ranks cannot share evenly (or that exceeds the data).
+    Named by its flag, --batch-size (train's and eval's), so that a refusal of a value
+    from --config says so."""
     if global_batch < 1:
-        raise ConfigError(f"the global batch size must be positive, got {global_batch}")
+        raise ConfigError(f"--batch-size must be positive, got {global_batch}")
     if global_batch % world_size:
-        raise ConfigError(f"global batch size {global_batch} does not divide by the {world_size} "
-                         f"MPI ranks; use a multiple of {world_size} "
-                         f"(each rank takes batch_size / ranks images per step)")
+        raise ConfigError(f"--batch-size {global_batch}, the global batch, does not divide by "
+                          f"the {world_size} MPI ranks; use a multiple of {world_size} "
+                          f"(each rank takes batch_size / ranks images per step)")
     if num_train is not None and global_batch > num_train:
-        raise ConfigError(f"global batch size {global_batch} exceeds the {num_train} training "
-                         f"images: an epoch would have no step")
+        raise ConfigError(f"--batch-size {global_batch}, the global batch, exceeds the "
+                          f"{num_train} training images: an epoch would have no step")
 
 
 def comm_options(cfg, world_size):

@@ -168,7 +168,9 @@ def add_inspect(commands):
         description="Print every layer of a network with its output shape, parameters and "
                     "forward multiply-adds, and the totals. The number of classes (and so "
                     "of parameters) is the data's with --data, as train builds the model.")
-    inspect.add_argument("--model", choices=MODELS, default="resnet50")
+    inspect.add_argument("--model", choices=MODELS,
+                         help=f"default: with --data, train's ({DEFAULTS['model']}: the network "
+                              f"`train --data` builds), else resnet50")
     inspect.add_argument("--data", metavar="FILE|digits|fashion-mnist",
                          help="take the classes and the image size from this training file, "
                               "or 'digits' or 'fashion-mnist'")
@@ -301,7 +303,7 @@ def add_bench_step(benches):
                       help="one process: also time the steps fed by the loader from FILE (a "
                            "file made by `convert`, training crops at --image-size), against "
                            "the steps on a random batch (mpitrain/tools/bench/step_data.py)")
-    step.add_argument("--workers", type=nonnegative_int, default=DEFAULTS["workers"],
+    step.add_argument("--workers", type=workers, default=DEFAULTS["workers"],
                       help="with --data: loader threads")
     BY_NAME["decode"].add_to(step, help="with --data: where the loader decodes and augments "
                                         "(gpu: as train --decode gpu, with --device gpu)")

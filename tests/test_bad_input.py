@@ -481,7 +481,7 @@ def test_eval_on_ranks_that_do_not_divide_the_training_batch_rounds_it_up(one_ep
     assert alone.returncode == three.returncode == 0, alone.stderr + three.stderr
     assert json.loads(three.stdout)["top1"] == json.loads(alone.stdout)["top1"]
     refused(run(3, "eval", "--checkpoint", str(one_epoch), "--data", val, *BATCH),
-            "global batch size 64 does not divide by the 3 MPI ranks")
+            "--batch-size 64, the global batch, does not divide by the 3 MPI ranks")
 
 
 def test_eval_without_data_takes_its_runs_validation_file_or_says_it_is_not_here(digits,
@@ -530,6 +530,9 @@ def test_too_many_workers_are_refused_with_the_reason():
     refused(quick("train", "--workers", "1000"),
             f"argument --workers: 1000 exceeds the {cores()} core(s) this process may run on")
     refused(quick("eval", "--checkpoint", "c.h5", "--data", "d.h5", "--workers", "1000"),
+            "argument --workers: 1000 exceeds")
+    # bench step --data times train's step fed by its loader: the same limit
+    refused(quick("bench", "step", "--data", "d.h5", "--workers", "1000"),
             "argument --workers: 1000 exceeds")
 
 

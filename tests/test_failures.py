@@ -162,7 +162,7 @@ def test_global_batch_not_divisible_by_the_ranks(digits, tmp_path):
                                "--run-dir", str(tmp_path)),
                        capture_output=True, text=True, timeout=120, env=environment(2))
     assert r.returncode == 2
-    assert "global batch size 63 does not divide by the 2 MPI ranks" in r.stderr
+    assert "--batch-size 63, the global batch, does not divide by the 2 MPI ranks" in r.stderr
     assert "epoch" not in r.stdout
 
 
@@ -170,7 +170,7 @@ def test_data_smaller_than_one_global_batch(digits, tmp_path):
     r = run_quick("train", "--batch-size", "2000", "--data-dir", str(digits),
                   "--run-dir", str(tmp_path))
     assert r.returncode == 2
-    assert "global batch size 2000 exceeds the 1438 training images" in r.stderr
+    assert "--batch-size 2000, the global batch, exceeds the 1438 training images" in r.stderr
     assert "epoch" not in r.stdout
 
 

@@ -152,6 +152,8 @@ def test_bad_yaml_is_refused_by_name(tmp_path, capsys, text, message):
     ("lr: 0.2\n", ("--schedule", "step"),          # the file names nothing refused
      "(for example --milestones 30 60 80)\n"),
     ("data: no/such.h5\n", (), "convert ...` (set by --config PATH: data)\n"),
+    ("batch_size: 2000\n", (),                    # refused by the run, against the data
+     "an epoch would have no step (set by --config PATH: batch_size)\n"),
 ])
 def test_a_refusal_of_options_from_the_config_file_says_they_came_from_it(
         tmp_path, text, flags, said):
@@ -326,12 +328,12 @@ def test_a_run_records_and_plots_validation_loss_and_training_accuracy(digits_ru
 
 def test_train_inspect_and_export_print_one_parameter_count(digits_run, digits, tmp_path):
     """resnet_small on the digits: 10 classes wherever its size is printed; inspect
-    takes them from --data as train does (without --data it says it assumed 1000)."""
+    takes them from --data as train does, and train's model without --model (without
+    --data it says it assumed 1000)."""
     run_dir, out = digits_run
     count = "78,042 parameters (10 classes)"
     assert f"mpitrain: resnet_small, {count}, on " in out
-    r = mpitrain_quick("inspect", "--model", "resnet_small", "--data", "digits", "--data-dir",
-                       str(digits))
+    r = mpitrain_quick("inspect", "--data", "digits", "--data-dir", str(digits))
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"total parameters:    {count}\n" in r.stdout
     assert r.stdout.startswith("resnet_small: input (32, 32, 3), 10 classes (from ")

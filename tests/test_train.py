@@ -50,7 +50,7 @@ def run_train(ranks, *args, timeout):
 def test_batch_that_does_not_divide_is_refused_before_any_work():
     r = run_train(2, "--batch-size", "63", timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert "global batch size 63 does not divide by the 2 MPI ranks" in r.stderr
+    assert "--batch-size 63, the global batch, does not divide by the 2 MPI ranks" in r.stderr
     assert r.stderr.count("does not divide") == 1          # said once, by rank 0
     assert "usage:" not in r.stderr                         # the reason alone
     assert "epoch" not in r.stdout                          # no training happened

@@ -85,11 +85,14 @@ def data_shape(data, data_dir):
 
 
 def run(args):
-    """The `inspect` command: the model's classes from --data (as train builds it), else
-    --num-classes, else DEFAULT_CLASSES; the image size from --image-size, else the data,
-    else 224. Errors exit with status 2 and the message, as argparse's."""
+    """The `inspect` command: the model --model, else train's default with --data, else
+    resnet50; its classes from --data (as train builds it), else --num-classes, else
+    DEFAULT_CLASSES; the image size from --image-size, else the data, else 224. Errors exit
+    with status 2 and the message, as argparse's."""
     from mpitrain.checks import ConfigError
     from mpitrain.datasets.h5format import FormatError
+    from mpitrain.options import DEFAULTS
+    model = args.model or (DEFAULTS["model"] if args.data else "resnet50")
     try:
         classes, size, source, size_from = args.num_classes, args.image_size, None, None
         if args.data:
@@ -102,7 +105,7 @@ def run(args):
         elif classes is None:
             classes, source = DEFAULT_CLASSES, ("by default; --data or --num-classes for "
                                                 "another count")
-        print(report(args.model, image_size=size or 224, num_classes=classes,
+        print(report(model, image_size=size or 224, num_classes=classes,
                      classes_from=source, size_from=size_from))
     except (ConfigError, FormatError) as e:
         args.command_parser.error(str(e))
