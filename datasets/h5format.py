@@ -320,8 +320,14 @@ def default_image_size(reader):
 
 
 def a_folder(path):
-    """The refusal of a folder where a data file was asked for, with the command that makes
-    one from it."""
+    """The refusal of a folder where a data file was asked for: the data files in it, else
+    the command that makes one from its class folders."""
+    held = sorted(f for f in os.listdir(path) if f.endswith(".h5")) if os.access(path, os.R_OK) \
+        else []
+    if held:                    # a folder that `convert digits` (or the like) wrote into
+        first = next((f for f in held if f.endswith("_train.h5")), held[0])
+        return (f"{path} is a folder of data files ({', '.join(held)}): name one, for "
+                f"example {os.path.join(path, first)}")
     name = os.path.basename(os.path.normpath(path)) or "images"
     return (f"{path} is a folder, and mpitrain reads HDF5 files made by `convert`: `python -m "
             f"mpitrain convert imagefolder {path} data/{name}.h5 --val-fraction 0.1` makes "

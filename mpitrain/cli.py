@@ -208,14 +208,19 @@ def add_convert(commands):
     folder.add_argument("--seed", type=nonnegative_int, default=0, help="order on disk, split")
     folder.set_defaults(command_parser=folder)
     digits = sources.add_parser("digits", help="the bundled digits -> DST_DIR/digits_{train,val}.h5")
-    digits.add_argument("dst_dir", nargs="?", default=DEFAULTS["data_dir"], metavar="DST_DIR")
+    digits.add_argument("dst_dir", nargs="?", default=DEFAULTS["data_dir"], metavar="DST_DIR",
+                        help=f"the folder the files are written to (default: "
+                             f"{DEFAULTS['data_dir']})")
+    digits.set_defaults(command_parser=digits)
     fashion = sources.add_parser(
         "fashion-mnist", help="Fashion-MNIST (Debian's dataset-fashion-mnist, fetched with "
                               "apt-get download where not installed) -> "
                               "DST_DIR/fashion-mnist_{train,val,test}.h5",
         description="60,000 training images split into training (54,000) and a stratified "
                     "validation file (6,000); the 10,000 test images into a test file.")
-    fashion.add_argument("dst_dir", nargs="?", default=DEFAULTS["data_dir"], metavar="DST_DIR")
+    fashion.add_argument("dst_dir", nargs="?", default=DEFAULTS["data_dir"], metavar="DST_DIR",
+                         help=f"the folder the files are written to (default: "
+                              f"{DEFAULTS['data_dir']})")
     fashion.add_argument("--seed", type=nonnegative_int, default=0, help="the validation draw")
     fashion.set_defaults(command_parser=fashion)
     synthetic = sources.add_parser(
@@ -694,7 +699,16 @@ def run_convert(args):
     from mpitrain.datasets import convert
     from mpitrain.files import output_problem
     from mpitrain.metrics import Progress
-    problem = output_problem(args.dst) if args.source in ("synthetic", "imagefolder") else None
+    if args.source in ("synthetic", "imagefolder"):
+        problem = output_problem(args.dst)
+    else:                                       # the named data sets' files, in a folder
+        problem = output_problem(os.path.join(args.dst_dir, f"{args.source}_train.h5"))
+        if not os.path.isdir(args.dst_dir) and \
+                os.path.splitext(args.dst_dir)[1].lower() in (".h5", ".hdf5"):
+            problem = (f"DST_DIR {args.dst_dir} names an HDF5 file, and `convert "
+                       f"{args.source}` writes {args.source}_train.h5 and its other files into "
+                       f"a folder: give the folder (for example "
+                       f"{os.path.dirname(args.dst_dir) or DEFAULTS['data_dir']})")
     src = os.path.abspath(args.src) if args.source == "imagefolder" else None
     if src and os.path.commonpath([src, os.path.abspath(args.dst)]) == src:
         problem = (f"{args.dst} lies inside SRC {args.src}, among the images it converts "

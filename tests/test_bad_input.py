@@ -550,6 +550,30 @@ def png(path, value=100):
     Image.fromarray(np.full((12, 12, 3), value, np.uint8)).save(path)
 
 
+def test_a_named_data_set_converts_into_a_folder_which_as_data_is_answered_with_its_files(
+        tmp_path):
+    """`convert digits data/digits.h5` (imagefolder's way of naming its output) and a
+    DST_DIR that is a file are refused, nothing written; a folder of data files given as
+    --data is answered with the files in it."""
+    refused(quick("convert", "digits", "data/digits.h5", cwd=tmp_path),
+            "DST_DIR data/digits.h5 names an HDF5 file, and `convert digits` writes "
+            "digits_train.h5 and its other files into a folder: give the folder (for "
+            "example data)")
+    refused(quick("convert", "fashion-mnist", "f.HDF5", cwd=tmp_path),
+            "(for example data)")
+    (tmp_path / "afile").write_text("")
+    refused(quick("convert", "digits", "afile", cwd=tmp_path),
+            f"{tmp_path / 'afile'} is a file, so afile/digits_train.h5 cannot be written")
+    assert sorted(os.listdir(tmp_path)) == ["afile"]
+    (tmp_path / "folder.h5").mkdir()                   # a folder, whatever its name
+    r = quick("convert", "digits", "folder.h5", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    refused(quick("train", "--data", "folder.h5", "--run-dir", "run", cwd=tmp_path),
+            "folder.h5 is a folder of data files (digits_train.h5, digits_val.h5): name one, "
+            "for example folder.h5/digits_train.h5")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("case", ["no class folders", "one class folder", "no images",
                                   "a class without images", "a class without training images",
                                   "no validation image"])
