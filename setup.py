@@ -65,7 +65,8 @@ setup(
         "test": ["pytest>=7", "pytest-xdist", "matplotlib",
                  "safetensors>=0.4", "onnx>=1.14", "onnxruntime>=1.16"],   # export's tests
         "plot": ["matplotlib"],
-        # the CPU's GEMMs on MKL (kernels/gemm.py team_blas), where Intel publishes it
+        # the CPU's GEMMs on MKL on Intel's CPUs (kernels/gemm.py team_blas), where Intel
+        # publishes it
         "mkl": ['mkl>=2024; platform_machine == "x86_64" and sys_platform == "linux"'],
         # `python -m mpitrain export`: one package per format (no torch needed)
         "export": ["safetensors>=0.4", "onnx>=1.14"],

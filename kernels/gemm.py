@@ -12,17 +12,25 @@ enough to share (TEAM_MIN_MACS multiply-adds) is cut into one band of output row
 columns per team thread, each band one cblas_sgemm call on its thread
 (`_team_products`); a stack of products is dealt out a product at a time. Between
 kernels the team's threads spin for a moment before they sleep (GOMP_SPINCOUNT,
-mpitrain/__init__.py), so the next kernel or GEMM starts without waking anyone. Each
-output element comes from one call over the whole inner dimension, so it has the same
-bits however many bands there are.
+mpitrain/__init__.py), so the next kernel or GEMM starts without waking anyone.
 
-The BLAS the team calls (`team_blas`) is MKL's sequential library where the mkl
-package is installed (the `mkl` extra, which launch.sh installs on x86-64 Linux), else
-NumPy's own OpenBLAS, set to one thread (`blas_threads`); MPITRAIN_BLAS=openblas
-chooses OpenBLAS. With MKL, products large enough for the team go to it on one thread
-too, so that their bits do not depend on the thread count; the smaller ones stay
-NumPy's. MKL runs in its reproducible mode (CBWR AUTO, STRICT), whose bits do not
-depend on where the operands lie in memory.
+Each output element comes from one call over the whole inner dimension, and from the
+same inner kernel of the BLAS as in one call of the whole product, so it has the same
+bits however many bands there are. A BLAS computes its output in blocks, and an element
+at a block's edge may be summed in another order: MKL's reproducible mode gives the
+same bits at every cut the team makes, but OpenBLAS's kernels take the rows in blocks
+from the first row
+(blocks that divide 24 in each of its core types tried), and the columns in blocks laid
+out by the product's width. So OpenBLAS's products are cut by rows only, at multiples
+of OPENBLAS_ROWS (`_Blas.granule`; docs/benchmarks.md, "The BLAS by CPU").
+
+The BLAS the team calls (`team_blas`) is MKL's sequential library on Intel's CPUs where
+the mkl package is installed (the `mkl` extra, which launch.sh installs on x86-64
+Linux), else NumPy's own OpenBLAS, set to one thread (`blas_threads`); MPITRAIN_BLAS=mkl
+or openblas chooses (`blas_choice`). With MKL, products large enough for the team go to
+it on one thread too, so that their bits do not depend on the thread count; the smaller
+ones stay NumPy's. MKL runs in its reproducible mode (CBWR AUTO, STRICT), whose bits do
+not depend on where the operands lie in memory.
 
 An accumulating product (beta = 1) adds into `out` inside the BLAS's kernel, which
 reads and writes each output element anyway: no pass of its own (and, with OpenBLAS,
@@ -78,6 +86,7 @@ FEW_INNER = 16          # outer_sum for a @ b with a.shape[1] <= FEW_INNER
 SMALL_PRODUCT = 100 ** 3    # m n k up to which a batch's products go to np.matmul
 TEAM_MIN_MACS = 1 << 20     # m n k from which a product, or a band of one, is the team's
 MIN_BAND = 16               # rows (or columns) of the output a team thread takes at least
+OPENBLAS_ROWS = 48          # OpenBLAS's bands start at multiples of it (module docstring)
 # Sums may be reordered (vectorised) and fused into FMAs; nothing more of fastmath:
 # an inf or NaN in an operand must reach the product, where the loss scale looks for it.
 FAST = {"reassoc", "contract"}
@@ -244,16 +253,30 @@ def _on_team(a, b, out, beta=0.0):
             blas.call(_ROW_MAJOR, ta, tb, m, n, q, 1.0, a + 4 * i * sa, lda, b + 4 * i * sb, ldb,
                       beta, c + 4 * i * sc, ldc)
         return out
-    # bands of the longer side of each output, enough for every thread to have work; each
-    # at least TEAM_MIN_MACS, above the products that OpenBLAS sends to its small-matrix
-    # kernels (SMALL_PRODUCT), which sum in another order: a band has the bits of the
-    # whole product
-    by_rows = m >= n
-    bands = max(1, min(-(-threads // count), max(m, n) // MIN_BAND, m * n * q // TEAM_MIN_MACS))
+    # bands of the longer side of each output (of the rows where the BLAS's bits allow
+    # no other cut), enough for every thread to have work; each a whole number of the
+    # BLAS's granules and at least TEAM_MIN_MACS, above the products that OpenBLAS sends
+    # to its small-matrix kernels (SMALL_PRODUCT), which sum in another order: a band has
+    # the bits of the whole product
+    by_rows = m >= n or blas.granule > 1
+    side, across = (m, n) if by_rows else (n, m)
+    granule = blas.granule if by_rows else 1
+    need = max(-(-MIN_BAND // granule), -(-TEAM_MIN_MACS // (granule * across * q)))
+    bands = max(1, min(-(-threads // count), side // granule // need))
     _team_products(blas.sgemm, blas.integer(0), ta, tb, m, n, q,
                    a.ctypes.data, lda, sa, b.ctypes.data, ldb, sb, np.float32(beta),
-                   out.ctypes.data, ldc, sc, count, bands, by_rows)
+                   out.ctypes.data, ldc, sc, count, bands, by_rows, granule)
     return out
+
+
+@njit(inline="always", cache=True)
+def band_rows(band, bands, size, granule):
+    """(lo, hi): band `band` of `bands` over `size` rows (or columns), cut at multiples of
+    `granule`, the last taking what is left."""
+    units = size // granule
+    lo = band * units // bands * granule
+    hi = size if band == bands - 1 else (band + 1) * units // bands * granule
+    return lo, hi
 
 
 @intrinsic
@@ -285,23 +308,24 @@ def _cblas_sgemm(typingctx, fn, blasint, order, ta, tb, m, n, k, alpha, a, lda, 
 
 @njit(parallel=True, nogil=True, cache=True)
 def _team_products(sgemm, blasint, ta, tb, m, n, k, a, lda, sa, b, ldb, sb, beta, c, ldc, sc,
-                   count, bands, by_rows):
+                   count, bands, by_rows, granule):
     """c[i] = a[i] @ b[i] + beta c[i] for i < count, row-major float32 matrices at the
     addresses a, b and c (matrix i at a + 4 i sa, ...), a[i] and b[i] transposed as ta and
-    tb say; each product in `bands` bands of its rows (by_rows) or columns, each band one
-    sgemm call (at the address sgemm) on one thread of the team."""
+    tb say; each product in `bands` bands of its rows (by_rows) or columns (band_rows, at
+    multiples of `granule`), each band one sgemm call (at the address sgemm) on one
+    thread of the team."""
     one = np.float32(1.0)
     for t in prange(count * bands):
         i, band = t // bands, t % bands
         ai, bi, ci = a + 4 * i * sa, b + 4 * i * sb, c + 4 * i * sc
         rows, cols = m, n
         if by_rows:         # rows lo..hi of c: of a's rows, or of its columns if transposed
-            lo, hi = band * m // bands, (band + 1) * m // bands
+            lo, hi = band_rows(band, bands, m, granule)
             ai += 4 * lo * (lda if ta == _NO_TRANS else 1)
             ci += 4 * lo * ldc
             rows = hi - lo
         else:               # columns lo..hi of c: of b's columns, or of its rows if transposed
-            lo, hi = band * n // bands, (band + 1) * n // bands
+            lo, hi = band_rows(band, bands, n, granule)
             bi += 4 * lo * (1 if tb == _NO_TRANS else ldb)
             ci += 4 * lo
             cols = hi - lo
@@ -309,16 +333,24 @@ def _team_products(sgemm, blasint, ta, tb, m, n, k, a, lda, sa, b, ldb, sb, beta
                      beta, ci, ldc)
 
 
-# ----- the team's BLAS: MKL where installed, else NumPy's OpenBLAS -----
+# ----- the team's BLAS: MKL on Intel's CPUs where installed, else NumPy's OpenBLAS -----
+# The CPU makers on which MKL is the team's BLAS unless MPITRAIN_BLAS says otherwise: MKL
+# picks its kernels by the CPU, and on an AMD EPYC its products ran at half the speed of
+# OpenBLAS's (docs/benchmarks.md, "The BLAS by CPU")
+MKL_VENDORS = ("GenuineIntel",)
+
+
 class _Blas:
     """A BLAS whose cblas_sgemm the team calls: its name and version, the library, the
-    address of cblas_sgemm, its integer type (blasint), its thread count, and whether it
-    is NumPy's own BLAS (np.matmul then computes the team's bits)."""
+    address of cblas_sgemm, its integer type (blasint), its thread count, whether it is
+    NumPy's own BLAS (np.matmul then computes the team's bits), and the granule: 1 where
+    a product may be cut anywhere with its bits kept, else the rows a band is a multiple
+    of (and no columns are cut)."""
 
-    def __init__(self, name, version, lib, sgemm, integer, threads, numpys):
+    def __init__(self, name, version, lib, sgemm, integer, threads, numpys, granule):
         self.name, self.version, self.lib, self.integer = name, version, lib, integer
         self.sgemm = ctypes.cast(sgemm, ctypes.c_void_p).value
-        self.threads, self.numpys = threads, numpys
+        self.threads, self.numpys, self.granule = threads, numpys, granule
         size = ctypes.c_int64 if integer == np.int64 else ctypes.c_int32
         # cblas_sgemm from Python, for the products of a team of one: a Numba kernel's
         # launch cost more than the call
@@ -329,17 +361,38 @@ class _Blas:
 
 @functools.cache
 def team_blas():
-    """The BLAS the team's products go to (_Blas): MKL where the mkl package is installed
-    (`pip install mpitrain[mkl]`) and MPITRAIN_BLAS is not "openblas", else NumPy's
-    OpenBLAS; None where neither is found. MKL is preferred because its beta = 0 kernel
-    writes the output without zeroing and re-reading it first, which makes the step's
-    products faster (docs/benchmarks-record.md)."""
+    """The BLAS the team's products go to (_Blas): MKL where blas_choice() says so and it
+    loads, else NumPy's OpenBLAS; None where neither is found. On Intel's CPUs MKL is
+    preferred because its beta = 0 kernel writes the output without zeroing and re-reading
+    it first, which makes the step's products faster (docs/benchmarks-record.md)."""
     problem = blas_choice_problem()
     if problem:
         raise ValueError(problem)
     openblas = _openblas()      # on one thread either way: NumPy's smaller products are its
-    mkl = _mkl() if os.environ.get("MPITRAIN_BLAS", "").lower() != "openblas" else None
+    mkl = _mkl() if blas_choice() == "mkl" else None
     return mkl or openblas
+
+
+def blas_choice():
+    """"mkl" or "openblas": MPITRAIN_BLAS's choice, else MKL where the mkl package is
+    installed (`pip install mpitrain[mkl]`) and the CPU's maker is one of MKL_VENDORS."""
+    given = os.environ.get("MPITRAIN_BLAS", "").lower()
+    if given:
+        return given
+    return "mkl" if mkl_installed() and cpu_vendor() in MKL_VENDORS else "openblas"
+
+
+def cpu_vendor():
+    """The CPU's maker as the kernel names it (/proc/cpuinfo's vendor_id: GenuineIntel,
+    AuthenticAMD, ...); None where it does not say."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def blas_choice_problem():
@@ -388,7 +441,7 @@ def _mkl():
         if lib.MKL_CBWR_Set(_MKL_CBWR_AUTO | _MKL_CBWR_STRICT) != 0:
             continue
         return _Blas("mkl", importlib.metadata.version("mkl") + " (sequential)", lib,
-                     lib.cblas_sgemm, np.int32, lambda: 1, numpys=False)
+                     lib.cblas_sgemm, np.int32, lambda: 1, numpys=False, granule=1)
     return None
 
 
@@ -414,7 +467,7 @@ def _openblas():
             set_threads(1)
         integer = np.int64 if b"USE64BITINT" in config() else np.int32
         return _Blas("openblas", f"{info.get('version')} (NumPy's)", lib, sgemm, integer,
-                     threads, numpys=True)
+                     threads, numpys=True, granule=OPENBLAS_ROWS)
     return None
 
 

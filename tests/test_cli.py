@@ -353,6 +353,30 @@ def test_native_openblas_reruns_without_the_forcing_variables():
         assert f"OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']}" in removed
 
 
+@pytest.mark.parametrize("choice", [None, "mkl", "openblas"])
+def test_bench_step_names_the_teams_blas_and_how_to_take_mkl_where_passed_over(choice):
+    """The team's GEMMs line: the BLAS MPITRAIN_BLAS names, else MKL on an Intel CPU where
+    installed, else OpenBLAS; where MKL is installed and passed over for the CPU's maker,
+    it says so and how to take it."""
+    from test_gemm_kernels import mkl_installed
+    if choice == "mkl" and not mkl_installed():
+        pytest.skip("MKL is not installed (pip install mpitrain[mkl])")
+    env = {k: v for k, v in os.environ.items() if k != "MPITRAIN_BLAS"}
+    r = subprocess.run([sys.executable, "-m", "mpitrain", "bench", "step", "--model",
+                        "resnet_small", "--image-size", "16", "--batch", "4", "--steps", "1",
+                        "--warmup", "0", "--num-classes", "10"], capture_output=True, text=True,
+                       timeout=120, env={**env, **({"MPITRAIN_BLAS": choice} if choice else {})})
+    assert r.returncode == 0, r.stderr
+    with open("/proc/cpuinfo") as f:
+        vendor = re.search(r"^vendor_id\s*:\s*(\S+)$", f.read(), re.M).group(1)
+    want = choice or ("mkl" if vendor == "GenuineIntel" and mkl_installed() else "openblas")
+    line = next(x for x in r.stdout.splitlines() if x.startswith("the team's GEMMs: "))
+    assert line.startswith(f"the team's GEMMs: {want} "), line
+    passed_over = choice is None and want == "openblas" and mkl_installed()
+    assert line.endswith(f"; MKL is installed, but taken only on GenuineIntel CPUs, and this "
+                         f"one is {vendor}: MPITRAIN_BLAS=mkl takes it") == passed_over, line
+
+
 def test_bench_update_times_kernels_that_compute_the_numpy_step():
     """Every implementation it times first takes one step from the same state; a kernel
     that computes another step would make its time meaningless."""

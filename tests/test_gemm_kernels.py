@@ -4,6 +4,7 @@ batched products of a Winograd convolution."""
 import ctypes
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -195,9 +196,30 @@ def mkl_installed():
         return False
 
 
-mkl_team = pytest.mark.skipif(getattr(gemm.team_blas(), "name", None) != "mkl",
-                              reason="the team's BLAS is not MKL (not installed: pip install "
-                                     "mpitrain[mkl]; or MPITRAIN_BLAS=openblas)")
+def choose_blas(name, monkeypatch):
+    """The team's BLAS made `name` for one test, as MPITRAIN_BLAS chooses it (the cached
+    choice dropped, before and after: monkeypatch restores the variable after this)."""
+    if name == "mkl" and not mkl_installed():
+        pytest.skip("MKL is not installed (pip install mpitrain[mkl])")
+    monkeypatch.setenv("MPITRAIN_BLAS", name)
+    gemm.team_blas.cache_clear()
+    blas = gemm.team_blas()
+    assert blas.name == name
+    return blas
+
+
+@pytest.fixture(params=["mkl", "openblas"])
+def each_blas(request, monkeypatch):
+    """The test once with MKL as the team's BLAS, once with NumPy's OpenBLAS, whichever
+    this CPU takes by default (kernels.gemm.blas_choice)."""
+    yield choose_blas(request.param, monkeypatch)
+    gemm.team_blas.cache_clear()
+
+
+@pytest.fixture
+def mkl_blas(monkeypatch):
+    yield choose_blas("mkl", monkeypatch)
+    gemm.team_blas.cache_clear()
 
 
 def blas_alone(a, b, base=None):
@@ -220,10 +242,13 @@ def blas_alone(a, b, base=None):
 
 @team_only
 @pytest.mark.parametrize("m, q, n", [(300, 70, 90),      # bands of rows
-                                     (64, 500, 200),     # bands of columns
-                                     (41, 4000, 17)])    # 2 bands of 20 and 21 rows
+                                     (64, 500, 200),     # bands of columns (MKL)
+                                     (41, 4000, 17),     # 2 bands of 20 and 21 rows (MKL)
+                                     (600, 300, 70),     # OpenBLAS: of 288 and 312 rows
+                                     (200, 300, 500)])   # OpenBLAS: of 96 and 104 rows
 @pytest.mark.parametrize("ta, tb", [(False, False), (True, False), (False, True), (True, True)])
-def test_a_product_cut_into_bands_has_the_bits_of_one_call(m, q, n, ta, tb, two_threads):
+def test_a_product_cut_into_bands_has_the_bits_of_one_call(m, q, n, ta, tb, two_threads,
+                                                           each_blas):
     """Each band is one call of the BLAS over the whole inner dimension, so the product
     has the bits of the BLAS's own product in one call, whichever operand is transposed
     (a transposed operand: a view of the transposed array, as conv's dy.T is)."""
@@ -238,7 +263,8 @@ def test_a_product_cut_into_bands_has_the_bits_of_one_call(m, q, n, ta, tb, two_
 
 @team_only
 @pytest.mark.parametrize("T, C, O", [(128, 256, 256), (512, 64, 48)])
-def test_a_stack_dealt_out_to_the_team_has_the_bits_of_one_call_each(T, C, O, two_threads):
+def test_a_stack_dealt_out_to_the_team_has_the_bits_of_one_call_each(T, C, O, two_threads,
+                                                                    each_blas):
     """Winograd's stacks, a whole product per thread: each as the BLAS computes it alone."""
     for a, b, out in winograd_stacks(T, C, O):
         assert gemm._on_team(a, b, out) is out
@@ -249,8 +275,37 @@ def test_a_stack_dealt_out_to_the_team_has_the_bits_of_one_call_each(T, C, O, tw
     np.testing.assert_array_equal(out, blas_alone(a, b))
 
 
-@mkl_team
-def test_with_mkl_one_thread_computes_the_products_as_the_team_does():
+def test_bands_are_whole_granules_and_cover_the_side():
+    """band_rows: consecutive, non-empty bands from 0 to the side's end, each starting at
+    a multiple of the granule; with granule 1, the even cut (sizes differ by one at most)."""
+    for size, bands, granule in [(600, 2, 48), (200, 2, 48), (191, 3, 48), (41, 2, 1),
+                                 (1000, 7, 1), (96, 2, 48), (5000, 16, 48)]:
+        cuts = [gemm.band_rows(b, bands, size, granule) for b in range(bands)]
+        assert cuts[0][0] == 0 and cuts[-1][1] == size
+        assert all(lo < hi for lo, hi in cuts), cuts
+        assert all(cuts[i][1] == cuts[i + 1][0] for i in range(bands - 1)), cuts
+        assert all(lo % granule == 0 for lo, _ in cuts), cuts
+        if granule == 1:
+            assert max(hi - lo for lo, hi in cuts) - min(hi - lo for lo, hi in cuts) <= 1
+    assert [gemm.band_rows(b, 2, 200, 48) for b in range(2)] == [(0, 96), (96, 200)]
+
+
+def test_openblas_products_are_cut_by_rows_at_its_granule(monkeypatch, two_threads):
+    """With OpenBLAS, a wide product (more columns than rows) is cut by rows too, at a
+    multiple of OPENBLAS_ROWS: a cut that its kernels' blocks of columns would straddle
+    changes bits (docs/benchmarks.md, "The BLAS by CPU")."""
+    blas = choose_blas("openblas", monkeypatch)
+    try:
+        assert blas.granule == gemm.OPENBLAS_ROWS and gemm.OPENBLAS_ROWS % 24 == 0
+        a, b = randn(200, 300), randn(300, 500, seed=1)
+        y = np.full((200, 500), np.nan, np.float32)
+        assert gemm._on_team(a[None], b[None], y[None]) is not None
+        np.testing.assert_array_equal(y, blas_alone(a[None], b[None])[0])
+    finally:
+        gemm.team_blas.cache_clear()
+
+
+def test_with_mkl_one_thread_computes_the_products_as_the_team_does(mkl_blas):
     """MKL takes the team's products on one thread too, called from Python there (a
     Numba kernel's launch cost more): each product, of a stack or alone, with the bits of
     one MKL call, as on the team."""
@@ -267,7 +322,7 @@ def test_with_mkl_one_thread_computes_the_products_as_the_team_does():
 
 
 @team_only
-def test_the_team_path_is_taken_only_where_it_can_be(two_threads):
+def test_the_team_path_is_taken_only_where_it_can_be(two_threads, each_blas):
     """Not for a product under TEAM_MIN_MACS, float64, an output that is not row-major,
     or one thread where the BLAS is NumPy's own (None: the caller then takes np.matmul,
     with the same bits); otherwise into the given output, or a new one."""
@@ -293,7 +348,7 @@ def test_the_team_path_is_taken_only_where_it_can_be(two_threads):
 
 @team_only
 @pytest.mark.parametrize("bad", [np.inf, np.nan])
-def test_a_non_finite_operand_reaches_a_product_on_the_team(bad, two_threads):
+def test_a_non_finite_operand_reaches_a_product_on_the_team(bad, two_threads, each_blas):
     a, b = randn(256, 300), randn(300, 128, seed=1)
     a[200, 5] = bad
     y = gemm.matmul(a, b)
@@ -313,7 +368,7 @@ def assert_float32_sum(y, base, a, b):
 
 @pytest.mark.parametrize("m, q, n", [(300, 64, 200), (300, 1000, 200),
                                      (20, 30, 10)])         # under TEAM_MIN_MACS: NumPy's
-def test_an_accumulating_product_adds_into_out(m, q, n):
+def test_an_accumulating_product_adds_into_out(m, q, n, each_blas):
     """out += a @ b: into out itself, the float32 sum within its rounding bound of the
     float64 one: the BLAS's own product with beta = 1 where the team takes it, else
     NumPy's product, then added."""
@@ -338,7 +393,7 @@ def test_an_accumulating_product_takes_numpy_where_the_gemms_cannot():
 
 
 @blas_calls
-def test_an_accumulating_product_has_the_same_bits_on_one_thread_and_on_the_team():
+def test_an_accumulating_product_has_the_same_bits_on_one_thread_and_on_the_team(each_blas):
     """Each element one BLAS call over the whole inner dimension, on one thread too (not
     NumPy's product and an add, which round otherwise past one inner block)."""
     if numba.config.NUMBA_NUM_THREADS < 2:
@@ -383,30 +438,34 @@ def test_openblas_runs_one_thread_unless_the_user_gives_it_more(blas_threads, on
     assert threads == (1 if on_team else 2)
 
 
-@pytest.mark.parametrize("choice", [None, "mkl", "openblas", "OpenBLAS", "atlas"])
-def test_the_team_blas_is_mkl_where_installed_unless_mpitrain_blas_says_openblas(choice):
-    """MPITRAIN_BLAS unset: MKL where the mkl package is installed, else NumPy's OpenBLAS;
-    mkl or openblas (any case): that one, an error naming the fix where MKL is asked for
-    and missing; anything else: an error naming the choices. MKL runs no thread of its
-    own, and the team takes products on one thread too (its bits are not np.matmul's);
-    NumPy's OpenBLAS, set to one thread, still runs NumPy's own products either way."""
+@pytest.mark.parametrize("choice", [None, "mkl", "MKL", "openblas", "OpenBLAS", "atlas"])
+def test_the_team_blas_is_mkl_on_intel_where_installed_unless_mpitrain_blas_chooses(choice):
+    """MPITRAIN_BLAS unset: MKL where the mkl package is installed and the CPU is Intel's
+    (/proc/cpuinfo's vendor_id), else NumPy's OpenBLAS; mkl or openblas (any case): that
+    one, an error naming the fix where MKL is asked for and missing; anything else: an
+    error naming the choices. MKL runs no thread of its own, and the team takes products
+    on one thread too (its bits are not np.matmul's); NumPy's OpenBLAS, set to one thread,
+    still runs NumPy's own products either way."""
     code = ("import mpitrain, json; from mpitrain.kernels import gemm\n"
             "try:\n    b = gemm.team_blas(); out = [b.name, b.threads(), b.numpys, "
             "gemm._openblas().threads()]\n"
             "except ValueError as e:\n    out = str(e)\n"
             "print(json.dumps(out))")
     got = in_fresh_process(code, MPITRAIN_BLAS=choice, OPENBLAS_NUM_THREADS=None)
-    want = "openblas" if (choice or "").lower() == "openblas" or not mkl_installed() else "mkl"
+    with open("/proc/cpuinfo") as f:
+        intel = re.search(r"^vendor_id\s*:\s*GenuineIntel$", f.read(), re.M) is not None
+    want = (choice or ("mkl" if intel else "openblas")).lower()
+    if want == "mkl" and not mkl_installed():
+        want = "openblas" if choice is None else None
     if choice == "atlas":
         assert "MPITRAIN_BLAS='atlas': expected mkl or openblas (or unset)" in got
-    elif choice == "mkl" and not mkl_installed():
+    elif want is None:
         assert "pip install mpitrain[mkl]" in got
     else:
         assert got == [want, 1, want == "openblas", 1]
 
 
-@mkl_team
-def test_mkl_products_have_the_same_bits_at_any_alignment():
+def test_mkl_products_have_the_same_bits_at_any_alignment(mkl_blas):
     """MKL runs in its reproducible mode (CBWR AUTO, STRICT): the same product from
     operands copied to other addresses, 4 bytes off a 64-byte boundary or on one, has the
     same bits, as a resumed run needs of arrays that land elsewhere."""

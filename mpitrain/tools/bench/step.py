@@ -43,15 +43,21 @@ def blas_info():
     kernels.gemm.team_gemms says so, else BLAS's own threads."""
     import numba
 
-    from mpitrain.kernels.gemm import team_blas, team_gemms
+    from mpitrain.kernels import gemm
     threads = numba.get_num_threads()
-    team = team_blas()
+    team = gemm.team_blas()
+    passed_over = (team and team.name != "mkl" and gemm.mkl_installed()
+                   and not os.environ.get("MPITRAIN_BLAS"))
     info = {"forced": {k: os.environ[k] for k in OPENBLAS_FORCING if k in os.environ},
             "thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
             "spin": {k: os.environ[k] for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
                      if k in os.environ},
-            "threads": threads, "gemms_on_team": team_gemms(threads),
-            "gemm_library": team and f"{team.name} {team.version}"}
+            "threads": threads, "gemms_on_team": gemm.team_gemms(threads),
+            "gemm_library": team and f"{team.name} {team.version}",
+            "gemm_note": passed_over and (f"MKL is installed, but taken only on "
+                                          f"{' and '.join(gemm.MKL_VENDORS)} CPUs, and this "
+                                          f"one is {gemm.cpu_vendor()}: MPITRAIN_BLAS=mkl "
+                                          f"takes it")}
     try:
         from threadpoolctl import threadpool_info
     except ImportError:
@@ -820,7 +826,8 @@ def format_result(r):
              f"all-reduce){rounds}",
              f"NumPy BLAS: {b['library']} {b.get('version') or ''} core type "
              f"{b.get('core_type') or '?'}; forced by environment: {forced}",
-             f"the team's GEMMs: {b.get('gemm_library') or 'none: NumPy alone'}",
+             f"the team's GEMMs: {b.get('gemm_library') or 'none: NumPy alone'}"
+             + (f"; {b['gemm_note']}" if b.get("gemm_note") else ""),
              threads_line(b)]
     if r.get("device", "cpu") != "cpu" or r.get("precision", "fp32") != "fp32":
         g = r.get("gpu", {})
