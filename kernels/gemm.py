@@ -19,10 +19,10 @@ same inner kernel of the BLAS as in one call of the whole product, so it has the
 bits however many bands there are. A BLAS computes its output in blocks, and an element
 at a block's edge may be summed in another order: MKL's reproducible mode gives the
 same bits at every cut the team makes, but OpenBLAS's kernels take the rows in blocks
-from the first row
-(blocks that divide 24 in each of its core types tried), and the columns in blocks laid
-out by the product's width. So OpenBLAS's products are cut by rows only, at multiples
-of OPENBLAS_ROWS (`_Blas.granule`; docs/benchmarks.md, "The BLAS by CPU").
+from the first row (12 in its Haswell kernels, which AMD's Zen 1 to 3 run too), and the
+columns in blocks laid out by the product's width. So OpenBLAS's products are cut by
+rows only, at multiples of its core type's row block (`_Blas.granule`,
+OPENBLAS_ROW_BLOCKS; docs/benchmarks.md, "The BLAS by CPU").
 
 The BLAS the team calls (`team_blas`) is MKL's sequential library on Intel's CPUs where
 the mkl package is installed (the `mkl` extra, which launch.sh installs on x86-64
@@ -86,7 +86,11 @@ FEW_INNER = 16          # outer_sum for a @ b with a.shape[1] <= FEW_INNER
 SMALL_PRODUCT = 100 ** 3    # m n k up to which a batch's products go to np.matmul
 TEAM_MIN_MACS = 1 << 20     # m n k from which a product, or a band of one, is the team's
 MIN_BAND = 16               # rows (or columns) of the output a team thread takes at least
-OPENBLAS_ROWS = 48          # OpenBLAS's bands start at multiples of it (module docstring)
+# OpenBLAS's bands start at multiples of its core type's row block (threadpoolctl's
+# "architecture", measured: docs/benchmarks.md, "The BLAS by CPU"), for another core type
+# at multiples of OPENBLAS_ROWS, a multiple of each
+OPENBLAS_ROW_BLOCKS = {"Haswell": 12, "Nehalem": 8, "Katmai": 4, "SkylakeX": 1, "Sandybridge": 1}
+OPENBLAS_ROWS = 48
 # Sums may be reordered (vectorised) and fused into FMAs; nothing more of fastmath:
 # an inf or NaN in an operand must reach the product, where the loss scale looks for it.
 FAST = {"reassoc", "contract"}
@@ -271,11 +275,11 @@ def _on_team(a, b, out, beta=0.0):
 
 @njit(inline="always", cache=True)
 def band_rows(band, bands, size, granule):
-    """(lo, hi): band `band` of `bands` over `size` rows (or columns), cut at multiples of
-    `granule`, the last taking what is left."""
-    units = size // granule
-    lo = band * units // bands * granule
-    hi = size if band == bands - 1 else (band + 1) * units // bands * granule
+    """(lo, hi): band `band` of `bands` over `size` rows (or columns), each cut at the
+    multiple of `granule` nearest the even cut: band * size / bands, rounded half up."""
+    half = bands * granule
+    lo = (2 * band * size + half) // (2 * half) * granule
+    hi = size if band == bands - 1 else (2 * (band + 1) * size + half) // (2 * half) * granule
     return lo, hi
 
 
@@ -451,24 +455,42 @@ def _openblas():
     it more (OPENBLAS_NUM_THREADS); None where NumPy's BLAS is not an OpenBLAS with the
     functions used here."""
     from threadpoolctl import threadpool_info
-    for info in threadpool_info():
-        if info.get("internal_api") != "openblas":
-            continue
-        lib = ctypes.CDLL(info["filepath"])
-        found = [_symbol(lib, name, "scipy_" + name) for name in
-                 ("openblas_get_config", "cblas_sgemm", "openblas_get_num_threads",
-                  "openblas_set_num_threads")]
-        if None in found:
-            continue
-        config, sgemm, threads, set_threads = found
-        config.restype, threads.restype = ctypes.c_char_p, ctypes.c_int
-        set_threads.argtypes = [ctypes.c_int]
-        if not _user_blas_threads():
-            set_threads(1)
-        integer = np.int64 if b"USE64BITINT" in config() else np.int32
-        return _Blas("openblas", f"{info.get('version')} (NumPy's)", lib, sgemm, integer,
-                     threads, numpys=True, granule=OPENBLAS_ROWS)
-    return None
+    info = numpys_openblas(threadpool_info())
+    if info is None:
+        return None
+    lib = ctypes.CDLL(info["filepath"])
+    found = [_symbol(lib, name, "scipy_" + name) for name in
+             ("openblas_get_config", "cblas_sgemm", "openblas_get_num_threads",
+              "openblas_set_num_threads")]
+    if None in found:
+        return None
+    config, sgemm, threads, set_threads = found
+    config.restype, threads.restype = ctypes.c_char_p, ctypes.c_int
+    set_threads.argtypes = [ctypes.c_int]
+    if not _user_blas_threads():
+        set_threads(1)
+    integer = np.int64 if b"USE64BITINT" in config() else np.int32
+    granule = OPENBLAS_ROW_BLOCKS.get(info.get("architecture"), OPENBLAS_ROWS)
+    return _Blas("openblas", f"{info.get('version')} (NumPy's)", lib, sgemm, integer,
+                 threads, numpys=True, granule=granule)
+
+
+def numpys_openblas(infos):
+    """Of threadpoolctl's threadpool_info() entries, NumPy's OpenBLAS: the one in NumPy's
+    wheel (numpy.libs) or package, else the only OpenBLAS, else one of the version NumPy
+    was built with; None where none is. SciPy's wheel brings an OpenBLAS of its own
+    (another version, 32-bit integers), which may be listed first."""
+    import numpy
+    found = [i for i in infos if i.get("internal_api") == "openblas"]
+    home = os.path.dirname(os.path.realpath(numpy.__file__))
+    for info in found:
+        if os.path.realpath(info["filepath"]).startswith((home + os.sep, home + ".libs" + os.sep)):
+            return info
+    if len(found) == 1:
+        return found[0]
+    built = getattr(numpy.__config__, "CONFIG", {}).get("Build Dependencies", {}) \
+        .get("blas", {}).get("version")
+    return next((i for i in found if built and i.get("version") == built), None)
 
 
 def _user_blas_threads():

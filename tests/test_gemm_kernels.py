@@ -244,8 +244,8 @@ def blas_alone(a, b, base=None):
 @pytest.mark.parametrize("m, q, n", [(300, 70, 90),      # bands of rows
                                      (64, 500, 200),     # bands of columns (MKL)
                                      (41, 4000, 17),     # 2 bands of 20 and 21 rows (MKL)
-                                     (600, 300, 70),     # OpenBLAS: of 288 and 312 rows
-                                     (200, 300, 500)])   # OpenBLAS: of 96 and 104 rows
+                                     (600, 300, 70),     # of rows, with either BLAS
+                                     (200, 300, 500)])   # of columns (MKL), of rows (OpenBLAS)
 @pytest.mark.parametrize("ta, tb", [(False, False), (True, False), (False, True), (True, True)])
 def test_a_product_cut_into_bands_has_the_bits_of_one_call(m, q, n, ta, tb, two_threads,
                                                            each_blas):
@@ -277,26 +277,60 @@ def test_a_stack_dealt_out_to_the_team_has_the_bits_of_one_call_each(T, C, O, tw
 
 def test_bands_are_whole_granules_and_cover_the_side():
     """band_rows: consecutive, non-empty bands from 0 to the side's end, each starting at
-    a multiple of the granule; with granule 1, the even cut (sizes differ by one at most)."""
+    the multiple of the granule nearest the even cut; with granule 1, the even cut
+    (sizes differ by one at most)."""
     for size, bands, granule in [(600, 2, 48), (200, 2, 48), (191, 3, 48), (41, 2, 1),
-                                 (1000, 7, 1), (96, 2, 48), (5000, 16, 48)]:
+                                 (1000, 7, 1), (96, 2, 48), (5000, 16, 12), (128, 2, 12)]:
         cuts = [gemm.band_rows(b, bands, size, granule) for b in range(bands)]
         assert cuts[0][0] == 0 and cuts[-1][1] == size
         assert all(lo < hi for lo, hi in cuts), cuts
         assert all(cuts[i][1] == cuts[i + 1][0] for i in range(bands - 1)), cuts
-        assert all(lo % granule == 0 for lo, _ in cuts), cuts
+        for b, (lo, _) in enumerate(cuts):
+            assert lo % granule == 0 and abs(lo - b * size / bands) <= granule / 2, cuts
         if granule == 1:
             assert max(hi - lo for lo, hi in cuts) - min(hi - lo for lo, hi in cuts) <= 1
-    assert [gemm.band_rows(b, 2, 200, 48) for b in range(2)] == [(0, 96), (96, 200)]
+    assert [gemm.band_rows(b, 2, 128, 12) for b in range(2)] == [(0, 60), (60, 128)]
 
 
-def test_openblas_products_are_cut_by_rows_at_its_granule(monkeypatch, two_threads):
-    """With OpenBLAS, a wide product (more columns than rows) is cut by rows too, at a
-    multiple of OPENBLAS_ROWS: a cut that its kernels' blocks of columns would straddle
-    changes bits (docs/benchmarks.md, "The BLAS by CPU")."""
+def test_the_team_takes_numpys_openblas_not_scipys():
+    """SciPy's wheel brings an OpenBLAS of its own; the team's is NumPy's, the one
+    np.matmul runs (whose bits it must have), whichever threadpoolctl lists first."""
+    import numpy
+    import scipy.linalg  # noqa: F401  (loads SciPy's OpenBLAS)
+    from threadpoolctl import threadpool_info
+    infos = threadpool_info()
+    chosen = gemm.numpys_openblas(infos)
+    assert chosen is not None and gemm.numpys_openblas(infos[::-1]) == chosen
+    home = os.path.dirname(os.path.realpath(numpy.__file__))
+    assert os.path.realpath(chosen["filepath"]).startswith((home + os.sep, home + ".libs"))
+    assert gemm._openblas().lib._name == chosen["filepath"]
+    a, b = randn(300, 200), randn(200, 100, seed=1)
+    y = np.empty((300, 100), np.float32)
+    gemm._openblas().call(gemm._ROW_MAJOR, gemm._NO_TRANS, gemm._NO_TRANS, 300, 100, 200, 1.0,
+                          a.ctypes.data, 200, b.ctypes.data, 100, 0.0, y.ctypes.data, 100)
+    np.testing.assert_array_equal(y, np.matmul(a, b))
+
+
+def test_openblas_products_are_cut_by_rows_at_its_core_types_row_block(monkeypatch,
+                                                                      two_threads):
+    """With OpenBLAS, a product cut in two at any multiple of its core type's row block
+    has the bits of one call, and the team cuts a wide product (more columns than rows)
+    by rows too: a cut that its kernels' blocks of columns would straddle changes bits
+    (docs/benchmarks.md, "The BLAS by CPU"). OPENBLAS_ROWS, for the core types not
+    listed, is a multiple of every listed block."""
+    assert all(gemm.OPENBLAS_ROWS % g == 0 for g in gemm.OPENBLAS_ROW_BLOCKS.values())
     blas = choose_blas("openblas", monkeypatch)
     try:
-        assert blas.granule == gemm.OPENBLAS_ROWS and gemm.OPENBLAS_ROWS % 24 == 0
+        for m, q, n in [(200, 300, 250), (577, 64, 131), (128, 600, 300)]:
+            a, b = randn(m, q), randn(q, n, seed=1)
+            whole = blas_alone(a[None], b[None])[0]
+            first = -(-gemm.MIN_BAND // blas.granule) * blas.granule
+            for r in range(first, m - gemm.MIN_BAND + 1, blas.granule):
+                if min(r, m - r) * n * q < gemm.TEAM_MIN_MACS:
+                    continue                    # OpenBLAS's small-matrix kernels: not the team's
+                cut = np.concatenate([blas_alone(a[None, :r], b[None])[0],
+                                      blas_alone(a[None, r:], b[None])[0]])
+                np.testing.assert_array_equal(cut, whole, err_msg=f"{(m, q, n)} cut at {r}")
         a, b = randn(200, 300), randn(300, 500, seed=1)
         y = np.full((200, 500), np.nan, np.float32)
         assert gemm._on_team(a[None], b[None], y[None]) is not None

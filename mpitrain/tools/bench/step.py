@@ -62,12 +62,13 @@ def blas_info():
         from threadpoolctl import threadpool_info
     except ImportError:
         return {**info, "library": "unknown (install threadpoolctl)"}
-    for lib in threadpool_info():           # NumPy's: not the MKL that kernels.gemm loads
-        if lib["user_api"] != "blas" or lib["internal_api"] == "mkl":
-            continue
-        return {**info, "library": lib["internal_api"], "version": lib.get("version"),
-                "core_type": lib.get("architecture"), "blas_threads": lib["num_threads"]}
-    return {**info, "library": "none found"}
+    infos = threadpool_info()               # NumPy's: not SciPy's, nor the MKL of the team
+    lib = gemm.numpys_openblas(infos) or next(
+        (i for i in infos if i["user_api"] == "blas" and i["internal_api"] != "mkl"), None)
+    if lib is None:
+        return {**info, "library": "none found"}
+    return {**info, "library": lib["internal_api"], "version": lib.get("version"),
+            "core_type": lib.get("architecture"), "blas_threads": lib["num_threads"]}
 
 
 def _median(values):
