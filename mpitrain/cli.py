@@ -208,9 +208,7 @@ def add_convert(commands):
     folder.add_argument("--seed", type=nonnegative_int, default=0, help="order on disk, split")
     folder.set_defaults(command_parser=folder)
     digits = sources.add_parser("digits", help="the bundled digits -> DST_DIR/digits_{train,val}.h5")
-    digits.add_argument("dst_dir", nargs="?", default=DEFAULTS["data_dir"], metavar="DST_DIR",
-                        help=f"the folder the files are written to (default: "
-                             f"{DEFAULTS['data_dir']})")
+    add_dst_dir(digits)
     digits.set_defaults(command_parser=digits)
     fashion = sources.add_parser(
         "fashion-mnist", help="Fashion-MNIST (Debian's dataset-fashion-mnist, fetched with "
@@ -218,9 +216,7 @@ def add_convert(commands):
                               "DST_DIR/fashion-mnist_{train,val,test}.h5",
         description="60,000 training images split into training (54,000) and a stratified "
                     "validation file (6,000); the 10,000 test images into a test file.")
-    fashion.add_argument("dst_dir", nargs="?", default=DEFAULTS["data_dir"], metavar="DST_DIR",
-                         help=f"the folder the files are written to (default: "
-                              f"{DEFAULTS['data_dir']})")
+    add_dst_dir(fashion)
     fashion.add_argument("--seed", type=nonnegative_int, default=0, help="the validation draw")
     fashion.set_defaults(command_parser=fashion)
     synthetic = sources.add_parser(
@@ -232,6 +228,13 @@ def add_convert(commands):
     synthetic.add_argument("--classes", type=class_count, default=10)
     synthetic.add_argument("--seed", type=nonnegative_int, default=0)
     synthetic.set_defaults(command_parser=synthetic)
+
+
+def add_dst_dir(source):
+    """A named data set's DST_DIR: the folder its files are written to."""
+    source.add_argument("dst_dir", nargs="?", default=DEFAULTS["data_dir"], metavar="DST_DIR",
+                        help=f"the folder the files are written to (default: "
+                             f"{DEFAULTS['data_dir']})")
 
 
 def add_bench(commands):

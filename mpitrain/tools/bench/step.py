@@ -46,8 +46,8 @@ def blas_info():
     from mpitrain.kernels import gemm
     threads = numba.get_num_threads()
     team = gemm.team_blas()
-    passed_over = (team and team.name != "mkl" and gemm.mkl_installed()
-                   and not os.environ.get("MPITRAIN_BLAS"))
+    passed_over = (team and team.name == "openblas" and gemm.blas_choice() == "openblas"
+                   and gemm.mkl_installed() and not os.environ.get("MPITRAIN_BLAS"))
     info = {"forced": {k: os.environ[k] for k in OPENBLAS_FORCING if k in os.environ},
             "thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
             "spin": {k: os.environ[k] for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
