@@ -358,7 +358,7 @@ def test_bench_step_names_the_teams_blas_and_how_to_take_mkl_where_passed_over(c
     """The team's GEMMs line: the BLAS MPITRAIN_BLAS names, else MKL on an Intel CPU where
     installed, else OpenBLAS; where MKL is installed and passed over for the CPU's maker,
     it says so and how to take it."""
-    from test_gemm_kernels import mkl_installed
+    from test_gemm_kernels import cpu_maker, mkl_installed
     if choice == "mkl" and not mkl_installed():
         pytest.skip("MKL is not installed (pip install mpitrain[mkl])")
     env = {k: v for k, v in os.environ.items() if k != "MPITRAIN_BLAS"}
@@ -367,8 +367,7 @@ def test_bench_step_names_the_teams_blas_and_how_to_take_mkl_where_passed_over(c
                         "--warmup", "0", "--num-classes", "10"], capture_output=True, text=True,
                        timeout=120, env={**env, **({"MPITRAIN_BLAS": choice} if choice else {})})
     assert r.returncode == 0, r.stderr
-    with open("/proc/cpuinfo") as f:
-        vendor = re.search(r"^vendor_id\s*:\s*(\S+)$", f.read(), re.M).group(1)
+    vendor = cpu_maker()
     want = choice or ("mkl" if vendor == "GenuineIntel" and mkl_installed() else "openblas")
     line = next(x for x in r.stdout.splitlines() if x.startswith("the team's GEMMs: "))
     assert line.startswith(f"the team's GEMMs: {want} "), line
