@@ -197,8 +197,16 @@ step() {   # what, how long it usually takes, command...
     echo "launch.sh:   done in $((SECONDS - start)) s"
 }
 
+# MKL is installed where it will be the team's BLAS (kernels/gemm.py blas_choice):
+# MPITRAIN_BLAS=mkl, or MPITRAIN_BLAS unset on Intel's CPUs. Elsewhere NumPy's OpenBLAS is
+# the team's BLAS and MKL's 700 MB would lie unused.
+cpu_vendor() { grep -m 1 '^vendor_id' /proc/cpuinfo 2>/dev/null | sed 's/.*: *//' || true; }
+wants_mkl() {
+    [[ ${MPITRAIN_BLAS:-} == mkl || ( -z ${MPITRAIN_BLAS:-} && $(cpu_vendor) == GenuineIntel ) ]]
+}
+
 install() {
-    local found cc=""
+    local found cc="" with vendor why
     if [[ $MPI_KIND == system ]]; then
         found=$(system_mpi) || die "MPITRAIN_MPI=system, but no mpicc and mpiexec on PATH"
         cc=${found% *} MPI_EXEC=${found#* }
@@ -220,8 +228,15 @@ install() {
         step "installing MPICH (the mpich wheel) and mpi4py" "under a minute" \
             "$PY" -m pip install mpich mpi4py
     fi
+    if wants_mkl; then with=test,mkl; else
+        with=test vendor=$(cpu_vendor)
+        [[ -z ${MPITRAIN_BLAS:-} ]] && why="the CPU is ${vendor:-not Intel}'s" \
+            || why="MPITRAIN_BLAS=$MPITRAIN_BLAS"
+        echo "launch.sh: MKL is left out ($why: the team's BLAS is NumPy's OpenBLAS);" \
+             "\`$VENV/bin/pip install mkl\` adds it, MPITRAIN_BLAS=mkl takes it"
+    fi
     step "installing mpitrain and its dependencies (h5py, Numba, SciPy, scikit-learn, ...)" \
-        "1 to 3 minutes" "$PY" -m pip install --no-build-isolation -e ".[test,mkl]"
+        "1 to 3 minutes" "$PY" -m pip install --no-build-isolation -e ".[$with]"
     MPI_LIBRARY=$(mpi_library)
     MPI_IMPL=$(mpi_impl "$MPI_EXEC")
     write_record

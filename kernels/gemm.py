@@ -74,6 +74,7 @@ those to its small-matrix kernels, which crash inside a batch in some of its bui
 import ctypes
 import functools
 import os
+import sys
 
 import numba
 import numpy as np
@@ -405,8 +406,8 @@ def blas_choice_problem():
     if given.lower() not in ("", "mkl", "openblas"):
         return f"MPITRAIN_BLAS={given!r}: expected mkl or openblas (or unset)"
     if given.lower() == "mkl" and not mkl_installed():
-        return ("MPITRAIN_BLAS=mkl, but MKL is not installed: pip install mpitrain[mkl], or "
-                "unset MPITRAIN_BLAS")
+        return (f"MPITRAIN_BLAS=mkl, but MKL is not installed here: `{sys.executable} -m pip "
+                "install mkl` installs it, or unset MPITRAIN_BLAS")
     return None
 
 

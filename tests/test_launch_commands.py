@@ -14,6 +14,7 @@ import pytest
 
 from mpitrain.cli import build_parser
 from mpitrain.launcher import cores, launch_options, outside_environment
+from test_gemm_kernels import cpu_maker
 from test_openmpi import ROOT, calls, fake_venv, stand_in
 
 
@@ -130,7 +131,11 @@ case "$*" in *sysconfig*) exec {python} "$@" ;; esac
 """
 
 
-def test_setup_names_each_step_and_the_wheel_that_skips_the_compile(tmp_path):
+@pytest.mark.parametrize("blas", ["", "mkl", "openblas"])
+def test_setup_names_each_step_and_the_wheel_that_skips_the_compile(tmp_path, blas):
+    """... and installs MKL only where it will be the team's BLAS: MPITRAIN_BLAS=mkl, or
+    MPITRAIN_BLAS unset on an Intel CPU; elsewhere it says MKL is left out and how to add
+    it."""
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     log = tmp_path / "python-calls"
@@ -143,10 +148,17 @@ def test_setup_names_each_step_and_the_wheel_that_skips_the_compile(tmp_path):
         stand_in(bindir, name, tmp_path / name)
     env = {k: v for k, v in outside_environment().items()
            if not k.startswith(("SLURM_", "MPITRAIN_"))}
-    env.update(MPITRAIN_VENV=str(venv), PATH=f"{bindir}:{env['PATH']}")
+    env.update(MPITRAIN_VENV=str(venv), PATH=f"{bindir}:{env['PATH']}",
+               **({"MPITRAIN_BLAS": blas} if blas else {}))
     r = subprocess.run([str(ROOT / "launch.sh"), "setup"], env=env, cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+    mkl = blas == "mkl" or (not blas and cpu_maker() == "GenuineIntel")
+    install = "args=-m pip install --no-build-isolation -e .[test,mkl]" if mkl else \
+        "args=-m pip install --no-build-isolation -e .[test]"
+    assert install in log.read_text().splitlines(), log.read_text()
+    left_out = f"`{venv}/bin/pip install mkl` adds it, MPITRAIN_BLAS=mkl takes it"
+    assert (left_out in r.stdout) == (not mkl), r.stdout
     steps = [line for line in r.stdout.splitlines() if "(usually " in line]
     assert steps == [
         "launch.sh: installing Cython, NumPy, setuptools, wheel (usually under a minute)",
