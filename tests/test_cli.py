@@ -358,9 +358,9 @@ def test_bench_step_names_the_teams_blas_and_how_to_take_mkl_where_passed_over(c
     """The team's GEMMs line: the BLAS MPITRAIN_BLAS names, else MKL on an Intel CPU where
     installed, else OpenBLAS; where MKL is installed and passed over for the CPU's maker,
     it says so and how to take it."""
-    from test_gemm_kernels import cpu_maker, mkl_installed
-    if choice == "mkl" and not mkl_installed():
-        pytest.skip("MKL is not installed (pip install mpitrain[mkl])")
+    from test_gemm_kernels import cpu_maker, mkl_installed, needs_mkl
+    if choice == "mkl":
+        needs_mkl()
     env = {k: v for k, v in os.environ.items() if k != "MPITRAIN_BLAS"}
     r = subprocess.run([sys.executable, "-m", "mpitrain", "bench", "step", "--model",
                         "resnet_small", "--image-size", "16", "--batch", "4", "--steps", "1",
