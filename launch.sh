@@ -21,6 +21,8 @@
 #                               default job runs in the checkout)
 #   ./launch.sh setup           set up only: the venv, editable install, Cython kernels,
 #                               Numba's kernels compiled into their cache
+#   ./launch.sh --version       mpitrain's version and checkout, the venv's MPI, Python's
+#                               and the libraries' versions (for a bug report)
 #   ./launch.sh gpu-check       on a GPU machine without network: prove the GPU path and
 #                               write a JSON report (WHEELS=DIR installs from a folder of
 #                               wheels first; docs/gpu.md)
@@ -560,8 +562,13 @@ case $command in
         run_tests all ;;
     test-mpi) setup; run_tests mpi ;;
     gpu-check) shift; gpu_check "$@" ;;
+    --version)
+        setup
+        echo "launch.sh: venv $VENV, MPI $MPI_KIND ($MPI_IMPL: $MPI_LIBRARY), $MPI_EXEC"
+        "$PY" -m mpitrain --version ;;
     *)
         [[ " ${COMMANDS[*]} " == *" $command "* ]] || die "unknown command '$command' (use:" \
-            "setup, test, test-mpi, gpu-check, nothing, or one of mpitrain's: ${COMMANDS[*]})"
+            "setup, test, test-mpi, gpu-check, --version, nothing, or one of mpitrain's:" \
+            "${COMMANDS[*]})"
         setup; cd "$CALLER"; run_command "$@" ;;
 esac

@@ -137,10 +137,28 @@ MODELS = BY_NAME["model"].choices
 ONNX_TOLERANCE = 1e-3
 
 
+class Version(argparse.Action):
+    """--version: mpitrain's, its checkout's and its libraries' (config.versions), said once
+    under mpirun, as --help is."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from mpitrain.config import versions
+        from mpitrain.launcher import launched_rank
+        if launched_rank() == 0:
+            print(versions())
+        parser.exit()
+
+
 def build_parser():
     parser = Parser(
         prog="python -m mpitrain",
         description="Parameter-server-free MPI data-parallel training of convolutional networks.")
+    parser.add_argument("--version", action=Version,
+                        help="print mpitrain's version (and its checkout's commit), Python's "
+                             "and its libraries', and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
     for add in (add_convert, add_preview, add_train, add_plot, add_eval, add_predict,
                 add_export, add_inspect, add_simulate, add_study, add_bench, add_check_gpu):

@@ -162,6 +162,16 @@ def source_version(root=CHECKOUT):
     """The code that ran: `git describe --always --dirty` of the checkout `root` (a commit,
     "-dirty" when files differ from it), or where it is no git checkout (or git is
     missing) the installed package's version."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return checkout_version(root) or f"mpitrain {version('mpitrain')}"
+    except PackageNotFoundError:
+        return None
+
+
+def checkout_version(root=CHECKOUT):
+    """`git describe --always --dirty` of the checkout `root`; None where it is no git
+    checkout, or git is missing."""
     try:
         out = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty",
                               "--abbrev=12"], capture_output=True, text=True, timeout=30)
@@ -169,11 +179,31 @@ def source_version(root=CHECKOUT):
             return out.stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         pass
+    return None
+
+
+# The packages --version names where they are installed: those a step's numbers and a
+# job's launch depend on
+VERSIONED = ("numpy", "numba", "h5py", "mpi4py", "mpich", "mkl", "cupy-cuda12x", "cupy-cuda13x")
+
+
+def versions():
+    """`python -m mpitrain --version`: mpitrain's version and checkout, then Python's and
+    the installed packages' of VERSIONED (read from their metadata, none imported)."""
     from importlib.metadata import PackageNotFoundError, version
-    try:
-        return f"mpitrain {version('mpitrain')}"
-    except PackageNotFoundError:
-        return None
+
+    from mpitrain import __version__
+
+    def installed(name):
+        try:
+            return f"{name} {version(name)}"
+        except PackageNotFoundError:
+            return None
+    checkout = checkout_version()
+    libraries = ", ".join(filter(None, map(installed, VERSIONED)))
+    return (f"mpitrain {__version__}" + (f" (checkout {checkout})" if checkout else "")
+            + f"\nPython {platform.python_version()} on {platform.system()} "
+              f"{platform.machine()}; {libraries}")
 
 
 def gpu_environment():

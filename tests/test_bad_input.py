@@ -243,12 +243,14 @@ def test_argument_errors_are_said_once_per_job(digits):
 
 
 @pytest.mark.launches
-def test_help_is_said_once_per_job():
+@pytest.mark.parametrize("argv, said", [(("eval", "--help"), "usage: python -m mpitrain eval"),
+                                        (("--version",), "mpitrain ")])
+def test_help_and_version_are_said_once_per_job(argv, said):
     from test_checkpoint import command
-    r = subprocess.run(command(2, "eval", "--help"), capture_output=True, text=True,
+    r = subprocess.run(command(2, *argv), capture_output=True, text=True,
                        timeout=120, env=environment(2))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("usage: python -m mpitrain eval") == 1, r.stdout
+    assert r.stdout.count(said) == 1, r.stdout
 
 
 def test_a_run_directory_that_is_a_file_or_read_only(digits, tmp_path):

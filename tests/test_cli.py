@@ -125,12 +125,40 @@ def loaded_after(argv, modules):
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["train", "--epochs", "-1"],
-                                  ["train", "--model", "resnet51"], ["eval", "--data", "v.h5"]])
+                                  ["train", "--model", "resnet51"], ["eval", "--data", "v.h5"],
+                                  ["--version"]])
 def test_help_and_a_refused_option_answer_without_loading_numba_or_mpi(argv):
-    """The command line, its help and the refusals of one value are plain Python: their
-    answer does not wait for Numba's and MPI's second of imports."""
+    """The command line, its help, --version and the refusals of one value are plain
+    Python: their answer does not wait for Numba's and MPI's second of imports."""
     status, loaded = loaded_after(argv, ("numba", "mpi4py.MPI", "h5py"))
-    assert (status, loaded) == (0 if "--help" in argv else 2, "[]")
+    assert (status, loaded) == (0 if argv[-1] in ("--help", "--version") else 2, "[]")
+
+
+def test_version_names_mpitrain_its_commit_python_and_the_libraries():
+    """--version: mpitrain's version with `git describe` of its checkout, then Python's and
+    the installed libraries' versions, as their own modules give them."""
+    import platform
+
+    import h5py
+    import mpi4py
+    import numba
+    import numpy
+
+    import mpitrain
+    r = subprocess.run([sys.executable, "-m", "mpitrain", "--version"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    first, second = r.stdout.splitlines()
+    root = os.path.dirname(os.path.dirname(mpitrain.__file__))
+    if os.path.exists(os.path.join(root, ".git")):
+        commit = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty",
+                                 "--abbrev=12"], capture_output=True, text=True).stdout.strip()
+        assert first == f"mpitrain {mpitrain.__version__} (checkout {commit})"
+    else:
+        assert first == f"mpitrain {mpitrain.__version__}"
+    assert second.startswith(f"Python {platform.python_version()} on "), second
+    for module in (numpy, numba, h5py, mpi4py):
+        assert f"{module.__name__} {module.__version__}" in second, second
 
 
 @pytest.mark.parametrize("argv", [["train", "--compress", "topk", "--comm-dtype", "fp16"],

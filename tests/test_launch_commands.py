@@ -105,6 +105,15 @@ def test_other_commands_run_in_one_process(tmp_path):
     assert calls(log, "mpiexec") == ""
 
 
+def test_version_names_mpitrain_its_checkout_and_the_venvs_mpi(tmp_path):
+    r, log, venv = launch(tmp_path, "mpich", "--version")
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"launch.sh: venv {venv}, MPI system (mpich: test), {venv}/bin/mpiexec"
+    assert lines[1].startswith("mpitrain ") and lines[2].startswith("Python "), r.stdout
+    assert calls(log, "mpiexec") == ""
+
+
 def test_commands_take_paths_relative_to_where_launch_sh_was_started(tmp_path):
     """launch.sh sets itself up in the checkout, then runs the command in the caller's
     directory: a relative output path lands there."""
@@ -224,6 +233,6 @@ def test_help_lists_every_command_of_launch_sh():
                        timeout=30)
     assert r.returncode == 0, r.stderr
     for command in ("./launch.sh ", "test ", "test-mpi", "train ARGS", "COMMAND ARGS", "setup ",
-                    "gpu-check"):
+                    "gpu-check", "--version"):
         assert command in r.stdout, (command, r.stdout)
     assert "#SBATCH --" not in r.stdout and "set -euo" not in r.stdout, r.stdout
