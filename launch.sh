@@ -204,7 +204,8 @@ step() {   # what, how long it usually takes, command...
 # the team's BLAS and MKL's 700 MB would lie unused.
 cpu_vendor() { grep -m 1 '^vendor_id' /proc/cpuinfo 2>/dev/null | sed 's/.*: *//' || true; }
 wants_mkl() {
-    [[ ${MPITRAIN_BLAS:-} == mkl || ( -z ${MPITRAIN_BLAS:-} && $(cpu_vendor) == GenuineIntel ) ]]
+    local blas=${MPITRAIN_BLAS:-}
+    [[ ${blas,,} == mkl || ( -z $blas && $(cpu_vendor) == GenuineIntel ) ]]
 }
 
 install() {

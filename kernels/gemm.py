@@ -25,8 +25,8 @@ rows only, at multiples of its core type's row block (`_Blas.granule`,
 OPENBLAS_ROW_BLOCKS; docs/benchmarks.md, "The BLAS by CPU").
 
 The BLAS the team calls (`team_blas`) is MKL's sequential library on Intel's CPUs where
-the mkl package is installed (the `mkl` extra, which launch.sh installs on x86-64
-Linux), else NumPy's own OpenBLAS, set to one thread (`blas_threads`); MPITRAIN_BLAS=mkl
+the mkl package is installed (the `mkl` extra, which launch.sh installs on those
+CPUs), else NumPy's own OpenBLAS, set to one thread (`blas_threads`); MPITRAIN_BLAS=mkl
 or openblas chooses (`blas_choice`). With MKL, products large enough for the team go to
 it on one thread too, so that their bits do not depend on the thread count; the smaller
 ones stay NumPy's. MKL runs in its reproducible mode (CBWR AUTO, STRICT), whose bits do

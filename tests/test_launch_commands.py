@@ -140,7 +140,7 @@ case "$*" in *sysconfig*) exec {python} "$@" ;; esac
 """
 
 
-@pytest.mark.parametrize("blas", ["", "mkl", "openblas"])
+@pytest.mark.parametrize("blas", ["", "mkl", "MKL", "openblas"])
 def test_setup_names_each_step_and_the_wheel_that_skips_the_compile(tmp_path, blas):
     """... and installs MKL only where it will be the team's BLAS: MPITRAIN_BLAS=mkl, or
     MPITRAIN_BLAS unset on an Intel CPU; elsewhere it says MKL is left out and how to add
@@ -162,7 +162,8 @@ def test_setup_names_each_step_and_the_wheel_that_skips_the_compile(tmp_path, bl
     r = subprocess.run([str(ROOT / "launch.sh"), "setup"], env=env, cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    mkl = blas == "mkl" or (not blas and cpu_maker() == "GenuineIntel")
+    mkl = blas.lower() == "mkl" or (not blas and cpu_maker() == "GenuineIntel")   # any case,
+    # as kernels.gemm reads it
     install = "args=-m pip install --no-build-isolation -e .[test,mkl]" if mkl else \
         "args=-m pip install --no-build-isolation -e .[test]"
     assert install in log.read_text().splitlines(), log.read_text()
