@@ -23,6 +23,15 @@ def number(kind, low=None, high=None, low_open=False, high_open=False):
     return parse
 
 
+class OnOff(argparse.BooleanOptionalAction):
+    """--X and --no-X, with the help as written: Python 3.10's BooleanOptionalAction appends
+    "(default: ...)" to it, and the help of a flag says its default in its own words."""
+
+    def __init__(self, option_strings, dest, help=None, **kwargs):
+        super().__init__(option_strings, dest, help=help, **kwargs)
+        self.help = help
+
+
 def metavar(parse, name):
     """How --help and the docs name the value of an option that names none: N for a count,
     X for a real number (by the __name__ of its type `parse`), else NAME."""

@@ -16,23 +16,32 @@ import sys
 import time
 import traceback
 
-from .argtypes import (class_count, comma_list, density, fraction, metavar, nonnegative_float,
-                       nonnegative_int, number, positive_float, positive_int, workers)
+from .argtypes import (OnOff, class_count, comma_list, density, fraction, metavar,
+                       nonnegative_float, nonnegative_int, number, positive_float, positive_int,
+                       workers)
 from .options import BY_NAME, DEFAULTS, IMAGE_SIZE, add_arguments
 
 REFUSAL_GRACE = 1.0     # seconds the other ranks wait before exiting on a refusal
 
 
+ON_OFF = {True: "on", False: "off"}     # the default of an --X/--no-X option, in its help
+
+
 class Help(argparse.ArgumentDefaultsHelpFormatter):
     """Each option's default after its help where the default says something: not for a
-    flag, an option without one (None, or an empty list), or a help that words its own;
-    a number's value named N (a count) or X (a real number) where the option names none."""
+    flag (except on or off for --X/--no-X), an option without one (None, or an empty list),
+    or a help that words its own; a number's value named N (a count) or X (a real number)
+    where the option names none."""
 
     def _get_default_metavar_for_optional(self, action):
         return metavar(action.type, action.dest)
 
     def _get_help_string(self, action):
-        if action.nargs == 0 or action.default in (None, ()) or "default" in (action.help or ""):
+        if isinstance(action, OnOff) and action.default is not None \
+                and "default" not in action.help:
+            return f"{action.help} (default: {ON_OFF.get(action.default, action.default)})"
+        if not action.help or action.nargs == 0 or action.default in (None, ()) \
+                or "default" in action.help:
             return action.help
         return super()._get_help_string(action)
 
@@ -240,11 +249,12 @@ def add_convert(commands):
     synthetic = sources.add_parser(
         "synthetic", help="generated JPEGs at ImageNet sizes, for benchmarks")
     synthetic.add_argument("dst", metavar="DST")
-    synthetic.add_argument("--count", type=positive_int, default=1000)
+    synthetic.add_argument("--count", type=positive_int, default=1000, help="images")
     synthetic.add_argument("--size", type=image_size, default=(500, 375), metavar="WxH",
                            help="the images' width and height in pixels (default: 500x375)")
-    synthetic.add_argument("--classes", type=class_count, default=10)
-    synthetic.add_argument("--seed", type=nonnegative_int, default=0)
+    synthetic.add_argument("--classes", type=class_count, default=10,
+                           help="classes (image i is of class i mod CLASSES)")
+    synthetic.add_argument("--seed", type=nonnegative_int, default=0, help="seeds the pictures")
     synthetic.set_defaults(command_parser=synthetic)
 
 
@@ -275,13 +285,16 @@ def add_bench_step(benches):
                     "mpirun -np N: N ranks with --batch images each, with the gradient "
                     "all-reduce overlapped and not, against one rank with N times the "
                     "threads (scaling efficiency) and the share of communication hidden.")
-    step.add_argument("--model", choices=MODELS, default="resnet50")
-    step.add_argument("--image-size", type=positive_int, metavar="PX", default=64)
-    step.add_argument("--batch", type=positive_int, default=32)
-    step.add_argument("--num-classes", type=class_count, default=1000)
+    step.add_argument("--model", choices=MODELS, default="resnet50", help="the network")
+    step.add_argument("--image-size", type=positive_int, metavar="PX", default=64,
+                      help="square side of the random images")
+    step.add_argument("--batch", type=positive_int, default=32, help="images per step (per rank)")
+    step.add_argument("--num-classes", type=class_count, default=1000,
+                      help="the network's outputs")
     step.add_argument("--steps", type=positive_int, default=10, help="timed steps")
     step.add_argument("--warmup", type=nonnegative_int, default=2, help="untimed steps first")
-    step.add_argument("--seed", type=nonnegative_int, default=0)
+    step.add_argument("--seed", type=nonnegative_int, default=0,
+                      help="seeds the weights and the random batch")
     step.add_argument("--reference", choices=["torch"],
                       help="one process: also time the same network and batch in PyTorch, "
                            "and the ratio")
@@ -348,8 +361,10 @@ def add_bench_data(benches):
                     "same file, same workers, in the same run.")
     data.add_argument("--data", required=True, metavar="FILE",
                       help="an HDF5 file made by `convert`")
-    data.add_argument("--workers", type=nonnegative_int, default=2)
-    data.add_argument("--batch", type=positive_int, default=32)
+    data.add_argument("--workers", type=nonnegative_int, default=2,
+                      help="loader threads, and PyTorch DataLoader processes with --reference "
+                           "(0: none, the work done in the timing loop)")
+    data.add_argument("--batch", type=positive_int, default=32, help="images per batch")
     data.add_argument("--image-size", type=positive_int, metavar="PX", help=IMAGE_SIZE)
     data.add_argument("--batches", type=positive_int,
                       help="batches timed (default: two epochs, at least 96, so that the "
@@ -375,7 +390,8 @@ def add_bench_update(benches):
                     "copy) over a model's parameter arena for each kernel implementation "
                     "available here, against the NumPy reference and against this machine's "
                     "memory bandwidth measured in the same run.")
-    update.add_argument("--model", choices=MODELS, default="resnet50")
+    update.add_argument("--model", choices=MODELS, default="resnet50",
+                        help="the network whose arena is updated")
     update.add_argument("--repeats", type=positive_int, default=7, help="timed runs (median)")
     update.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     update.add_argument("--shard-update", action="store_true",
@@ -393,7 +409,8 @@ def add_bench_comm(benches):
                     "all-reduce algorithm, as one buffer, as fusion buckets and per tensor, "
                     "with fp32 and fp16 on the wire, and a sweep of buffer sizes; reports "
                     "milliseconds and algorithmic bus bandwidth.")
-    comm.add_argument("--model", choices=MODELS, default="resnet50")
+    comm.add_argument("--model", choices=MODELS, default="resnet50",
+                      help="the network whose gradients are summed")
     algorithms = BY_NAME["allreduce"].choices
     comm.add_argument("--algorithms", type=comma_list(str, algorithms),
                       default=",".join(algorithms), metavar="A,A",
@@ -583,7 +600,7 @@ def add_study(commands):
                     f"the best is there (up to {fashion['widen']} more on each side), then 3 "
                     "seeds at the best of the smallest and largest batch, 3 epochs.")
     add_arguments(large, DATA_OPTIONS)
-    large.add_argument("--augment", action=argparse.BooleanOptionalAction,
+    large.add_argument("--augment", action=OnOff,
                        help="random-resized-crop and flip (default: the data's own: off for "
                             "digits, on for a file)")
     large.add_argument("--out", default="runs/study-large-batch", metavar="DIR",
@@ -634,7 +651,7 @@ def add_simulate(commands):
                     "(formulas: mpitrain/tools/simulate.py; results: docs/scaling.md). "
                     "--calibrate measures this host instead (bench comm and bench step on "
                     "1 to --max-ranks ranks) and prints predicted against measured.")
-    sim.add_argument("--model", choices=MODELS, default="resnet50")
+    sim.add_argument("--model", choices=MODELS, default="resnet50", help="the network")
     sim.add_argument("--ranks", type=positive_int, metavar="N",
                      help="ranks (devices) in the job (default: 1024; --sweep runs 1 to 4,096)")
     sim.add_argument("--ranks-per-node", type=positive_int, metavar="K",
@@ -656,7 +673,7 @@ def add_simulate(commands):
                      metavar="BYTES", help="gradient bucket size, as train's")
     sim.add_argument("--comm-dtype", choices=["fp32", "fp16"], default="fp32",
                      help="gradient dtype on the wire")
-    sim.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+    sim.add_argument("--overlap", action=OnOff, default=True,
                      help="sum the buckets during backward (--overlap) or after it")
     sim.add_argument("--batch-per-rank", type=positive_int, metavar="B",
                      help="images per rank per step; not given: 32, or 8 with --calibrate")

@@ -20,7 +20,7 @@ import argparse
 from types import SimpleNamespace
 from typing import Callable, NamedTuple
 
-from .argtypes import (density, fraction, fusion_threshold, loss_scale, metavar,
+from .argtypes import (OnOff, density, fraction, fusion_threshold, loss_scale, metavar,
                        nonnegative_float, nonnegative_int, positive_float, positive_int, workers)
 # nets.MODELS, optim.OPTIMIZERS and comm.ALGORITHMS, which are not imported here (the first
 # two bring Numba, so a refused option would wait a second for its answer; the third would
@@ -92,7 +92,7 @@ class Option(NamedTuple):
         if self.kind == "switch":
             kwargs["action"] = "store_true"
         elif self.kind == "on-off":
-            kwargs["action"] = argparse.BooleanOptionalAction
+            kwargs["action"] = OnOff
         else:
             kwargs.update(type=self.parse, choices=self.choices, nargs=self.nargs,
                           metavar=self.metavar)

@@ -213,16 +213,19 @@ def test_every_option_names_its_value_by_its_kind():
 
 
 def test_every_option_with_a_default_says_its_default():
-    """An option that takes a value and has a default says it in its help, in cli.Help's
-    words or its own; a help that says "default" of something else would hide it."""
+    """An option that takes a value, or an --X/--no-X one, and has a default says it in its
+    help, in cli.Help's words or its own; a help that says "default" of something else
+    would hide it, and so would no help at all."""
     import argparse
+    from mpitrain.argtypes import OnOff
     from mpitrain.cli import build_parser
     hidden = []
     for words, parser in parsers(build_parser()):
         formatter = parser._get_formatter()
         for action in parser._actions:
-            if action.nargs != 0 and action.default not in (None, (), argparse.SUPPRESS):
-                said = formatter._get_help_string(action) % dict(default=action.default)
+            takes = action.nargs != 0 or isinstance(action, OnOff)
+            if takes and action.default not in (None, (), argparse.SUPPRESS):
+                said = (formatter._get_help_string(action) or "") % dict(default=action.default)
                 if not re.search(r"default[^)]*:", said):
                     hidden.append((words, action.option_strings, said))
     assert not hidden, hidden
