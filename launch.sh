@@ -218,8 +218,12 @@ install() {
     fi
     echo "launch.sh: installing mpitrain and its dependencies into $VENV (MPI: $MPI_KIND${cc:+, $cc})"
     [[ -x "$PY" ]] || step "creating the venv" "a few seconds" python3 -m venv "$VENV"
+    # the build's requirements as pyproject.toml names them (its one line `requires = [...]`):
+    # the install below builds the kernels without isolation, with these
+    local build
+    read -ra build <<< "$(sed -n 's/^requires = \[\(.*\)\]$/\1/p' pyproject.toml | tr -d '",')"
     step "installing Cython, NumPy, setuptools, wheel" "under a minute" \
-        "$PY" -m pip install cython numpy setuptools wheel
+        "$PY" -m pip install "${build[@]}"
     if [[ $MPI_KIND == system ]]; then     # mpi4py compiled against the system MPI, into
         # the venv even where one is importable already (a venv that sees other packages)
         echo "launch.sh: mpi4py is compiled against the MPI on PATH; to skip the compile," \

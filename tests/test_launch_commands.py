@@ -3,8 +3,10 @@ under the venv's recorded MPI with its options and the others in one process, an
 set-up that names each step with how long it usually takes (and the mpich wheel as the
 way around compiling mpi4py). The venv here is a stand-in (tests/test_openmpi.py's):
 its MPI launcher and, for the set-up, its Python record how they were called."""
+import ast
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -167,6 +169,10 @@ def test_setup_names_each_step_and_the_wheel_that_skips_the_compile(tmp_path, bl
     install = "args=-m pip install --no-build-isolation -e .[test,mkl]" if mkl else \
         "args=-m pip install --no-build-isolation -e .[test]"
     assert install in log.read_text().splitlines(), log.read_text()
+    # the kernels build without isolation, with the build requirements pyproject.toml names
+    requires = re.search(r"^requires = (\[.*\])$", (ROOT / "pyproject.toml").read_text(), re.M)
+    build = "args=-m pip install " + " ".join(ast.literal_eval(requires.group(1)))
+    assert build in log.read_text().splitlines(), log.read_text()
     left_out = f"`{venv}/bin/pip install mkl` adds it, MPITRAIN_BLAS=mkl takes it"
     assert (left_out in r.stdout) == (not mkl), r.stdout
     steps = [line for line in r.stdout.splitlines() if "(usually " in line]
