@@ -49,9 +49,13 @@ setup(
     cmdclass={"build_ext": BuildExt},
     ext_modules=cythonize(extensions, language_level=3,
                           compiler_directives={"boundscheck": False, "wraparound": False}),
-    install_requires=["numpy>=1.26", "numba>=0.60", "h5py>=3.8", "pillow>=10", "simplejpeg>=1.7",
-                      "mpi4py>=4.0",
-                      "scikit-learn>=1.3", "pyyaml>=6", "threadpoolctl>=3", "tqdm>=4.60"],
+    # NumPy 2's promotion (NEP 50: float32 with a Python scalar stays float32), which the
+    # layers' dtypes and bits are tested under; the first h5py, simplejpeg, scikit-learn
+    # and onnxruntime releases built for it; threadpoolctl 3.5 finds NumPy 2's OpenBLAS
+    # (kernels/gemm.py's team BLAS)
+    install_requires=["numpy>=2.0", "numba>=0.60", "h5py>=3.11", "pillow>=10",
+                      "simplejpeg>=1.7.4", "mpi4py>=4.0", "scikit-learn>=1.4.2", "pyyaml>=6",
+                      "threadpoolctl>=3.5", "tqdm>=4.60"],
     extras_require={
         # CUDA 12 or CUDA 13 (the driver's major version): CuPy with the CUDA libraries it
         # loads (ctk), NCCL, cuDNN and Numba's CUDA target built for it; cudnn-frontend
@@ -63,7 +67,7 @@ setup(
                      "nvidia-cudnn-cu13", "nvidia-cudnn-frontend",
                      "nvidia-nvimgcodec-cu13[nvjpeg]"],
         "test": ["pytest>=7", "pytest-xdist", "matplotlib",
-                 "safetensors>=0.4", "onnx>=1.14", "onnxruntime>=1.16"],   # export's tests
+                 "safetensors>=0.4", "onnx>=1.14", "onnxruntime>=1.19"],   # export's tests
         "plot": ["matplotlib"],
         # the CPU's GEMMs on MKL on Intel's CPUs (kernels/gemm.py team_blas), where Intel
         # publishes it
