@@ -52,9 +52,9 @@ setup(
     # NumPy 2's promotion (NEP 50: float32 with a Python scalar stays float32), which the
     # layers' dtypes and bits are tested under; the first h5py, simplejpeg, scikit-learn
     # and onnxruntime releases built for it; threadpoolctl 3.5 finds NumPy 2's OpenBLAS
-    # (kernels/gemm.py's team BLAS)
+    # (kernels/gemm.py's team BLAS); mpi4py 4.1 has MPI.FLOAT16_T and the first wheels
     install_requires=["numpy>=2.0", "numba>=0.60", "h5py>=3.11", "pillow>=10",
-                      "simplejpeg>=1.7.4", "mpi4py>=4.0", "scikit-learn>=1.4.2", "pyyaml>=6",
+                      "simplejpeg>=1.7.4", "mpi4py>=4.1", "scikit-learn>=1.4.2", "pyyaml>=6",
                       "threadpoolctl>=3.5", "tqdm>=4.60"],
     extras_require={
         # CUDA 12 or CUDA 13 (the driver's major version): CuPy with the CUDA libraries it

@@ -231,6 +231,19 @@ def test_every_option_with_a_default_says_its_default():
     assert not hidden, hidden
 
 
+def test_every_on_off_option_is_onoff():
+    """--X/--no-X options are argtypes.OnOff, whose help reads the same on every Python
+    (3.10's BooleanOptionalAction writes a default of its own into the help)."""
+    import argparse
+    from mpitrain.argtypes import OnOff
+    from mpitrain.cli import build_parser
+    on_off = [(words, action) for words, parser in parsers(build_parser())
+              for action in parser._actions
+              if isinstance(action, argparse.BooleanOptionalAction)]
+    raw = [(words, a.option_strings) for words, a in on_off if not isinstance(a, OnOff)]
+    assert on_off and not raw, raw
+
+
 @pytest.mark.parametrize("argv", [["inspect", "--num-classes", "1"],
                                   ["bench", "step", "--num-classes", "1"],
                                   ["convert", "synthetic", "x.h5", "--classes", "1"]])
