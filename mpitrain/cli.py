@@ -37,7 +37,7 @@ class Help(argparse.ArgumentDefaultsHelpFormatter):
         return metavar(action.type, action.dest)
 
     def _get_help_string(self, action):
-        if isinstance(action, OnOff) and action.default is not None \
+        if isinstance(action, OnOff) and action.help and action.default is not None \
                 and "default" not in action.help:
             return f"{action.help} (default: {ON_OFF.get(action.default, action.default)})"
         if not action.help or action.nargs == 0 or action.default in (None, ()) \
