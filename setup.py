@@ -3,6 +3,7 @@ mpitrain.kernels, mpitrain.nets and mpitrain.datasets, so that the project
 never shadows another distribution's top-level `kernels` or `datasets`."""
 import glob
 import os
+import re
 import shutil
 
 import numpy
@@ -18,6 +19,10 @@ extensions = [
     Extension("mpitrain.kernels._pool", ["kernels/_pool.pyx"],
               include_dirs=[numpy.get_include()], **OPENMP),
 ]
+
+# written once, in mpitrain/__init__.py (read, not imported: importing sets the environment)
+with open(os.path.join("mpitrain", "__init__.py")) as f:
+    VERSION = re.search(r'^__version__ = "(.+)"$', f.read(), re.M).group(1)
 
 mapped = {"mpitrain.kernels": "kernels", "mpitrain.nets": "nets", "mpitrain.datasets": "datasets"}
 
@@ -40,7 +45,7 @@ class BuildExt(build_ext):
 
 setup(
     name="mpitrain",
-    version="0.1.0",
+    version=VERSION,
     description="Parameter-server-free MPI data-parallel training of convolutional networks",
     python_requires=">=3.10",
     packages=find_packages(include=["mpitrain", "mpitrain.*"]) + list(mapped),

@@ -508,6 +508,22 @@ def team_gemms(threads):
     return threads > 1 and blas is not None and not (blas.numpys and _user_blas_threads())
 
 
+def describe(threads):
+    """Who runs the products of a process running `threads` threads, in words (the run's
+    environment report)."""
+    blas = team_blas()
+    if blas is None:
+        return ("NumPy's BLAS, on its own threads (no team BLAS: NumPy's is no OpenBLAS "
+                "found by threadpoolctl, and MKL is not chosen)")
+    who = f"{blas.name} {blas.version}"
+    if team_gemms(threads):
+        return f"{who}, cut among the team's {threads} threads"
+    if blas.numpys and _user_blas_threads():
+        given = os.environ["OPENBLAS_NUM_THREADS"]
+        return f"{who}, on its own {given} threads (OPENBLAS_NUM_THREADS)"
+    return f"{who}, on one thread"
+
+
 def blas_threads(threads):
     """The threads NumPy's BLAS runs on in a process running `threads` threads: one where
     the team runs the products (team_gemms), else all of them."""

@@ -5,13 +5,10 @@ value in `--config FILE.yaml`, else the default (mpitrain.options).
 YAML keys are the option names with dashes or underscores (`batch-size: 64` or
 `batch_size: 64`); values are checked by the same rules as the flags.
 """
-import json
 import os
 import platform
 import subprocess
 import time
-
-from .files import write_atomic
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # holds the package
 RUNS = "runs"        # where runs go without --run-dir: runs/<timestamp>
@@ -155,6 +152,9 @@ def environment(comm, device):
                numba=numba.__version__, h5py=h5py.__version__, hdf5=h5py.version.hdf5_version)
     if device.startswith("cuda"):       # nothing GPU-related is imported on a CPU run
         env.update(gpu_environment())
+    else:
+        from mpitrain.kernels import gemm
+        env["gemm"] = gemm.describe(numba.get_num_threads())
     return env
 
 
@@ -251,15 +251,6 @@ def mpi_library():
     from mpi4py import MPI
     return MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
 
-
-def save_json(path, data):
-    """Write `data` to `path` as indented JSON, atomically (write_atomic). OSError when it
-    cannot be written."""
-    def write(tmp):
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-    write_atomic(path, write)
 
 
 def describe(title, data, width=100):

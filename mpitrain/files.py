@@ -1,6 +1,7 @@
 """Files written whole: what every writer of the project's outputs (run reports, exports,
 images, cuDNN's plan cache) goes through. Standard library only, so that any module,
 the kernels' too, may use it."""
+import json
 import os
 
 
@@ -23,6 +24,20 @@ def write_atomic(out, write):
         if isinstance(e, OSError) and e.errno is not None and e.filename in (tmp, None):
             e.filename = out        # the file the user named, not the one just removed
         raise
+
+
+def save_text(out, text):
+    """Write the string `text` to `out` whole (write_atomic)."""
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.write(text)
+    write_atomic(out, write)
+
+
+def save_json(out, data, sort_keys=True):
+    """Write `data` to `out` as indented JSON, whole (write_atomic); sort_keys=False keeps
+    each dict's order. OSError when it cannot be written."""
+    save_text(out, json.dumps(data, indent=2, sort_keys=sort_keys) + "\n")
 
 
 def output_problem(out):

@@ -59,9 +59,10 @@ from .comm import Communicator, syncbn
 from .comm.autotune import FusionTuner
 from .comm.buckets import Reducer, share_gradients
 from .comm.replicas import ReplicaMismatch, check_replicas
-from .config import describe, environment, link_latest, save_json
+from .config import describe, environment, link_latest
 from .control import Heartbeats, LauncherWatch, LossWatch, StopSignals, Watchdog, stop_signal
 from .datasets.loader import Loader, pinned_for
+from .files import save_json
 from .graph import StepGraph, refusal
 from .kernels.gemm import blas_threads
 from .metrics import MetricsLog, StepProgress, Timeline, trace_path

@@ -723,7 +723,7 @@ def test_a_file_system_that_fills_up_stops_the_run_cleanly(small_fs, digits, ran
 
 
 def test_reports_are_written_whole_or_not_at_all(small_fs):
-    from mpitrain.config import save_json
+    from mpitrain.files import save_json
     fs = small_fs(64)
     (fs / "filler").write_bytes(b"x" * (60 << 10))
     with pytest.raises(OSError):

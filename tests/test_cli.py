@@ -137,6 +137,7 @@ def test_help_and_a_refused_option_answer_without_loading_numba_or_mpi(argv):
 def test_version_names_mpitrain_its_commit_python_and_the_libraries():
     """--version: mpitrain's version with `git describe` of its checkout, then Python's and
     the installed libraries' versions, as their own modules give them."""
+    import importlib.metadata
     import platform
 
     import h5py
@@ -157,6 +158,7 @@ def test_version_names_mpitrain_its_commit_python_and_the_libraries():
     else:
         assert first == f"mpitrain {mpitrain.__version__}"
     assert second.startswith(f"Python {platform.python_version()} on "), second
+    assert importlib.metadata.version("mpitrain") == mpitrain.__version__   # setup.py reads it
     for module in (numpy, numba, h5py, mpi4py):
         assert f"{module.__name__} {module.__version__}" in second, second
 

@@ -481,14 +481,19 @@ def test_openblas_runs_one_thread_unless_the_user_gives_it_more(blas_threads, on
     """In a fresh process, OpenBLAS the team's BLAS (MPITRAIN_BLAS=openblas): after a
     GEMM, NumPy's OpenBLAS runs on one thread and the team takes the products, unless
     OPENBLAS_NUM_THREADS gives OpenBLAS threads of its own, which it then keeps (and the
-    products go to it)."""
-    threads, team = in_fresh_process(
+    products go to it); the run's environment report says which."""
+    threads, team, said = in_fresh_process(
         "import mpitrain, json, numba, numpy as np; from mpitrain.kernels import gemm; "
         "numba.set_num_threads(2); a = np.ones((256, 256), np.float32); gemm.matmul(a, a); "
-        "print(json.dumps([gemm._openblas().threads(), gemm.team_gemms(2)]))",
+        "print(json.dumps([gemm._openblas().threads(), gemm.team_gemms(2), "
+        "[gemm.describe(n) for n in (1, 2)]]))",
         MPITRAIN_BLAS="openblas", OPENBLAS_NUM_THREADS=blas_threads)
     assert team == on_team
     assert threads == (1 if on_team else 2)
+    version = gemm._openblas().version
+    assert said == ([f"openblas {version}, on one thread",
+                     f"openblas {version}, cut among the team's 2 threads"] if on_team else
+                    [f"openblas {version}, on its own 2 threads (OPENBLAS_NUM_THREADS)"] * 2)
 
 
 @pytest.mark.parametrize("choice", [None, "mkl", "MKL", "openblas", "OpenBLAS", "atlas"])

@@ -3,9 +3,13 @@ interface on the host, the environment report, and the refusals of check-gpu and
 `bench step --device gpu` where there is no GPU. Tests marked `gpu` run the same
 code on a GPU (skipped elsewhere); the ordering of the Reducer's stream calls is
 tested in tests/mpi/test_buckets.py."""
+import ast
 import json
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +17,7 @@ import pytest
 from mpitrain import backend
 from mpitrain.backend import DeviceError, pick_device
 
+ROOT = Path(__file__).resolve().parents[1]
 HAS_GPU = backend.gpu_available()
 cpu_only = pytest.mark.skipif(HAS_GPU, reason="checks what happens where there is no GPU")
 
@@ -96,6 +101,7 @@ def test_host_streams_do_nothing_and_run_in_program_order():
 
 # ----- the environment report -----
 def test_environment_on_a_cpu_records_no_gpu_and_imports_nothing_of_it():
+    import numba
     from mpi4py import MPI
 
     from mpitrain.comm import Communicator
@@ -107,6 +113,9 @@ def test_environment_on_a_cpu_records_no_gpu_and_imports_nothing_of_it():
     finally:
         comm.free()
     assert env["device"] == "cpu"
+    from mpitrain.kernels import gemm           # who runs the products, as the run prints it
+    assert env["gemm"] == gemm.describe(numba.get_num_threads())
+    assert env["gemm"].startswith(f"{gemm.team_blas().name} {gemm.team_blas().version}, ")
     assert not {"cupy", "cuda_runtime", "nccl", "cudnn", "gpu"} & set(env)
     assert not {m for m in set(sys.modules) - before if m.split(".")[0] in ("cupy", "cudnn")}
 
@@ -433,6 +442,27 @@ def test_check_gpu_dry_run_shares_the_gpu_with_every_algorithm_then_times_the_da
     assert value(train, "--run-dir") != value(train_cpu, "--run-dir")
     for name in ("tests", "nccl", "bench resnet50 fp16 graph", "profile alexnet"):
         assert steps[name] == {"skipped": True}
+
+
+def test_check_gpu_installs_the_wheels_and_the_build_requirements_at_their_versions(tmp_path):
+    """--wheels DIR: its packages by name (what the machine has stays), pyproject.toml's
+    build requirements by version (an older Cython is replaced), both from DIR alone, then
+    mpitrain itself."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for name in ("cython-3.3.1-cp312-cp312-manylinux_2_28_x86_64.whl",
+                 "mpich-5.0.2-py3-none-manylinux_2_28_x86_64.whl"):
+        (wheels / name).write_bytes(b"")
+    _, steps = dry_run(tmp_path / "check", "--wheels", str(wheels), "--skip", "shared", "data",
+                       "bench", "profile", "tests", "compare", "nccl")
+    install = steps["install"]
+    requires = re.search(r"^requires = (\[.*\])$", (ROOT / "pyproject.toml").read_text(), re.M)
+    assert "cython>=3.1" in ast.literal_eval(requires.group(1))
+    assert install["packages"] == [sys.executable, "-m", "pip", "install", "--no-index",
+                                   "--find-links", str(wheels), "--no-deps", "cython", "mpich",
+                                   *ast.literal_eval(requires.group(1))]
+    assert install["command"][-3:] == ["--no-build-isolation", "-e", str(ROOT)]
+    assert install["wheels"] == sorted(os.listdir(wheels))
 
 
 def test_check_gpu_skips_the_shared_and_data_steps_when_asked(tmp_path):

@@ -7,7 +7,8 @@ the install step put in place is what the later steps import:
     preflight    an NVIDIA driver and GPU are present, else exit 2 at once,
                  naming what is missing
     install      with --wheels DIR (or WHEELS=DIR): the packages of DIR's
-                 wheels that are not installed yet, then mpitrain itself
+                 wheels that are not installed yet, and pyproject.toml's build
+                 requirements at their versions, then mpitrain itself
                  (editable), all with `pip install --no-index --find-links DIR`;
                  without it, mpitrain is installed offline only if it does not
                  import yet
@@ -56,8 +57,9 @@ no GPU.
 
 Exit status: 0 every step passed, 1 a step failed, 2 no GPU (or CuPy does not
 see it, or no MPI library) or bad arguments. This module imports only the
-standard library at its top, so `python -m mpitrain.tools.check_gpu` runs from a
-checkout before mpitrain is installed (launch.sh gpu-check does that).
+standard library (and mpitrain.files, which imports no more) at its top, so `python -m
+mpitrain.tools.check_gpu` runs from a checkout before mpitrain is installed (launch.sh
+gpu-check does that).
 """
 import argparse
 import glob
@@ -70,6 +72,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from mpitrain.files import save_json, save_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = ("install", "build", "bench", "profile", "shared", "data", "tests", "compare",
@@ -183,10 +187,7 @@ def _save(report, out):
     """Write the report as it stands (after every step: a check stopped midway keeps what
     it measured), replacing the file whole."""
     report["passed"] = all(s.get("passed", True) for s in report["steps"].values())
-    with open(out + ".tmp", "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    os.replace(out + ".tmp", out)
+    save_json(out, report, sort_keys=False)     # the steps in the order they ran
 
 
 def _all_steps(args, wheels, report, save):
@@ -209,8 +210,8 @@ def _all_steps(args, wheels, report, save):
         steps[name].pop("stdout", None)     # its tail is kept; what it meant is parsed
         steps[name]["seconds"] = round(time.perf_counter() - t0, 1)
         if args.out_dir:
-            with open(os.path.join(args.out_dir, f"{name.replace(' ', '-')}.log"), "w") as f:
-                f.write(output or steps[name].get("output_tail", ""))
+            save_text(os.path.join(args.out_dir, f"{name.replace(' ', '-')}.log"),
+                      output or steps[name].get("output_tail", ""))
         if not steps[name].get("passed", True):
             print(f"gpu-check: {name} FAILED: {'; '.join(steps[name].get('failures', []))}",
                   flush=True)
@@ -279,6 +280,14 @@ def _wheel_files(folder):
     return folder, files
 
 
+def build_requirements():
+    """pyproject.toml's build requirements, as launch.sh reads them: its one line
+    `requires = [...]`."""
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        line = re.search(r"^requires = \[(.*)\]$", f.read(), re.M).group(1)
+    return re.findall(r'"([^"]+)"', line)
+
+
 def install(wheels):
     """The folder's packages, then mpitrain (editable), without network."""
     if wheels is None:
@@ -292,13 +301,17 @@ def install(wheels):
     # Without their dependencies: the folder is the set to install (nvidia-cudnn-frontend
     # names the CUTLASS DSL, a large package that its graph API does not load); mpitrain's
     # own install below then says which of its dependencies are still missing.
+    # The build's requirements go by their versions (cython>=3.1): by name alone, an older
+    # Cython that the machine has would stay, and the kernels' build would fail on it.
     names = sorted({os.path.basename(f).split("-")[0] for f in files})
     pip = [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", folder]
-    first = _command_step(pip + ["--no-deps"] + names, 1800)
+    packages = pip + ["--no-deps"] + names + build_requirements()
+    first = _command_step(packages, 1800)
     if not first["passed"]:
-        return first
+        return {**first, "packages": packages}
     done = _command_step(pip + ["--no-build-isolation", "-e", ROOT], 1200)
-    return {**done, "wheels": [os.path.basename(f) for f in files]}
+    return {**done, "wheels": [os.path.basename(f) for f in files], "packages": packages,
+            "output_tail": first["output_tail"] + done["output_tail"]}
 
 
 def run_tests():

@@ -100,6 +100,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mpitrain.files import save_json, save_text
+
 GBIT = 1e9 / 8                      # bytes per second in one Gbit/s
 IMAGENET_IMAGES = 1_281_167         # ImageNet-1k training images
 # forward multiply-adds of one ResNet-50 image at 224x224, as `python -m mpitrain inspect
@@ -530,10 +532,7 @@ def _bench(argv, ranks, out_dir, name, threads=None, copies=1):
             raise RuntimeError(f"{name} failed (exit {p.returncode}):\n{err[-3000:]}")
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
     result = results if copies > 1 else results[0]
-    path = os.path.join(out_dir, f"{name}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(path + ".tmp", path)
+    save_json(os.path.join(out_dir, f"{name}.json"), result)
     return result
 
 
@@ -591,13 +590,10 @@ def calibrate(args):
     cal = dict(host=dict(cores=cores), compute=compute, links=links,
                command=" ".join(["python -m mpitrain", *sys.argv[1:]]))
     path = os.path.join(args.out, "calibration.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(cal, f, indent=1)
-    os.replace(path + ".tmp", path)
+    save_json(path, cal)
 
     table = compare(work, cal, one, comm, step, batch)
-    with open(os.path.join(args.out, "comparison.txt"), "w") as f:
-        f.write(table + "\n")
+    save_text(os.path.join(args.out, "comparison.txt"), table + "\n")
     print(table)
     print(f"fit saved to {path} (use: python -m mpitrain simulate --device cpu --calibration "
           f"{path}); {time.monotonic() - began:.0f} s")

@@ -39,6 +39,8 @@ import sys
 import time
 from importlib.util import find_spec
 
+from mpitrain.files import save_json, save_text
+
 SMALLEST_BATCH = 32
 MIN_STEPS = 2           # steps an epoch at the largest batch
 MODEL = "resnet_small"
@@ -394,8 +396,8 @@ def run_all(runs, launcher, parallel, say=print, resume=False):
                     continue
                 del running[name]
                 results[name] = result = read_result(options["run_dir"], log, status)
-                write_whole(os.path.join(options["run_dir"], RESULT_FILE),
-                            json.dumps(dict(options=options, result=result), indent=1))
+                save_json(os.path.join(options["run_dir"], RESULT_FILE),
+                          dict(options=options, result=result), sort_keys=False)
                 took[name] = (options["batch_size"], time.monotonic() - began)
                 done = len(results)
                 elapsed = time.monotonic() - start
@@ -516,14 +518,6 @@ def recipe_markdown(epochs, recipes=None):
     return "\n".join(lines) + "\n"
 
 
-def write_whole(path, text):
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-
-
 def what_ran(results, seconds):
     """How many runs this study ran and in how long, and how many it kept (--resume)."""
     kept = sum(bool(r.get("kept")) for r in results.values())
@@ -548,13 +542,13 @@ def write_outputs(out, rows, lines, study_command, epochs, num_train, num_classe
              f"{sweep_markdown(rows)}"
              + (f"\nStill best at the edge of its sweep (its rate may be mistuned): "
                 f"{', '.join(edges)}.\n" if edges else "")) if swept else ""
-    write_whole(os.path.join(out, "results.md"),
+    save_text(os.path.join(out, "results.md"),
                 f"# Large-batch study\n\n{header}\n{table_markdown(rows)}{sweep}\n## Recipe\n\n"
                 f"{recipe_markdown(epochs, recipes)}")
-    write_whole(os.path.join(out, "results.csv"), table_csv(rows))
+    save_text(os.path.join(out, "results.csv"), table_csv(rows))
     if swept:
-        write_whole(os.path.join(out, "sweep.csv"), sweep_csv(rows))
-    write_whole(os.path.join(out, "commands.sh"),
+        save_text(os.path.join(out, "sweep.csv"), sweep_csv(rows))
+    save_text(os.path.join(out, "commands.sh"),
                 f"#!/bin/sh\n# Every run of: {study_command}\n# (in {os.getcwd()}); "
                 f"each line is one point's run, ending with its top-1.\n"
                 + "".join(f"{line}\n" for line in lines))
