@@ -75,7 +75,8 @@ cd "$ROOT"
 VENV=${MPITRAIN_VENV:-$ROOT/.venv}
 [[ "$VENV" == /* ]] || VENV=$ROOT/$VENV
 PY=$VENV/bin/python
-STAMP=$VENV/.mpitrain-installed     # hash of what was installed (setup.py, pyproject.toml, kind)
+STAMP=$VENV/.mpitrain-installed     # hash of what was installed (setup.py, pyproject.toml,
+                                    # the version, kind)
 RECORD=$VENV/.mpitrain-mpi          # the venv's MPI: kind=, impl=, mpiexec=, library=
 NP=${NP:-2}
 IN_JOB=${SLURM_JOB_ID:+1}           # inside a Slurm allocation: never install
@@ -147,7 +148,8 @@ legacy_record() {
 }
 
 installed_hash() {   # kind
-    cat setup.py pyproject.toml <(echo "$1") | sha256sum | cut -d' ' -f1
+    cat setup.py pyproject.toml <(grep '^__version__ = ' mpitrain/__init__.py) <(echo "$1") |
+        sha256sum | cut -d' ' -f1
 }
 
 # The Cython kernels are built and newer than their sources

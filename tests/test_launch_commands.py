@@ -216,6 +216,8 @@ def test_a_second_venv_copies_the_kernels_built_in_place_and_compiles_a_stale_on
     shutil.copytree(ROOT / "kernels", tmp_path / "kernels",              # mtimes kept
                     ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy2(ROOT / "setup.py", tmp_path)
+    (tmp_path / "mpitrain").mkdir()
+    shutil.copy2(ROOT / "mpitrain" / "__init__.py", tmp_path / "mpitrain")   # the version
     built = sorted((tmp_path / "kernels").glob("_*.so"))
     assert [so.name.split(".")[0] for so in built] == ["_im2col", "_pool"]
 

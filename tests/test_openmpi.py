@@ -40,8 +40,10 @@ def stand_in(bindir, name, log, extra=""):
 
 def stamp(kind):
     """What launch.sh writes in .mpitrain-installed for a venv of `kind` set up now."""
+    version = re.search(r"^__version__ = .*\n", (ROOT / "mpitrain" / "__init__.py").read_text(),
+                        re.M).group(0)
     return hashlib.sha256((ROOT / "setup.py").read_bytes() + (ROOT / "pyproject.toml").read_bytes()
-                          + f"{kind}\n".encode()).hexdigest()
+                          + version.encode() + f"{kind}\n".encode()).hexdigest()
 
 
 def fake_venv(tmp_path, impl, stamp_ok=True):
