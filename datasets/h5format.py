@@ -356,7 +356,8 @@ class Reader:
         try:
             self.file = h5py.File(path, "r")
         except OSError as e:
-            raise FormatError(f"{path}: cannot be opened as HDF5 ({e})") from None
+            raise FormatError(f"{path}: cannot be opened as HDF5 ({e}); mpitrain reads the "
+                              f"files that `python -m mpitrain convert` makes") from None
         try:
             if check:
                 check_schema(self.file, path, num_classes)

@@ -235,6 +235,8 @@ def resolve_data(cfg, comm=None, need_val=True):
             if named == "--data" and not os.path.splitext(path)[1]:    # a name, not a file
                 fix += f" (the named data sets: {', '.join(PRESETS)})"
             raise ConfigError(f"{what} file {path} does not exist; {fix}")
+        if what == "training":      # the file named first, before the one beside it is sought
+            check_data_file(path)
     if cfg.augment is not None:
         transform["augment"] = cfg.augment
     for key in ("crop_scale", "crop_ratio"):
@@ -244,6 +246,17 @@ def resolve_data(cfg, comm=None, need_val=True):
                               f"augmentation is off ({how}): drop {BY_NAME[key].flag} or add "
                               f"--augment")
     return train_file, val_file, {**transform, **augment_options(cfg)}
+
+
+def check_data_file(path):
+    """Refuse (ConfigError, with the reader's words) a file that is not one of mpitrain's
+    data files."""
+    from mpitrain.datasets.h5format import FormatError, Reader
+    try:
+        with Reader(path):
+            pass
+    except FormatError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_decode(cfg, device, files=()):

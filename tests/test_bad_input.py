@@ -156,6 +156,23 @@ def test_data_files_that_cannot_be_used(case, synth, tmp_path):
     refused(r, str(bad), expect)
 
 
+@pytest.mark.parametrize("content", [b"# notes, not images\n", b""])
+@pytest.mark.parametrize("command", ["train", "preview"])
+def test_a_training_file_of_another_kind_is_named_before_a_missing_validation_file(
+        content, command, tmp_path):
+    """--data naming a file that is not mpitrain's, with no FILE_val.h5 beside it: the
+    refusal is about the file the user named, and says what reads it."""
+    bad = tmp_path / "notes.h5"
+    bad.write_bytes(content)
+    r = quick(command, "--data", str(bad), *(["--run-dir", str(tmp_path / "run")]
+                                             if command == "train" else
+                                             ["--out", str(tmp_path / "batch.png")]))
+    refused(r, f"{bad}: cannot be opened as HDF5", "the files that `python -m mpitrain convert` "
+            "makes")
+    assert "validation file" not in r.stderr
+    assert os.listdir(tmp_path) == ["notes.h5"]            # no run directory, no image
+
+
 def test_a_file_declaring_huge_images_is_refused_before_allocating(tmp_path):
     """9 KB on disk, 64 pixel records of 60000x60000 declared: the loader would ask for
     hundreds of GiB. Refused with the memory it would need."""
