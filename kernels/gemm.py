@@ -513,8 +513,8 @@ def describe(threads):
     environment report)."""
     blas = team_blas()
     if blas is None:
-        return ("NumPy's BLAS, on its own threads (no team BLAS: NumPy's is no OpenBLAS "
-                "found by threadpoolctl, and MKL is not chosen)")
+        return ("NumPy's BLAS, on its own threads (no team BLAS: threadpoolctl finds no "
+                "OpenBLAS of NumPy's, and MKL is not chosen)")
     who = f"{blas.name} {blas.version}"
     if team_gemms(threads):
         return f"{who}, cut among the team's {threads} threads"

@@ -252,7 +252,6 @@ def mpi_library():
     return MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
 
 
-
 def describe(title, data, width=100):
     """`title: key=value key=value ...` wrapped to `width` columns, for rank 0 to print. A
     list is its items joined by commas, as on a command line; a value with spaces is

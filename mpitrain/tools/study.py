@@ -543,15 +543,15 @@ def write_outputs(out, rows, lines, study_command, epochs, num_train, num_classe
              + (f"\nStill best at the edge of its sweep (its rate may be mistuned): "
                 f"{', '.join(edges)}.\n" if edges else "")) if swept else ""
     save_text(os.path.join(out, "results.md"),
-                f"# Large-batch study\n\n{header}\n{table_markdown(rows)}{sweep}\n## Recipe\n\n"
-                f"{recipe_markdown(epochs, recipes)}")
+              f"# Large-batch study\n\n{header}\n{table_markdown(rows)}{sweep}\n## Recipe\n\n"
+              f"{recipe_markdown(epochs, recipes)}")
     save_text(os.path.join(out, "results.csv"), table_csv(rows))
     if swept:
         save_text(os.path.join(out, "sweep.csv"), sweep_csv(rows))
     save_text(os.path.join(out, "commands.sh"),
-                f"#!/bin/sh\n# Every run of: {study_command}\n# (in {os.getcwd()}); "
-                f"each line is one point's run, ending with its top-1.\n"
-                + "".join(f"{line}\n" for line in lines))
+              f"#!/bin/sh\n# Every run of: {study_command}\n# (in {os.getcwd()}); "
+              f"each line is one point's run, ending with its top-1.\n"
+              + "".join(f"{line}\n" for line in lines))
     plot_batch_study(rows, os.path.join(out, "accuracy.png"),
                      f"{MODEL}, {num_train} training images, {epochs} epochs", 1 / num_classes)
 
