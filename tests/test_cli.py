@@ -523,6 +523,14 @@ def test_bench_data_times_full_batches(tmp_path):
     result = json.loads(r.stdout)
     assert result["records"] == 8
     assert result["mpitrain"]["images"] == 3 * 4
+    from mpitrain.launcher import cores
+    assert result["cores"] == cores()
+    for workers in (1, cores() + 1):        # more workers than cores: said beside the figures
+        r = run("bench", "data", "--data", str(jpegs), "--image-size", "48", "--batch", "4",
+                "--workers", str(workers), "--batches", "3")
+        assert r.returncode == 0, r.stderr
+        said = f"({workers} workers on {cores()} cores: they take turns" in r.stdout
+        assert said == (workers > cores()), r.stdout
     r = run("bench", "data", "--data", str(jpegs), "--batch", "9")      # no full batch
     assert r.returncode == 2 and r.stderr.endswith(
         f"error: {jpegs} holds 8 images, fewer than one batch of 9: lower --batch\n"), r.stderr

@@ -158,7 +158,7 @@ def run(path, workers=2, batch=32, image_size=224, reference=None, json_out=Fals
         mean_bytes = r.offsets[-1] / n if storage == "encoded" else None
     count = batches or max(96, 2 * (n // batch))
     result = {"file": path, "records": n, "mean_record_bytes": mean_bytes,
-              "workers": workers, "batch": batch, "image_size": image_size,
+              "workers": workers, "cores": cores(), "batch": batch, "image_size": image_size,
               "timed_batches": count, "device": device,
               "jpeg_decoder": "libjpeg-turbo (simplejpeg)" if simplejpeg else "Pillow"}
     timings = []
@@ -203,6 +203,9 @@ def _print(result):
     print(f"{result['file']}: {result['records']} records, {result['workers']} workers, batch "
           f"{result['batch']}, {result['image_size']}x{result['image_size']} training crops, "
           f"{result['timed_batches']} batches timed, JPEG decoder: {decoder}")
+    if result["device"] == "cpu" and result["workers"] > result["cores"]:
+        print(f"  ({result['workers']} workers on {result['cores']} cores: they take turns, so "
+              f"images/s is what the cores decode, and each worker's share falls)")
     for k, timing in enumerate(result.get("rounds", [])):
         ours = timing["mpitrain"]
         line = (f"  round {k + 1} ({timing['first']} first): mpitrain "
