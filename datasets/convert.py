@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from mpitrain.files import write_atomic
+from mpitrain.files import save_text
 
 from .h5format import Writer
 from .split import stratified_val
@@ -242,11 +242,9 @@ def convert_imagefolder(src, dst, val_fraction=0.0, resize_short=None, seed=0, p
                 writers[name].commit(mean, std)
             report_path = dst + ".skipped.txt"
 
-            def report(tmp):
-                with open(tmp, "w") as fh:
-                    fh.write(f"# {len(skipped)} of {len(items)} files skipped (path<TAB>reason)\n")
-                    fh.writelines(f"{rel}\t{reason}\n" for rel, reason in skipped)
-            write_atomic(report_path, report)
+            save_text(report_path,
+                      f"# {len(skipped)} of {len(items)} files skipped (path<TAB>reason)\n"
+                      + "".join(f"{rel}\t{reason}\n" for rel, reason in skipped))
             result = Conversion(dict(splits), {n: len(w) for n, w in writers.items()},
                                 skipped, report_path)
     except BaseException:

@@ -345,15 +345,11 @@ def save_plan(key, name, path=None):
     path = PLAN_CACHE if path is None else path
     if not path:
         return
-    from mpitrain.files import write_atomic
+    from mpitrain.files import save_json
     plans = load_plans(path)
     plans[key] = name
-
-    def write(tmp):
-        with open(tmp, "w") as f:
-            json.dump(plans, f, indent=0, sort_keys=True)
     try:
-        write_atomic(path, write)                   # its directory made where missing
+        save_json(path, plans)                      # its directory made where missing
     except OSError:                 # a read-only home: the choice stays in this process
         pass
 

@@ -34,10 +34,10 @@ def save_text(out, text):
     write_atomic(out, write)
 
 
-def save_json(out, data, sort_keys=True):
-    """Write `data` to `out` as indented JSON, whole (write_atomic); sort_keys=False keeps
-    each dict's order. OSError when it cannot be written."""
-    save_text(out, json.dumps(data, indent=2, sort_keys=sort_keys) + "\n")
+def save_json(out, data, sort_keys=True, indent=2):
+    """Write `data` to `out` as JSON, whole (write_atomic); sort_keys=False keeps each
+    dict's order, indent=None writes it on one line. OSError when it cannot be written."""
+    save_text(out, json.dumps(data, indent=indent, sort_keys=sort_keys) + "\n")
 
 
 def output_problem(out):

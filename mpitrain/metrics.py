@@ -12,7 +12,7 @@ import time
 
 from tqdm import tqdm
 
-from .files import write_atomic
+from .files import save_json
 from .launcher import output_is_terminal
 
 
@@ -190,10 +190,8 @@ class Timeline:
         with self._lock:
             events = meta + self.events
 
-        def write(tmp):
-            with open(tmp, "w") as f:
-                json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
-        write_atomic(self.path, write)
+        save_json(self.path, {"traceEvents": events, "displayTimeUnit": "ms"}, sort_keys=False,
+                  indent=None)
         return self.path
 
 
