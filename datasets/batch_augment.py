@@ -134,26 +134,45 @@ class BatchAugment:
             np.array(flips, np.uint8), a.mean.astype(np.float32), a.inv_std.astype(np.float32))]
 
     def decode(self, records, xp):
-        """(H, W, 3) uint8 pixels of each record, None for one that does not decode:
-        nvImageCodec's batch decode on the GPU (on the current stream, which then orders
-        the crop kernel after it and frees the decoded buffers after that), augment.decode
-        on the host. Neither turns an image by its EXIF orientation, as the CPU loader
-        does not."""
-        if xp is np:
-            return [_decode_or_none(r, self.augment.turbo) for r in records]
+        """(H, W, 3) uint8 pixels of each record in xp's memory, None for one that does not
+        decode. On the GPU, nvImageCodec decodes the batch's JPEGs together (on the current
+        stream, which then orders the crop kernel after it and frees the decoded buffers
+        after that); a record it does not take (a PNG, which `convert` keeps as it is, a CMYK
+        JPEG, or one nvJPEG refuses) is decoded on the host as the CPU loader decodes it, and
+        copied over. Neither decoder turns an image by its EXIF orientation, as the CPU
+        loader does not."""
+        images = [None] * len(records) if xp is np else self._decode_on_gpu(records)
+        return [image if image is not None else _on(xp, _decode_or_none(r, self.augment.turbo))
+                for image, r in zip(images, records)]
+
+    def _decode_on_gpu(self, records):
+        """nvImageCodec's (H, W, 3) pixels of each grey or colour JPEG record, None for
+        every other record and for a JPEG it does not decode into three channels. Each
+        record is parsed alone, so that one bad header leaves the rest of the batch to the
+        GPU."""
         import cupy
         from nvidia import nvimgcodec
         if self._decoder is None:
             self._decoder = gpu_decoder()
             self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False)
-        images = self._decoder.decode([bytes(r) for r in records], params=self._params,
-                                      cuda_stream=cupy.cuda.get_current_stream().ptr)
-        return [None if im is None else xp.asarray(im) for im in images]
+        streams = [_code_stream(nvimgcodec, r) for r in records]
+        taken = [i for i, s in enumerate(streams) if s is not None]
+        images = [None] * len(records)
+        if taken:
+            decoded = self._decoder.decode([streams[i] for i in taken], params=self._params,
+                                           cuda_stream=cupy.cuda.get_current_stream().ptr)
+            for i, image in zip(taken, decoded):
+                pixels = None if image is None else cupy.asarray(image)
+                if pixels is not None and pixels.shape[2:] == (3,) and pixels.dtype == np.uint8:
+                    images[i] = pixels
+        return images
 
 
 # nvImageCodec's backends that decode on the GPU (nvJPEG's: on the GPU alone, with the
 # Huffman decoding on the host, on the GPU's JPEG engine); never its CPU decoders
 GPU_BACKENDS = ("GPU_ONLY", "HYBRID_CPU_GPU", "HW_GPU_ONLY")
+# the records given to them: (codec, channels in the header)
+GPU_JPEGS = (("jpeg", 1), ("jpeg", 3))
 
 
 def gpu_decoder():
@@ -169,7 +188,7 @@ def gpu_decoder():
 def gpu_decoder_problem():
     """None when nvImageCodec decodes a JPEG on the current GPU, else what is missing."""
     try:
-        from nvidia import nvimgcodec  # noqa: F401
+        from nvidia import nvimgcodec
     except ImportError:
         return ("--decode gpu needs nvImageCodec: pip install 'nvidia-nvimgcodec-cu13[nvjpeg]' "
                 "(or -cu12), or the gpu-cu13 extra")
@@ -179,13 +198,29 @@ def gpu_decoder_problem():
     probe = io.BytesIO()
     Image.new("RGB", (16, 16), (128, 128, 128)).save(probe, "JPEG")
     try:
-        image = gpu_decoder().decode([probe.getvalue()])[0]
+        image = gpu_decoder().decode([nvimgcodec.CodeStream(probe.getvalue())])[0]
     except Exception as e:      # the library's own failure, named
         return f"--decode gpu: nvImageCodec fails on this GPU ({type(e).__name__}: {e})"
     if image is None:
         return ("--decode gpu: nvImageCodec decodes no JPEG on this GPU, so nvJPEG is missing: "
                 "pip install nvidia-nvjpeg (CUDA 13) or nvidia-nvjpeg-cu12 (CUDA 12)")
     return None
+
+
+def _code_stream(nvimgcodec, record):
+    """nvImageCodec's parsed header of a grey or colour JPEG record; None for another
+    format, a CMYK JPEG (whose conversion to RGB is the host's), or a header it cannot
+    parse. The header is parsed when first asked for, so it is asked for here: a bad one
+    would otherwise fail the whole batch's decode."""
+    try:
+        stream = nvimgcodec.CodeStream(bytes(record))
+        return stream if (stream.codec_name, stream.num_channels) in GPU_JPEGS else None
+    except Exception:           # the library's refusal of the header
+        return None
+
+
+def _on(xp, pixels):
+    return None if pixels is None else xp.asarray(pixels)
 
 
 def _decode_or_none(record, turbo):

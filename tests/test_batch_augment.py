@@ -2,6 +2,7 @@
 normalised by one kernel, against the CPU loader's transform (augment.py) on the same
 pixels, against the CPU loader itself (whose decode differs), and its CUDA kernel under
 the numba-cuda simulator against its CPU form."""
+import io
 import os
 import subprocess
 import sys
@@ -123,6 +124,35 @@ def test_nvimagecodec_batches_on_the_gpu_against_the_host_decode():
     device = batch(recs, rngs(), cupy.empty((8, 96, 96, 3), cupy.float16))
     grey = np.abs(cupy.asnumpy(device).astype(np.float32) - host) * STD
     assert grey.mean() < 1 and grey.max() < 16, (grey.mean(), grey.max())
+
+
+def reencoded(record, mode, fmt):
+    """record's pixels in Pillow's mode ("L": grey) encoded again as fmt."""
+    from PIL import Image
+    out = io.BytesIO()
+    Image.fromarray(decode(record)).convert(mode).save(out, fmt)
+    return out.getvalue()
+
+
+@pytest.mark.gpu
+def test_a_record_nvimagecodec_does_not_take_is_decoded_on_the_host():
+    """A batch of JPEGs, a PNG (convert keeps PNGs as they are), a grey JPEG and two
+    records that decode nowhere (bytes that are no image; a JPEG's first marker and then
+    garbage, whose header nvImageCodec cannot parse): every image is decoded, on the GPU
+    or on the host, within the decoders' rounding of the host's decode, and the two bad
+    records are None on both, leaving the rest of the batch decoded."""
+    import cupy
+    recs = records(6, (500, 375))
+    recs[1] = reencoded(recs[1], "RGB", "PNG")
+    recs[2] = reencoded(recs[2], "L", "JPEG")
+    recs += [b"garbage" * 50, b"\xff\xd8" + b"garbage" * 50]
+    batch = BatchAugment(Augment(96, MEAN, STD, train=True))
+    host, device = batch.decode(recs, np), batch.decode(recs, cupy)
+    assert [im is None for im in device] == [im is None for im in host] == [False] * 6 + [True] * 2
+    for h, d in zip(host[:6], device[:6]):
+        assert isinstance(d, cupy.ndarray) and d.shape == h.shape == (375, 500, 3)
+        assert np.abs(cupy.asnumpy(d).astype(np.float32) - h).mean() < 1.5
+    np.testing.assert_array_equal(cupy.asnumpy(device[1]), host[1])      # PNG: lossless
 
 
 def test_decoding_on_the_gpu_is_refused_where_it_cannot_work(digits):
