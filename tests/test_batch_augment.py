@@ -140,7 +140,9 @@ def test_a_record_nvimagecodec_does_not_take_is_decoded_on_the_host():
     records that decode nowhere (bytes that are no image; a JPEG's first marker and then
     garbage, whose header nvImageCodec cannot parse): every image is decoded, on the GPU
     or on the host, within the decoders' rounding of the host's decode, and the two bad
-    records are None on both, leaving the rest of the batch decoded."""
+    records are None on both, leaving the rest of the batch decoded. The rounding: on
+    these images libjpeg-turbo's own fast IDCT and upsampling differ from its exact
+    decode by 1.5 grey levels on average; another image, or swapped channels, by tens."""
     import cupy
     recs = records(6, (500, 375))
     recs[1] = reencoded(recs[1], "RGB", "PNG")
@@ -151,7 +153,7 @@ def test_a_record_nvimagecodec_does_not_take_is_decoded_on_the_host():
     assert [im is None for im in device] == [im is None for im in host] == [False] * 6 + [True] * 2
     for h, d in zip(host[:6], device[:6]):
         assert isinstance(d, cupy.ndarray) and d.shape == h.shape == (375, 500, 3)
-        assert np.abs(cupy.asnumpy(d).astype(np.float32) - h).mean() < 1.5
+        assert np.abs(cupy.asnumpy(d).astype(np.float32) - h).mean() < 3
     np.testing.assert_array_equal(cupy.asnumpy(device[1]), host[1])      # PNG: lossless
 
 
