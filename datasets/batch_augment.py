@@ -213,7 +213,7 @@ def _code_stream(nvimgcodec, record):
     parse. The header is parsed when first asked for, so it is asked for here: a bad one
     would otherwise fail the whole batch's decode."""
     try:
-        stream = nvimgcodec.CodeStream(bytes(record))
+        stream = nvimgcodec.CodeStream(record)      # bytes, or the reader's uint8 array
         return stream if (stream.codec_name, stream.num_channels) in GPU_JPEGS else None
     except Exception:           # the library's refusal of the header
         return None
