@@ -782,7 +782,7 @@ def run_convert(args):
     for split, path in result.files.items():
         print(f"{split}: {result.counts[split]} images -> {path}")
     if result.skipped:
-        print(f"{len(result.skipped)} files skipped, listed in {result.report_path}")
+        print(f"{len(result.skipped)} file(s) skipped, listed in {result.report_path}")
 
 
 def explicit_options(parser, argv):

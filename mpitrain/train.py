@@ -101,6 +101,11 @@ def sharing(cfg):
     return f" ({k} ranks per GPU, collectives through MPI)"
 
 
+def epochs(n):
+    """'1 epoch', '8 epochs': a number of epochs as the run's lines say it."""
+    return f"{n} epoch{'s' * (n != 1)}"
+
+
 def limit_threads(comm):
     """Share a host's cores among its ranks, for BLAS, OpenMP and Numba: each rank gets
     the cores it may run on (its affinity) divided by the ranks of its host that may
@@ -454,9 +459,9 @@ class Run:
                  f"{data.train_file} ({len(self.train_data.labels)} train / "
                  f"{len(self.val_data.labels)} val images, {px}x{px}{chosen}), {size} rank(s) "
                  f"on {backend.device}{sharing(cfg)}, global batch {self.batch} "
-                 f"({self.batch // size} per rank), {self.steps} steps/epoch, {self.epochs} "
-                 f"epochs", flush=True)
-        short = (f": longer than the run's {self.epochs} epochs, so the learning rate never "
+                 f"({self.batch // size} per rank), {self.steps} steps/epoch, "
+                 f"{epochs(self.epochs)}", flush=True)
+        short = (f": longer than the run's {epochs(self.epochs)}, so the learning rate never "
                  f"reaches its peak" if cfg.warmup_epochs > self.epochs else "")
         self.say(f"optimizer {cfg.optimizer}, peak lr {self.base_lr:g} ({cfg.schedule} after "
                  f"{cfg.warmup_epochs:g} warm-up epochs{short}), precision {cfg.precision}, "
@@ -884,7 +889,7 @@ def train(comm=None, log=print, **options):
                   skipped_records=run.skipped, val_images=len(run.val_data.labels))
     top5 = f", {result['top5']:.2%} top-5" if "top5" in result else ""
     run.say(f"final validation accuracy: {result['top1']:.2%} top-1{top5} "
-            f"({result['val_images']} images, {run.epochs} epochs, {result['seconds']:.1f} s)"
+            f"({result['val_images']} images, {epochs(run.epochs)}, {result['seconds']:.1f} s)"
             + (" -- not a result: see below" if result["nonfinite"] else ""), flush=True)
     if scaler.check:
         run.say(f"loss scale {scaler.scale:g} at the end; {scaler.skipped} step(s) skipped on "

@@ -675,7 +675,7 @@ def test_links_that_lead_nowhere_and_files_that_are_no_images_are_listed_as_skip
     (src / "dog" / "empty.jpg").write_bytes(b"")
     r = quick("convert", "imagefolder", str(src), str(tmp_path / "out.h5"))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "train: 6 images" in r.stdout and "4 files skipped" in r.stdout
+    assert "train: 6 images" in r.stdout and "4 file(s) skipped" in r.stdout
     report = (tmp_path / "out.h5.skipped.txt").read_text()
     assert "dog/notes.txt\tnot an image (no format Pillow reads)\n" in report, report
     assert "dog/empty.jpg\tan empty file\n" in report, report

@@ -200,8 +200,11 @@ def test_a_warm_up_longer_than_the_run_is_said_at_the_start(digits, tmp_path):
                         "--run-dir", str(tmp_path / "run"), "--checkpoint-every", "0"],
                        capture_output=True, text=True, timeout=300, env=launcher.environment(1))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "(cosine after 2 warm-up epochs: longer than the run's 1 epochs, so the learning " \
+    assert "(cosine after 2 warm-up epochs: longer than the run's 1 epoch, so the learning " \
            "rate never reaches its peak)" in r.stdout, r.stdout
+    # one epoch is said as one, at the start and at the end
+    assert re.search(r"\d+ steps/epoch, 1 epoch\n", r.stdout), r.stdout
+    assert re.search(r"top-5 \(\d+ images, 1 epoch, [\d.]+ s\)", r.stdout), r.stdout
 
 
 def test_bucket_sizes_are_described_from_their_ranges():
