@@ -454,9 +454,13 @@ def add_eval(commands):
                     "mpirun the ranks share the file. The model and its number of classes "
                     "come from the checkpoint.")
     evaluate.add_argument("--checkpoint", required=True, metavar="FILE|RUN_DIR", help=CHECKPOINT)
-    evaluate.add_argument("--data", metavar="FILE",
-                          help="an HDF5 file made by `convert` (default: the validation "
-                               "file of the checkpoint's run)")
+    evaluate.add_argument("--data", metavar="FILE|digits|fashion-mnist",
+                          help="an HDF5 file made by `convert`, or a named data set (its "
+                               "validation file) (default: the validation file of the "
+                               "checkpoint's run)")
+    evaluate.add_argument("--data-dir", metavar="DIR",
+                          help="where a named data set's files are (default: the checkpoint's "
+                               "run's --data-dir)")
     evaluate.add_argument("--batch-size", type=positive_int,
                           help="GLOBAL batch (default: the checkpoint's training batch, "
                                "rounded up to a multiple of the ranks)")
@@ -911,7 +915,8 @@ def run_eval(args):
     args.checkpoint = checkpoint_in(args, MPI.COMM_WORLD)
     try:
         result = evaluate_checkpoint(args.checkpoint, args.data, args.batch_size, args.workers,
-                                     args.device, image_size=args.image_size)
+                                     args.device, image_size=args.image_size,
+                                     data_dir=args.data_dir)
     except EvalError as e:
         args.command_parser.error(str(e))
     if MPI.COMM_WORLD.rank == 0:

@@ -528,6 +528,25 @@ def test_eval_without_data_takes_its_runs_validation_file_or_says_it_is_not_here
                             f"with --data FILE")
 
 
+def test_eval_of_a_named_data_set_scores_its_validation_file(one_epoch, digits, tmp_path):
+    """--data digits, as train takes it: the validation file under the run's --data-dir,
+    or under --data-dir; a folder without it is refused with the command that makes it."""
+    named = quick("eval", "--checkpoint", str(one_epoch), "--data", "digits", "--json")
+    given = quick("eval", "--checkpoint", str(one_epoch), "--data",
+                  str(digits / "digits_val.h5"), "--json")
+    assert named.returncode == given.returncode == 0, named.stderr + given.stderr
+    assert json.loads(named.stdout) == json.loads(given.stdout)
+    assert json.loads(named.stdout)["data"] == str(digits / "digits_val.h5")
+    there = quick("eval", "--checkpoint", str(one_epoch), "--data", "digits", "--data-dir",
+                  str(digits), "--json")
+    assert json.loads(there.stdout) == json.loads(given.stdout), there.stderr
+    refused(quick("eval", "--checkpoint", str(one_epoch), "--data", "digits", "--data-dir",
+                  str(tmp_path)),
+            f"the validation file of digits, {tmp_path / 'digits_val.h5'}, does not exist: "
+            f"make it with `python -m mpitrain convert digits {tmp_path}`, or give --data-dir "
+            f"where it is")
+
+
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.launches)])
 def test_an_empty_record_ends_the_run_in_one_line_with_status_2(synth, tmp_path, ranks):
     data = tmp_path / "s.h5"

@@ -19,20 +19,21 @@ class EvalError(ValueError):
 
 
 def evaluate_checkpoint(path, data=None, batch_size=None, workers=2, device="auto", comm=None,
-                        image_size=None):
+                        image_size=None, data_dir=None):
     """{"top1", "top5" (5 classes or more), "loss" (mean cross-entropy), "images",
-    "image_size", "data", ...} of checkpoint `path` on file `data` (None: its run's
-    validation file), at `image_size` (None: the checkpoint's); mpitrain.train.evaluate
-    says the rest."""
+    "image_size", "data", ...} of checkpoint `path` on file `data` (a named data set: its
+    validation file under `data_dir`, None: the run's; data None: its run's validation
+    file), at `image_size` (None: the checkpoint's); mpitrain.train.evaluate says the
+    rest."""
     from mpi4py import MPI
     from mpitrain.comm import Communicator
     comm = Communicator(comm or MPI.COMM_WORLD)
-    result = _evaluate(comm, path, data, batch_size, workers, device, image_size)
+    result = _evaluate(comm, path, data, batch_size, workers, device, image_size, data_dir)
     comm.free()         # collective: not after an error, which may be one rank's alone
     return result
 
 
-def _evaluate(comm, path, data, batch_size, workers, device, image_size):
+def _evaluate(comm, path, data, batch_size, workers, device, image_size, data_dir):
     from mpitrain.datasets.h5format import FormatError
     from mpitrain.datasets.loader import Loader
     from mpitrain.nets import build_model
@@ -44,7 +45,7 @@ def _evaluate(comm, path, data, batch_size, workers, device, image_size):
     if comm.rank == 0:
         try:
             cfg = checkpoint.read_config(path)
-            data = data or run_validation_file(cfg)
+            data = scored_file(cfg, data, data_dir)
             info = (cfg, data, describe_file(data))
         except (checkpoint.CheckpointError, FormatError, ConfigError, EvalError) as e:
             info = str(e)
@@ -89,6 +90,25 @@ def _evaluate(comm, path, data, batch_size, workers, device, image_size):
         result = evaluate(model, comm, loader, (1, 5) if classes >= 5 else (1,))
     result.update(images=num_images, image_size=size_px, data=data)
     return result
+
+
+def scored_file(cfg, data, data_dir):
+    """The file --data names: a file as given; a named data set's validation file, under
+    data_dir or (None) the run's --data-dir as found from here; without --data, the run's
+    validation file. A named set's missing file is refused with the command that makes it."""
+    from ..checks import PRESETS, data_files, run_data_files
+    if data is None:
+        return run_validation_file(cfg)
+    if data not in PRESETS:
+        return data
+    val = (data_files(data, data_dir)[1] if data_dir is not None
+           else run_data_files(dict(cfg, data=data, val_data=None))[1])
+    if not os.path.exists(val):
+        folder = os.path.dirname(val)
+        raise EvalError(f"the validation file of {data}, {val}, does not exist: make it with "
+                        f"`python -m mpitrain convert {data} {folder}`, or give --data-dir "
+                        f"where it is")
+    return val
 
 
 def run_validation_file(cfg):
