@@ -101,9 +101,10 @@ def sharing(cfg):
     return f" ({k} ranks per GPU, collectives through MPI)"
 
 
-def epochs(n):
-    """'1 epoch', '8 epochs': a number of epochs as the run's lines say it."""
-    return f"{n} epoch{'s' * (n != 1)}"
+def epochs(n, kind=""):
+    """'1 epoch', '8 epochs', '0.5 warm-up epochs': a number of epochs as the run's lines
+    say it."""
+    return f"{n:g} {kind}epoch{'s' * (n != 1)}"
 
 
 def limit_threads(comm):
@@ -464,7 +465,7 @@ class Run:
         short = (f": longer than the run's {epochs(self.epochs)}, so the learning rate never "
                  f"reaches its peak" if cfg.warmup_epochs > self.epochs else "")
         self.say(f"optimizer {cfg.optimizer}, peak lr {self.base_lr:g} ({cfg.schedule} after "
-                 f"{cfg.warmup_epochs:g} warm-up epochs{short}), precision {cfg.precision}, "
+                 f"{epochs(cfg.warmup_epochs, 'warm-up ')}{short}), precision {cfg.precision}, "
                  f"loss scale {'dynamic from ' if scaler.dynamic else ''}{scaler.scale:g}",
                  flush=True)
 

@@ -207,6 +207,12 @@ def test_a_warm_up_longer_than_the_run_is_said_at_the_start(digits, tmp_path):
     assert re.search(r"top-5 \(\d+ images, 1 epoch, [\d.]+ s\)", r.stdout), r.stdout
 
 
+def test_a_number_of_epochs_is_said_in_the_singular_for_one():
+    from mpitrain.train import epochs
+    assert [epochs(1), epochs(8), epochs(1.0, "warm-up "), epochs(0.375, "warm-up ")] == \
+        ["1 epoch", "8 epochs", "1 warm-up epoch", "0.375 warm-up epochs"]
+
+
 def test_bucket_sizes_are_described_from_their_ranges():
     from mpitrain.train import describe_buckets
     assert describe_buckets([(0, 1000)], 4) == "1 bucket(s) of 4,000 bytes"
