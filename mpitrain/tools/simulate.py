@@ -459,7 +459,7 @@ def _header(r):
 def format_table(r):
     first = r["rows"][0]
     lines = _header(r) + [
-        f"{first['ranks']:,} ranks; compute per step: forward {first['forward'] * 1e3:.1f} ms, "
+        f"{first['ranks']:,} rank(s); compute per step: forward {first['forward'] * 1e3:.1f} ms, "
         f"backward {first['backward'] * 1e3:.1f} ms, update {first['update'] * 1e3:.1f} ms",
         "",
         f"{'algorithm':<13} {'comm ms':>10} {'exposed ms':>10} {'step ms':>10} "

@@ -200,7 +200,7 @@ def run(path, workers=2, batch=32, image_size=224, reference=None, json_out=Fals
 
 def _print(result):
     decoder = "nvImageCodec on the GPU" if result["device"] == "gpu" else result["jpeg_decoder"]
-    print(f"{result['file']}: {result['records']} records, {result['workers']} workers, batch "
+    print(f"{result['file']}: {result['records']} records, {result['workers']} worker(s), batch "
           f"{result['batch']}, {result['image_size']}x{result['image_size']} training crops, "
           f"{result['timed_batches']} batches timed, JPEG decoder: {decoder}")
     if result["device"] == "cpu" and result["workers"] > result["cores"]:
