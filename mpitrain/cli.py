@@ -1016,12 +1016,31 @@ def os_error(e):
     return f"{e.filename}: {e.strerror}"
 
 
+# setup.py's install_requires, by the names they are imported as
+DEPENDENCIES = ("numpy", "numba", "h5py", "PIL", "simplejpeg", "mpi4py", "sklearn", "yaml",
+                "threadpoolctl", "tqdm")
+
+
+def not_installed(e):
+    """A ModuleNotFoundError of a Python that lacks mpitrain's dependencies, or in which
+    mpitrain is not installed (its kernels/, nets/ and datasets/ become mpitrain.kernels
+    ... only when it is), as one line with the fix; None for any other missing module."""
+    if e.name is None or not (e.name.split(".")[0] in DEPENDENCIES
+                              or e.name.startswith("mpitrain.")):
+        return None
+    return (f"this Python ({sys.executable}) has no module {e.name!r}: mpitrain runs where "
+            f"it is installed with its dependencies: `./launch.sh COMMAND ...` (or "
+            f"`.venv/bin/python -m mpitrain ...`) after `./launch.sh setup`, or a Python in "
+            f"which `pip install -e .` ran in the checkout")
+
+
 def run(argv=None):
     """What `python -m mpitrain` and the installed `mpitrain` script run (mpitrain/__main__.py):
     main(), and when it fails on any rank, the end of the whole job.
 
     An error of the operating system on a named file (a path that cannot be made), or a
-    full disk, is said in one line, without the traceback (exit status 1).
+    full disk, is said in one line, without the traceback (exit status 1); so is a Python
+    without mpitrain's dependencies (exit status 2).
 
     Without the Abort, one rank dying inside a training step (or stopped by Ctrl-C
     before the run handles signals) leaves the others waiting forever in their next
@@ -1036,6 +1055,7 @@ def run(argv=None):
             and not MPI.Is_finalized() else None
         where = f"rank {world.rank} of {world.size}" if world is not None else "mpitrain"
         interrupted = isinstance(e, KeyboardInterrupt)
+        missing = not_installed(e) if isinstance(e, ModuleNotFoundError) else None
         # a record that cannot be read, or a refusal that only some ranks reach: bad input,
         # its message says it all
         data_error = tuple(getattr(sys.modules.get(module), name, ())
@@ -1045,13 +1065,15 @@ def run(argv=None):
             sys.stderr.write(f"{where}: interrupted, ending the job\n")
         elif isinstance(e, data_error):
             sys.stderr.write(f"{where}: error: {e}\n")
+        elif missing:
+            sys.stderr.write(f"{where}: error: {missing}\n")
         elif isinstance(e, OSError) and (e.filename is not None or e.errno in FULL):
             sys.stderr.write(f"{where}: error: {os_error(e)}\n")
         else:
             sys.stderr.write(f"{where}: uncaught exception, ending the job\n"
                              f"{traceback.format_exc()}")
         sys.stderr.flush()
-        status = 130 if interrupted else 2 if isinstance(e, data_error) else 1
+        status = 130 if interrupted else 2 if isinstance(e, data_error) or missing else 1
         if world is not None and world.size > 1:
             from mpitrain.control import end_job
             end_job(world, status)

@@ -163,6 +163,56 @@ def test_version_names_mpitrain_its_commit_python_and_the_libraries():
         assert f"{module.__name__} {module.__version__}" in second, second
 
 
+def venv_python(path, site=None):
+    """A new venv's Python, without mpitrain or its dependencies; with `site`, that folder
+    on its path (its packages importable, but its .pth files not run: mpitrain's editable
+    install, which maps kernels/ to mpitrain.kernels, stays out)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True,
+                   timeout=120)
+    python = str(path / "bin" / "python")
+    if site:
+        purelib = subprocess.run([python, "-c", "import sysconfig; "
+                                  "print(sysconfig.get_path('purelib'))"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+        with open(os.path.join(purelib, "site.pth"), "w") as f:
+            f.write(site + "\n")
+    return python
+
+
+@pytest.mark.parametrize("with_dependencies", [False, True])
+def test_a_python_without_mpitrain_installed_is_told_how_to_run_it(tmp_path, with_dependencies):
+    """`python -m mpitrain` in the checkout from a Python without the dependencies, or
+    without mpitrain installed: one line naming the missing module and the fix, status 2."""
+    import sysconfig
+
+    from mpitrain.cli import DEPENDENCIES
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    python = venv_python(tmp_path / "venv",
+                         sysconfig.get_path("purelib") if with_dependencies else None)
+    r = subprocess.run([python, "-m", "mpitrain", "train"], cwd=root, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    missing = re.fullmatch(rf"(?:mpitrain|rank 0 of 1): error: this Python \({re.escape(python)}"
+                           rf"\) has no module '([\w.]+)': mpitrain runs where it is installed "
+                           rf"with its dependencies: `./launch.sh COMMAND ...` \(or "
+                           rf"`.venv/bin/python -m mpitrain ...`\) after `./launch.sh setup`, "
+                           rf"or a Python in which `pip install -e .` ran in the checkout\n",
+                           r.stderr)
+    assert missing, r.stderr
+    name = missing.group(1)
+    assert name.startswith("mpitrain.") if with_dependencies else name in DEPENDENCIES, name
+
+
+def test_the_dependencies_named_are_setup_pys():
+    from mpitrain.cli import DEPENDENCIES
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "setup.py")) as f:
+        required = re.search(r"install_requires=\[(.*?)\]", f.read(), re.S).group(1)
+    imported_as = {"pillow": "PIL", "scikit-learn": "sklearn", "pyyaml": "yaml"}
+    names = [re.match(r"[\w-]+", d).group(0) for d in re.findall(r'"([^"]+)"', required)]
+    assert sorted(imported_as.get(n, n) for n in names) == sorted(DEPENDENCIES)
+
+
 @pytest.mark.parametrize("argv", [["train", "--compress", "topk", "--comm-dtype", "fp16"],
                                   ["train", "--optimizer", "sgd", "--lars-eta", "0.01"],
                                   ["train", "--schedule", "step"]])
