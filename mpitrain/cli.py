@@ -1019,16 +1019,20 @@ def os_error(e):
 # setup.py's install_requires, by the names they are imported as
 DEPENDENCIES = ("numpy", "numba", "h5py", "PIL", "simplejpeg", "mpi4py", "sklearn", "yaml",
                 "threadpoolctl", "tqdm")
+# the checkout's folders that become mpitrain's packages only when it is installed
+INSTALLED_AS = ("mpitrain.kernels", "mpitrain.nets", "mpitrain.datasets")
 
 
 def not_installed(e):
     """A ModuleNotFoundError of a Python that lacks mpitrain's dependencies, or in which
-    mpitrain is not installed (its kernels/, nets/ and datasets/ become mpitrain.kernels
-    ... only when it is), as one line with the fix; None for any other missing module."""
-    if e.name is None or not (e.name.split(".")[0] in DEPENDENCIES
-                              or e.name.startswith("mpitrain.")):
+    mpitrain is not installed (setup.py's package_dir makes kernels/ mpitrain.kernels, and
+    builds its compiled kernels), as one line with the fix; None for any other missing
+    module."""
+    name = e.name or ""
+    if not (name.split(".")[0] in DEPENDENCIES
+            or any(name == p or name.startswith(p + ".") for p in INSTALLED_AS)):
         return None
-    return (f"this Python ({sys.executable}) has no module {e.name!r}: mpitrain runs where "
+    return (f"this Python ({sys.executable}) has no module {name!r}: mpitrain runs where "
             f"it is installed with its dependencies: `./launch.sh COMMAND ...` (or "
             f"`.venv/bin/python -m mpitrain ...`) after `./launch.sh setup`, or a Python in "
             f"which `pip install -e .` ran in the checkout")

@@ -530,7 +530,8 @@ def test_eval_without_data_takes_its_runs_validation_file_or_says_it_is_not_here
 
 def test_eval_of_a_named_data_set_scores_its_validation_file(one_epoch, digits, tmp_path):
     """--data digits, as train takes it: the validation file under the run's --data-dir,
-    or under --data-dir; a folder without it is refused with the command that makes it."""
+    or under --data-dir (which without --data takes the run's set); a folder without it is
+    refused with the command that makes it, and --data-dir beside a file."""
     named = quick("eval", "--checkpoint", str(one_epoch), "--data", "digits", "--json")
     given = quick("eval", "--checkpoint", str(one_epoch), "--data",
                   str(digits / "digits_val.h5"), "--json")
@@ -540,11 +541,18 @@ def test_eval_of_a_named_data_set_scores_its_validation_file(one_epoch, digits, 
     there = quick("eval", "--checkpoint", str(one_epoch), "--data", "digits", "--data-dir",
                   str(digits), "--json")
     assert json.loads(there.stdout) == json.loads(given.stdout), there.stderr
+    # without --data, the run's named set under --data-dir
+    run_set = quick("eval", "--checkpoint", str(one_epoch), "--data-dir", str(digits), "--json")
+    assert json.loads(run_set.stdout) == json.loads(given.stdout), run_set.stderr
     refused(quick("eval", "--checkpoint", str(one_epoch), "--data", "digits", "--data-dir",
                   str(tmp_path)),
             f"the validation file of digits, {tmp_path / 'digits_val.h5'}, does not exist: "
             f"make it with `python -m mpitrain convert digits {tmp_path}`, or give --data-dir "
             f"where it is")
+    refused(quick("eval", "--checkpoint", str(one_epoch), "--data", str(digits / "digits_val.h5"),
+                  "--data-dir", str(digits)),
+            f"--data-dir is where a named data set's files are (digits, fashion-mnist); "
+            f"{digits / 'digits_val.h5'} is a file: drop --data-dir")
 
 
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.launches)])

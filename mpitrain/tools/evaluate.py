@@ -93,20 +93,28 @@ def _evaluate(comm, path, data, batch_size, workers, device, image_size, data_di
 
 
 def scored_file(cfg, data, data_dir):
-    """The file --data names: a file as given; a named data set's validation file, under
-    data_dir or (None) the run's --data-dir as found from here; without --data, the run's
-    validation file. A named set's missing file is refused with the command that makes it."""
+    """The file eval scores: --data FILE as given; a named data set's validation file
+    (--data NAME, or no --data after a run on NAME with --data-dir), under --data-dir or
+    else the run's --data-dir as found from here; without either option, the run's
+    validation file. A named set's missing file is refused with the command that makes
+    it, and --data-dir where no named set is scored."""
     from ..checks import PRESETS, data_files, run_data_files
-    if data is None:
+    if data is None and data_dir is None:
         return run_validation_file(cfg)
-    if data not in PRESETS:
+    name = cfg["data"] if data is None else data
+    if name not in PRESETS:
+        if data_dir is not None:
+            raise EvalError(f"--data-dir is where a named data set's files are "
+                            f"({', '.join(PRESETS)}); {name} is a file"
+                            f"{' (the run trained on it)' if data is None else ''}: drop "
+                            f"--data-dir")
         return data
-    val = (data_files(data, data_dir)[1] if data_dir is not None
-           else run_data_files(dict(cfg, data=data, val_data=None))[1])
+    val = (data_files(name, data_dir)[1] if data_dir is not None
+           else run_data_files(dict(cfg, data=name, val_data=None))[1])
     if not os.path.exists(val):
         folder = os.path.dirname(val)
-        raise EvalError(f"the validation file of {data}, {val}, does not exist: make it with "
-                        f"`python -m mpitrain convert {data} {folder}`, or give --data-dir "
+        raise EvalError(f"the validation file of {name}, {val}, does not exist: make it with "
+                        f"`python -m mpitrain convert {name} {folder}`, or give --data-dir "
                         f"where it is")
     return val
 
