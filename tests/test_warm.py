@@ -55,9 +55,10 @@ def processes_naming(path):
 
 
 def test_a_stopped_warm_ends_its_jobs_and_removes_their_directories(tmp_path):
-    """SIGTERM (what launch.sh's set-up sends on Ctrl-C) while both epochs run: exit 143,
-    no job left running, no directory left. (Kernels from the cache: an epoch takes a
-    few seconds, so a run that ended before the signal tries again.)"""
+    """SIGTERM (what launch.sh's set-up sends on Ctrl-C) while the last job's epoch runs
+    (the jobs run one after the other): exit 143, no job left running, no directory left.
+    (Kernels from the cache: an epoch takes a few seconds, so a run that ended before the
+    signal tries again.)"""
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     env = dict(launcher.environment(), TMPDIR=str(scratch))

@@ -5,11 +5,17 @@ Numba compiles a kernel at its first call with new argument types, and keeps the
 machine code of those marked cache=True in the `__pycache__` beside their source,
 where every later process finds it. Without this, the first run compiles them
 itself: about half a minute, in every rank of the job at once. This trains one epoch
-of the bundled digits in each of JOBS, at the same time, each process with a thread
+of the bundled digits in each of JOBS, one after the other, each process with a thread
 per core (the GEMM team's kernels compile only where a run has several threads), in
 scratch directories that are removed. A kernel that only other options call (another
 optimizer or dtype, top-k) still compiles on its first call, once; so does every
 kernel whose source file has changed since.
+
+One after the other, because Numba's cache is not safe for two processes that compile
+one kernel for different argument types at once: each rewrites the kernel's index from
+what it read before, so one entry is lost, or names the other's machine code, which
+then fails every later call with those types ("can't unbox array"; numba/numba#10128).
+The ranks of one job compile the same types, which is safe.
 
 Exit status: 0, or 1 with the failed run's output; stopped by SIGINT or SIGTERM, it
 ends its jobs and removes their directories first.
@@ -57,10 +63,11 @@ def main():
                     runs[name] = subprocess.Popen(
                         train_command(os.path.join(scratch, f"job{i}"), options), env=env,
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                for name, run in runs.items():
-                    outputs[name] = run.communicate()[0]
+                    outputs[name] = runs[name].communicate()[0]
+                    if runs[name].returncode != 0:
+                        break
             finally:
-                for run in runs.values():       # stopped: each job ends (a train stops
+                for run in runs.values():       # stopped: the job ends (a train stops
                     if run.poll() is None:      # at its next step on SIGTERM) before its
                         run.terminate()         # directory goes
                         run.communicate()
