@@ -17,6 +17,8 @@ and exactly. The decoded images of a batch are laid end to end in one uint8 buff
 One scalar body (`crop_pixel`), compiled for the CPU (`_crop_cpu`, the reference the
 tests hold the CUDA kernel to) and for CUDA (`_crop_cuda`, a thread per output pixel).
 """
+import math
+
 import numpy as np
 from numba import cuda, njit, prange
 from numba.extending import register_jitable
@@ -93,6 +95,7 @@ class BatchAugment:
     def __init__(self, augment: Augment):
         self.augment = augment
         self._decoder = self._params = None     # nvImageCodec's, made on first use
+        self.host_decoded = 0       # records the GPU's decode left to the host's
 
     def __call__(self, records, rngs, out, images=None):
         """Write the records (encoded bytes, each with its generator in `rngs`; training
@@ -142,6 +145,8 @@ class BatchAugment:
         copied over. Neither decoder turns an image by its EXIF orientation, as the CPU
         loader does not."""
         images = [None] * len(records) if xp is np else self._decode_on_gpu(records)
+        if xp is not np:
+            self.host_decoded += images.count(None)
         return [image if image is not None else _on(xp, _decode_or_none(r, self.augment.turbo))
                 for image, r in zip(images, records)]
 
@@ -162,10 +167,23 @@ class BatchAugment:
             decoded = self._decoder.decode([streams[i] for i in taken], params=self._params,
                                            cuda_stream=cupy.cuda.get_current_stream().ptr)
             for i, image in zip(taken, decoded):
-                pixels = None if image is None else cupy.asarray(image)
+                pixels = None if image is None else _device_pixels(cupy, image)
                 if pixels is not None and pixels.shape[2:] == (3,) and pixels.dtype == np.uint8:
                     images[i] = pixels
         return images
+
+
+def _device_pixels(cupy, image):
+    """An nvImageCodec image's pixels as a CuPy array that keeps the image alive.
+    cupy.asarray would wait on the host for the stream the image was decoded on (the
+    stream its __cuda_array_interface__ names); the crop kernel runs on that same stream,
+    after the decode, so nothing needs to wait."""
+    face = image.__cuda_array_interface__
+    shape, dtype, strides = tuple(face["shape"]), np.dtype(face["typestr"]), face.get("strides")
+    extent = (dtype.itemsize * math.prod(shape) if strides is None else     # bytes
+              dtype.itemsize + sum((n - 1) * s for n, s in zip(shape, strides)))
+    memory = cupy.cuda.UnownedMemory(face["data"][0], extent, image)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0), strides=strides)
 
 
 # nvImageCodec's backends that decode on the GPU (nvJPEG's: on the GPU alone, with the

@@ -30,7 +30,8 @@ and crops, resizes and normalises them in one kernel (batch_augment.py), all on 
 CUDA stream of its own, and records an event. The consumer's stream waits for the
 events of a batch before the step reads it, and a worker waits, on its stream, for
 the event the consumer recorded when it handed the slot back, so a slot is not
-overwritten while a step still reads it. The host never waits for the device.
+overwritten while a step still reads it. A worker's host thread waits for nothing on
+the device: nvImageCodec's pixels are read on the stream they were decoded on.
 """
 import threading
 import time
@@ -126,8 +127,10 @@ class Loader:
     total time the consumer has waited for data (with workers=0: spent loading
     it), `last_wait` that of the last batch. Call `close()` (or use `with`) to
     stop the workers. `pinned=True` allocates the ring in page-locked host memory (CuPy), so
-    the trainer can copy it to the GPU asynchronously. decode="gpu": the ring is on the
-    current GPU and the workers decode there (see the module docstring).
+    the trainer can copy it to the GPU asynchronously; such a copy reads the slot when the
+    GPU reaches it, so a worker refills a handed-back slot only after the event the
+    consumer recorded at its hand-back. decode="gpu": the ring is on the current GPU and
+    the workers decode there (see the module docstring).
     """
 
     def __init__(self, path, global_batch, rank=0, size=1, train=True, image_size=224,
@@ -153,13 +156,19 @@ class Loader:
         self.ring = prefetch + 1
         shape = (self.ring, self.local_batch, image_size, image_size, 3)
         self.device = None
+        # the event of each slot's hand-back, where the device reads the ring: the slot is
+        # filled again once the work queued before it (the step, or the copy of a
+        # page-locked batch, which runs when the device gets to it) is done
+        self._freed = [None] * self.ring if decode == "gpu" or pinned else None
         if decode == "gpu":
             import cupy
             self.device = cupy.cuda.Device()
             self.x = cupy.empty(shape, dtype)
-            self._freed = [None] * self.ring      # the event of each slot's hand-back
             self._filled = [[] for _ in range(self.ring)]   # each chunk's event
             self._local = threading.local()      # each worker's stream and batch decoder
+            # every worker's (stream, BatchAugment), kept as long as the loader: an image
+            # decoded on a stream is freed on it, maybe after its worker has ended
+            self._decoders = []
         else:
             self.x = _empty(shape, dtype, pinned)
         self.y = np.zeros((self.ring, self.local_batch), np.int64)
@@ -240,7 +249,7 @@ class Loader:
     def _release_device(self, a):
         """Before batch a is asked for: the slot of batch a - 1 is free once the work the
         consumer has queued so far (the step that read it) is done."""
-        if self.device is not None:
+        if self._freed is not None:
             import cupy
             with self._lock:
                 self._freed[(a - 1) % self.ring] = cupy.cuda.get_current_stream().record()
@@ -254,6 +263,13 @@ class Loader:
             stream = cupy.cuda.get_current_stream()
             for event in events:
                 stream.wait_event(event)
+
+    @property
+    def host_decoded(self):
+        """With decode="gpu": how many records the GPU's decoder left to the host's (other
+        formats than JPEG, CMYK JPEGs, and records nvImageCodec refuses or fails on)."""
+        with self._lock:
+            return sum(batch.host_decoded for _, batch in self._decoders)
 
     def _valid(self, a):
         """How many leading entries of batch a are real samples, not padding."""
@@ -353,6 +369,11 @@ class Loader:
         if self.device is not None:
             self._fill_device(reader, epoch, indices[lo:hi], k, lo, hi)
             return
+        if self._freed is not None:             # page-locked: its copy to the GPU has run
+            with self._lock:
+                freed = self._freed[k]
+            if freed is not None:
+                freed.synchronize()
         for j in range(lo, hi):
             i = int(indices[j])
             self.y[k, j] = self._load(reader, i, epoch, self.x[k, j], k)
@@ -366,6 +387,8 @@ class Loader:
             self.device.use()                   # CuPy's current device is per thread
             local.stream = cupy.cuda.Stream(non_blocking=True)
             local.batch = BatchAugment(self.augment)
+            with self._lock:
+                self._decoders.append((local.stream, local.batch))
         with self._lock:
             freed = self._freed[k]
         with local.stream:

@@ -247,8 +247,11 @@ def _graph(kind, a, b, out, stride, pad):
     entry = _graphs.get(key)
     if entry is None:
         import cudnn
+        import cupy
         if _handle is None:
             _handle = cudnn.create_handle()
+        # the handle works on the current stream (a graph's capture may have left another)
+        cudnn.set_stream(handle=_handle, stream=cupy.cuda.get_current_stream().ptr)
         try:
             entry = _build(cudnn, kind, a, b, out, stride, pad)
             _tune(entry, a, b, out, plan_key(kind, a, b, out, stride, pad, _device_name()))
@@ -397,7 +400,6 @@ def _tune(entry, a, b, out, key):
         g.build_plans()
         return
     pointers = {ta: a.data.ptr, tb: b.data.ptr, tout: out.data.ptr}
-    cudnn.set_stream(handle=_handle, stream=cupy.cuda.get_current_stream().ptr)
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
     times = {}
     channels = min(a.shape[-1], out.shape[-1])      # the image's (fprop, wgrad) or dx's

@@ -84,6 +84,7 @@ class StepGraph:
         self.refused = None         # why a capture failed, and the step stays eager
         # the layers whose mask keys this graph draws, from the capture on
         self.dropouts = [m for _, m in model.named_modules() if isinstance(m, Dropout) and m.p > 0]
+        self._keys_drawn_ahead(False)   # until this graph captures (an earlier one may have)
 
     @property
     def captured(self):
@@ -146,6 +147,10 @@ class StepGraph:
         cp = self.cupy
         self._keys_drawn_ahead(True)
         self._draw_keys()
+        # the eager steps' spare blocks go back to the device first: the capture's pool
+        # holds a second copy of the step's activations
+        cp.get_default_memory_pool().free_all_blocks()
+        workspace = cudnn.workspace()
         pool, graphs = cp.cuda.MemoryPool(), []
         try:
             with cp.cuda.using_allocator(pool.malloc), self.stream:
@@ -161,8 +166,8 @@ class StepGraph:
             self.refused = f"the capture failed ({type(e).__name__}: {e})"
             self._say(f"CUDA graphs: {self.refused}; the step runs eagerly")
             return
-        self.graphs, self.pool, self.workspace = graphs, pool, cudnn.workspace()
-        cp.get_default_memory_pool().free_all_blocks()  # the eager steps' spare blocks
+        # the workspace the capture began with, and a larger one, should it have made one
+        self.graphs, self.pool, self.workspace = graphs, pool, (workspace, cudnn.workspace())
         self._say(f"CUDA graphs: captured at step {self.steps}, "
                   f"{pool.total_bytes() / 2**20:,.0f} MiB of their own memory")
 

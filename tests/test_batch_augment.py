@@ -122,6 +122,7 @@ def test_nvimagecodec_batches_on_the_gpu_against_the_host_decode():
     rngs = lambda: [np.random.default_rng([2, i]) for i in range(8)]   # noqa: E731
     host = batch(recs, rngs(), np.empty((8, 96, 96, 3), np.float32))
     device = batch(recs, rngs(), cupy.empty((8, 96, 96, 3), cupy.float16))
+    assert batch.host_decoded == 0          # every JPEG on the GPU
     grey = np.abs(cupy.asnumpy(device).astype(np.float32) - host) * STD
     assert grey.mean() < 1 and grey.max() < 16, (grey.mean(), grey.max())
 
@@ -151,6 +152,7 @@ def test_a_record_nvimagecodec_does_not_take_is_decoded_on_the_host():
     batch = BatchAugment(Augment(96, MEAN, STD, train=True))
     host, device = batch.decode(recs, np), batch.decode(recs, cupy)
     assert [im is None for im in device] == [im is None for im in host] == [False] * 6 + [True] * 2
+    assert batch.host_decoded == 3      # the PNG and the bad two; every JPEG on the GPU
     for h, d in zip(host[:6], device[:6]):
         assert isinstance(d, cupy.ndarray) and d.shape == h.shape == (375, 500, 3)
         assert np.abs(cupy.asnumpy(d).astype(np.float32) - h).mean() < 3
@@ -239,5 +241,8 @@ def test_the_loader_decoding_on_the_gpu_against_the_cpu_loader(tmp_path, train):
                 assert grey.mean() < 1.5 and grey.max() < 12, (grey.mean(), grey.max())
             assert gpu_loader.bad_indices == cpu_loader.bad_indices == {5, 30}
             assert gpu_loader.skipped == cpu_loader.skipped == 2
+            # every good record on the GPU; each bad one tried twice (in its batch, then
+            # alone), in this epoch and maybe in the next one's first two batches, prefetched
+            assert gpu_loader.host_decoded in (4, 6, 8), gpu_loader.host_decoded
     finally:
         backend.use_device("cpu")

@@ -608,6 +608,28 @@ def test_pinned_ring_gives_the_same_batches(tmp_path):
     pinned.close()
 
 
+@pytest.mark.gpu
+def test_a_pinned_slot_is_filled_again_only_after_its_copy_to_the_gpu(tmp_path):
+    """A page-locked batch is copied when the GPU reaches the copy. With the GPU kept busy
+    before each copy (a kernel that spins), the workers, a batch ahead, must not refill a
+    slot whose copy has not run yet: every copy is the plain loader's batch."""
+    import cupy
+    path = jpeg_file(str(tmp_path / "data.h5"), n=32)
+    spin = cupy.RawKernel(r'''extern "C" __global__ void spin(long long cycles) {
+        long long start = clock64(); while (clock64() - start < cycles) {} }''', "spin")
+    common = dict(train=False, image_size=16, workers=2, prefetch=1)
+    with Loader(path, 4, **common) as plain:
+        expected = [x.copy() for x, _ in plain]
+    with Loader(path, 4, pinned=True, **common) as pinned:
+        copies = []
+        for x, _ in pinned:
+            spin((1,), (1,), (np.int64(20_000_000),))      # some 10 ms of the GPU's clock
+            copies.append(cupy.asarray(x))
+    assert len(copies) == len(expected) == 8
+    for got, want in zip(copies, expected):
+        np.testing.assert_array_equal(cupy.asnumpy(got), want)
+
+
 def test_loader_reports_waiting_and_reuses_its_buffers(tmp_path):
     path = jpeg_file(str(tmp_path / "data.h5"), n=16)
     loader = Loader(path, 4, train=False, image_size=16, workers=1, prefetch=1)
