@@ -28,7 +28,9 @@ arena: cuDNN's engines that write fp32 from fp16 operands are many times
 slower (docs/benchmarks-record.md). An fp16 dW beyond 65504 becomes inf, which the
 step's overflow check sees (the dynamic loss scale then halves), as with
 PyTorch's AMP. A geometry cuDNN cannot build raises `Unsupported`, which is
-remembered, and the caller takes the generic im2col + GEMM path (nets/conv.py).
+remembered: a weight gradient then takes the generic im2col + GEMM path and a product
+CuPy's cuBLAS (nets/conv.py), and a forward or data gradient, which cuDNN serves
+for every convolution of the networks here, ends the step with it.
 
 Availability is probed, not assumed: the first `available()` imports CuPy and
 the frontend, builds one tiny convolution in fp32 (and in fp16 where the device
