@@ -649,6 +649,7 @@ def test_bench_data_on_the_gpu(tmp_path):
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout)
     assert result["device"] == "gpu" and result["mpitrain"]["images"] == 6 * 8
+    assert result["mpitrain"]["host_decoded"] == 0      # every JPEG decoded on the GPU
     assert result["cpu_every_core"]["images"] == 6 * 8
     assert result["gpu_over_cpu"] == pytest.approx(
         result["mpitrain"]["images_per_s"] / result["cpu_every_core"]["images_per_s"])
