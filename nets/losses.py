@@ -50,14 +50,17 @@ def softmax_cross_entropy(logits, labels, label_smoothing=0.0, scale=1.0):
 def accuracy_counts(logits, labels, topk=(1, 5)):
     """How many rows have their label among the k largest logits, for each k in topk
     (k capped at the number of classes), as an int64 array of the logits' module (on a
-    GPU it stays there until read). A label counts as within the top k when fewer than
-    k logits are strictly larger than its own (ties favour the label). A row with a
-    non-finite logit counts as wrong at every k: no logit compares larger than a NaN,
-    which would otherwise put a NaN row's label first (nonfinite_rows counts them)."""
+    GPU it stays there until read). The label's rank is the number of logits larger than
+    its own plus the number equal to it at a lower class index: ties go to the lower
+    class, as argmax breaks them (and predict), so a model whose logits are all equal
+    is right only where the label is class 0, not everywhere. A row with a non-finite
+    logit counts as wrong at every k: no logit compares larger than a NaN, which would
+    otherwise put a NaN row's label first (nonfinite_rows counts them)."""
     xp = array_module(logits)
     N, K, labels = _check(xp, logits, labels)
-    own = logits[xp.arange(N), labels]
-    rank = (logits > own[:, None]).sum(axis=1)
+    own = logits[xp.arange(N), labels][:, None]
+    lower = xp.arange(K)[None, :] < labels[:, None]
+    rank = ((logits > own) | ((logits == own) & lower)).sum(axis=1)
     finite = xp.isfinite(logits).all(axis=1)
     return xp.stack([((rank < min(k, K)) & finite).sum() for k in topk]).astype(np.int64)
 

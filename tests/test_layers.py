@@ -370,6 +370,21 @@ def test_accuracy_counts():
     assert accuracy_counts(logits, labels, topk=(1, 2, 5)).tolist() == [1, 2, 3]   # k = 5: 4
 
 
+def test_tied_logits_go_to_the_lower_class_as_argmax_does():
+    """A model whose logits are all equal is right only where the label is class 0 (top-1)
+    or one of the first k classes (top-k), not on every row; a tie elsewhere likewise."""
+    labels = np.arange(10)
+    assert accuracy_counts(np.zeros((10, 10), np.float32), labels, topk=(1, 5)).tolist() == [1, 5]
+    logits = np.array([[0.5, 0.9, 0.9, 0.1],     # label 2 ties with 1: second
+                       [0.5, 0.9, 0.9, 0.1],     # label 1 ties with 2: first
+                       [0.9, 0.9, 0.9, 0.9]])    # label 3, all tied: last
+    ranks = [1, 0, 3]
+    for k in (1, 2, 3, 4):
+        assert accuracy_counts(logits, np.array([2, 1, 3]), topk=(k,)).tolist() == \
+            [sum(r < k for r in ranks)]
+    assert np.argmax(logits, axis=1).tolist() == [1, 1, 0]
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_a_row_with_a_non_finite_logit_is_never_correct(bad):
     """No logit is larger than a NaN: without the check a NaN row would score at every k."""

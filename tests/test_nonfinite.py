@@ -1,7 +1,8 @@
 """Non-finite numbers are never a result: a checkpoint with NaN weights is refused by
 eval, export and predict (exit 2, naming the tensor); a model whose logits overflow
-scores them as wrong and the command fails (exit 1, saying how many); data files
-with a NaN mean or std are refused when opened; predict --json stays JSON."""
+scores them as wrong and the command fails (exit 1, saying how many); equal logits
+score as argmax picks, not all right; data files with a NaN mean or std are refused when
+opened; predict --json stays JSON."""
 import json
 
 import h5py
@@ -45,6 +46,16 @@ def overflowing(tiny_data, tmp_path_factory):
     return checkpoint_of(model, tiny_data, tmp_path_factory.mktemp("big") / "big.h5")
 
 
+@pytest.fixture(scope="module")
+def constant(tiny_data, tmp_path_factory):
+    """resnet_small whose classifier's weights and bias are zero: every logit is 0."""
+    model = randomised("resnet_small")
+    for _, p in list(model.named_params())[-2:]:
+        p.master[...] = 0
+    model.arena.sync_working()
+    return checkpoint_of(model, tiny_data, tmp_path_factory.mktemp("zero") / "zero.h5")
+
+
 def no_nan(text):
     def refuse(constant):
         raise AssertionError(f"{constant} in JSON: {text}")
@@ -69,6 +80,16 @@ def test_eval_of_overflowing_logits_counts_them_wrong_and_fails(overflowing, tin
     assert result["top1"] == 0.0 and result["nonfinite"] == 6 and result["images"] == 6
     assert "6 of 6 images gave non-finite logits (inf or NaN) and were counted wrong" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_model_whose_logits_are_all_equal_is_right_only_on_the_first_class(constant,
+                                                                           tiny_data):
+    """Tied logits go to the lower class, as argmax (and predict) breaks ties: the 2 of
+    the 6 images that are of class 0, not all of them."""
+    r = quick("eval", "--checkpoint", constant, "--data", tiny_data, "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = no_nan(r.stdout)
+    assert result["images"] == 6 and result["top1"] == pytest.approx(2 / 6), result
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "onnx"])
