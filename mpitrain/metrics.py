@@ -199,10 +199,11 @@ class MetricsLog:
     """metrics.jsonl: one JSON object per line, appended and flushed as it happens, so a
     resumed run continues the same file and a crash loses nothing written before it.
 
-    Step records: {"kind": "step", "epoch", "step", "global_step", "loss", "top1" (the
-    training top-1 of the images trained on since the previous record, over all ranks;
-    null when the steps ran from CUDA graphs), "lr", "loss_scale" (if any),
-    "images_per_s", "skipped_records", "time": {phase: seconds per step}}.
+    Step records: {"kind": "step", "epoch", "step", "global_step", "loss" (the mean of the
+    ranks' finite training losses since the previous record; null when none was finite),
+    "losses_not_finite" (the ranks' losses left out of it), "top1" (the training top-1 of
+    the images trained on since the previous record, over all ranks), "lr", "loss_scale"
+    (if any), "images_per_s", "skipped_records", "time": {phase: seconds per step}}.
     Evaluation records: {"kind": "eval", "epoch", "global_step", "skipped_steps" (skipped
     on overflow under loss scaling, so far), "top1", "top5", "loss" (the validation
     set's mean cross-entropy, without label smoothing; null when some logits were not

@@ -492,8 +492,11 @@ class Run:
         self.saved_cfg = {**self.cfg.as_dict(), "num_classes": len(data.class_names),
                           "class_names": data.class_names, "image_size": data.image_size,
                           "start_dir": os.getcwd(), **data.normalise}
-        self.loss_sum = np.zeros(2)             # the ranks' summed losses, and steps, since
-        self.loss_watch = LossWatch()           # the last log line
+        # since the last log line: the ranks' finite losses summed, how many they were, and
+        # how many were not finite (left out of the mean)
+        self.loss_sum = np.zeros(3)
+        self.timed_steps = 0                    # steps this process ran since the last log
+        self.loss_watch = LossWatch()
         # this rank's top-1 hits on the device and images counted since the last log line
         # (always written in place: a CUDA graph adds into this very array)
         self.correct = backend.xp.zeros(1, np.int64)
@@ -581,7 +584,9 @@ class Run:
         except checkpoint.CheckpointError as e:
             raise ConfigError(str(e)) from None
         self.train_data.load_state_dict({"epoch": meta["epoch"], "step": meta["step"]})
-        self.loss_sum[:] = meta["progress"].get("loss_sum", (0.0, 0.0))
+        saved = meta["progress"].get("loss_sum", ())
+        self.loss_sum[:] = 0
+        self.loss_sum[:len(saved)] = saved
         counts = meta["progress"].get("top1_counts")
         if counts and self.comm.rank == 0:     # all ranks' sums
             self.correct[...] = int(counts[0])
@@ -636,7 +641,8 @@ class Run:
             mean_loss = agreed.loss_sum / comm.size
             if not agreed.not_finite and self.loss_watch.update(mean_loss, global_step):
                 raise TrainingError(self.diverged(mean_loss, epoch, s, "has exploded", False))
-            self.loss_sum += agreed.loss_sum, comm.size
+            self.loss_sum += agreed.loss_sum, comm.size - agreed.not_finite, agreed.not_finite
+            self.timed_steps += 1
             if (s + 1) % self.log_every == 0 or s + 1 == steps:
                 self.log_step(epoch, s, lr, global_step)
             if self.progress:
@@ -667,26 +673,34 @@ class Run:
         """The mean loss over the ranks and the steps since the last log, and the top-1
         accuracy of the images they trained on: the progress text and a metrics.jsonl
         record. Collective."""
-        self.result["loss"] = loss = float(self.loss_sum[0] / self.loss_sum[1])
+        finite, not_finite = int(self.loss_sum[1]), int(self.loss_sum[2])
+        loss = float(self.loss_sum[0] / finite) if finite else None
+        self.result["loss"] = loss
         top1 = self.training_accuracy()
         now = time.perf_counter()
-        images_per_s = self.loss_sum[1] / self.comm.size * self.batch / (now - self.last_log)
-        steps = self.loss_sum[1] / self.comm.size
+        # what this process timed: after a resume, the interval's earlier steps ran in
+        # another (their losses and hits were restored, their time was not)
+        steps = max(self.timed_steps, 1)
+        images_per_s = self.timed_steps * self.batch / (now - self.last_log)
         phases = {k: v / steps for k, v in self.timeline.take_totals().items()}
         wait = (self.train_data.wait_time - self.wait_start) / (now - self.epoch_start)
         skipped = self.skipped - self.skipped_logged     # by every rank since the last log line
         self.skipped_logged = self.skipped
-        self.line = (f"epoch {epoch + 1}/{self.epochs}  step {s + 1}/{self.steps}  loss {loss:.4f}"
+        loss_text = "loss not finite" if loss is None else f"loss {loss:.4f}" + (
+            f" ({not_finite} of {finite + not_finite} not finite, left out)" if not_finite else "")
+        self.line = (f"epoch {epoch + 1}/{self.epochs}  step {s + 1}/{self.steps}  {loss_text}"
                      + (f"  top1 {top1:.1%}" if top1 is not None else "")
                      + f"  lr {lr:.4f}  {images_per_s:,.0f} images/s  data wait {wait:.0%}"
                      + (f"  {skipped} bad record(s) skipped" if skipped else ""))
         if self.metrics:
             self.metrics.write(dict(kind="step", epoch=epoch + 1, step=s + 1,
-                                    global_step=global_step, loss=loss, top1=top1, lr=lr,
+                                    global_step=global_step, loss=loss,
+                                    losses_not_finite=not_finite, top1=top1, lr=lr,
                                     loss_scale=self.scaler.scale if self.scaler.check else None,
                                     images_per_s=images_per_s, skipped_records=skipped,
                                     time=phases))
         self.loss_sum[:] = 0
+        self.timed_steps = 0
         self.last_log = now
 
     def training_accuracy(self):

@@ -182,6 +182,26 @@ def test_train_whose_validation_logits_overflow_fails_its_final_line(tmp_path, r
     assert evals[-1]["nonfinite"] == 8 and evals[-1]["top1"] == 0.0
 
 
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.launches)])
+def test_training_losses_that_are_not_finite_are_said_never_averaged_as_zero(tmp_path, ranks):
+    """A training file whose std overflows its normalised pixels: under fp16's loss scaling
+    every step's loss is NaN and the step is skipped. Each line says the loss is not
+    finite (null in metrics.jsonl, with how many were not), never a mean of 0."""
+    from mpitrain.datasets.convert import convert_synthetic
+    train, val = str(tmp_path / "s.h5"), str(tmp_path / "s_val.h5")
+    convert_synthetic(str(tmp_path / "t.h5"), 32, (24, 24), classes=2)
+    with_stats(str(tmp_path / "t.h5"), train, std=[1e-40] * 3)
+    convert_synthetic(val, 8, (24, 24), classes=2)
+    args = ("train", "--data", train, "--val-data", val, "--batch-size", "8", "--epochs", "1",
+            "--image-size", "24", "--workers", "1", "--precision", "fp16", "--log-every", "2",
+            "--run-dir", str(tmp_path / "run"))
+    r = quick(*args) if ranks == 1 else run(ranks, *args)
+    assert "step 2/4  loss not finite  top1 0.0%" in r.stdout, r.stdout + r.stderr
+    assert "loss 0.0000" not in r.stdout
+    steps = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl") if '"step"' in x]
+    assert [(s["loss"], s["losses_not_finite"]) for s in steps] == [(None, 2 * ranks)] * 2
+
+
 def test_a_sixteen_bit_file_without_a_white_level_is_refused(tmp_path):
     """All-black 16-bit pixels: the white level an 8-bit image is scaled to would be 0."""
     from mpitrain.datasets.h5format import Writer
