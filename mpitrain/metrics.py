@@ -12,7 +12,7 @@ import time
 
 from tqdm import tqdm
 
-from .files import save_json
+from .files import save_json, save_text
 from .launcher import output_is_terminal
 
 
@@ -215,8 +215,18 @@ class MetricsLog:
     check before its next checkpoint stops it if the room does not come back.
     """
 
-    def __init__(self, path, stream=None):
+    def __init__(self, path, stream=None, through=None):
+        """through: the global step a resumed run continues from. The records of later
+        steps, which an earlier run wrote past its checkpoint before it stopped, are cut
+        from the file first (the file replaced whole): those steps run again and write
+        their records anew, so the file reads as an uninterrupted run's."""
         self.path, self.stream = path, stream or sys.stderr
+        if through is not None and os.path.exists(path):
+            with open(path) as f:
+                lines = f.readlines()
+            kept = [line for line in lines if _global_step(line) <= through]
+            if len(kept) < len(lines):
+                save_text(path, "".join(kept))
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self.lost = 0                       # records left out for want of room
 
@@ -236,6 +246,15 @@ class MetricsLog:
 
     def close(self):
         os.close(self.fd)
+
+
+def _global_step(line):
+    """The global step of a metrics.jsonl line; infinity for a torn line (cut with the
+    records after it)."""
+    try:
+        return json.loads(line)["global_step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")
 
 
 def read_metrics(path):

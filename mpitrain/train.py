@@ -557,7 +557,8 @@ class Run:
         stall watchdog."""
         cfg, comm, steps, timeline = self.cfg, self.comm, self.steps, self.timeline
         rank0 = comm.rank == 0
-        self.metrics = MetricsLog(os.path.join(self.run_dir, "metrics.jsonl")) if rank0 else None
+        self.metrics = MetricsLog(os.path.join(self.run_dir, "metrics.jsonl"),
+                                  through=self.saved_step) if rank0 else None
         position = self.train_data.state_dict()
         self.first_epoch = position["epoch"]
         self.progress = StepProgress(self.epochs * steps,

@@ -389,3 +389,27 @@ def test_a_stop_between_two_log_lines_resumes_with_the_same_training_accuracy(di
     steps = [rec for rec in records(straight) if rec["kind"] == "step"]
     assert [rec["step"] for rec in steps] == [5, 10, 15, 20, 22]
     assert all(0 < rec["top1"] <= 1 for rec in steps)
+
+
+def test_a_run_resumed_from_an_earlier_checkpoint_writes_each_step_once(digits, tmp_path):
+    """A run that went past its last checkpoint before it stopped (a crash: here the newer
+    checkpoint is removed) and is resumed: the records of the steps it runs again replace
+    the earlier ones, so metrics.jsonl is the uninterrupted run's, timings aside."""
+    job = ("train", "--batch-size", "64", "--seed", "5", "--epochs", "2", "--log-every", "10",
+           "--data-dir", str(digits))
+    straight, run_dir = tmp_path / "straight", tmp_path / "run"
+    for d in (straight, run_dir):
+        r = mpitrain_quick(*job, "--run-dir", str(d))
+        assert r.returncode == 0, r.stdout + r.stderr
+    (run_dir / "checkpoint-000000044.h5").unlink()      # epoch 2's: back to step 22
+    r = mpitrain_quick(*job, "--run-dir", str(run_dir), "--resume", "auto")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resumed from" in r.stdout and "checkpoint-000000022.h5" in r.stdout
+
+    def records(run_dir):
+        return [{k: v for k, v in rec.items() if k not in ("time", "images_per_s")}
+                for rec in read_metrics(str(run_dir / "metrics.jsonl"))]
+    assert records(run_dir) == records(straight)
+    assert [(rec["kind"], rec["global_step"]) for rec in records(run_dir)] == [
+        ("step", 10), ("step", 20), ("step", 22), ("eval", 22),
+        ("step", 32), ("step", 42), ("step", 44), ("eval", 44)]
