@@ -538,6 +538,12 @@ def find_resume(cfg, comm, say):
 
 # what a resumed run must keep: changing them would not continue the same training
 RESUME_KEEPS = {"model": "--model", "optimizer": "--optimizer", "precision": "--precision"}
+# and its recipe: a resume that left out one of these flags would train on with the
+# default in its place (--epochs may change: it lengthens or shortens the run)
+RESUME_RECIPE = ("seed", "lr", "lr_ref_batch", "momentum", "nesterov", "weight_decay",
+                 "label_smoothing", "warmup_epochs", "schedule", "poly_power", "milestones",
+                 "lars_eta", "lars_eps", "loss_scale", "augment", "crop_scale", "crop_ratio",
+                 "crop_fraction")
 
 
 def check_resume(cfg, path, saved):
@@ -551,3 +557,30 @@ def check_resume(cfg, path, saved):
             raise ConfigError(f"{path} was trained with {flag} {saved[key]}, this run asks for "
                               f"{getattr(cfg, key)}: a resumed run keeps it; pass {flag} {saved[key]}, "
                               f"or start a new run in another --run-dir")
+    was = {key: BY_NAME[key].convert(saved[key]) for key in RESUME_RECIPE if key in saved}
+    differ = [key for key, value in was.items() if value != getattr(cfg, key)]
+    if differ:
+        raise ConfigError(
+            f"{path} was trained with {_as_given(differ, was)}, this run has "
+            f"{_as_given(differ, {key: getattr(cfg, key) for key in differ})}: a resumed "
+            f"run keeps its recipe; give these "
+            f"options as the run had them (its config.json holds them all), or start a new "
+            f"run in another --run-dir")
+
+
+def _as_given(keys, values):
+    """The options `keys` with `values` as a command line gives them ("no --flag" for
+    one left out)."""
+    words = []
+    for key in keys:
+        option, value = BY_NAME[key], values[key]
+        if option.kind == "on-off" and value is not None:
+            words.append(option.flag if value else "--no-" + option.flag[2:])
+        elif value is None or value is False or value == ():
+            words.append(f"no {option.flag}")
+        elif value is True:
+            words.append(option.flag)
+        else:
+            words.append(" ".join([option.flag, *map(str, value if isinstance(value, tuple)
+                                                     else (value,))]))
+    return ", ".join(words)

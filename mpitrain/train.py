@@ -355,10 +355,12 @@ class Run:
         self.make_loaders(data)
         self.make_optimizer()
         self.say_what_runs(data)
-        open_run(cfg, self.comm, self.say)      # config.json and environment.json
         self.start_counters(data)
         self.capture_graph()                    # counts into start_counters' `correct`
         self.resume(resume_from)
+        # config.json and environment.json, once the checkpoint has been read: a
+        # checkpoint refused then leaves the run directory as it was
+        open_run(cfg, self.comm, self.say)
         self.make_reducer(resume_from)
         self.start_watching(launcher)
 

@@ -311,6 +311,24 @@ def test_a_refused_resume_changes_nothing_in_the_run(one_epoch, digits, tmp_path
     assert {p: p.read_bytes() for p in run_dir.iterdir()} == before
 
 
+def test_a_resume_that_leaves_out_the_runs_recipe_is_refused_naming_it(one_epoch, digits,
+                                                                       tmp_path):
+    """Flags left out (or changed) on --resume would train on with other values: every
+    option of the recipe that differs is named, as the run had it and as asked for, and
+    the run directory is left as it was. --epochs may change."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for name in ("config.json", "environment.json", "checkpoint-000000022.h5"):
+        (run_dir / name).write_bytes((one_epoch / name).read_bytes())
+    before = {p: p.read_bytes() for p in run_dir.iterdir()}
+    r = quick("train", "--epochs", "3", *BATCH, "--data-dir", str(digits), "--run-dir",
+              str(run_dir), "--resume", "auto", "--lr", "0.05", "--seed", "3", "--nesterov")
+    refused(r, f"{run_dir / 'checkpoint-000000022.h5'} was trained with --seed 0, --lr 0.1, no "
+               f"--nesterov, this run has --seed 3, --lr 0.05, --nesterov: a resumed run keeps "
+               f"its recipe; give these options as the run had them")
+    assert {p: p.read_bytes() for p in run_dir.iterdir()} == before
+
+
 def test_resume_auto_says_it_passes_over_an_unreadable_checkpoint(one_epoch, digits, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
