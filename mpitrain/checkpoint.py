@@ -65,6 +65,14 @@ def set_rng_states(model, states):
         layer.rng.bit_generator.state = state
 
 
+def reseed_dropout(model, seed, rank, global_step):
+    """Dropout layer i's generator seeded from (seed, rank, i, global_step): a run resumed
+    on another number of ranks, whose saved generators are one per old rank, still draws
+    different masks on every rank (as build_model seeds them from the rank)."""
+    for i, layer in enumerate(dropout_layers(model)):
+        layer.seed((seed, rank, i, global_step))
+
+
 def collect(model, comm, epoch, step, global_step, config, optimizer=None, scaler=None,
             progress=None, residual=None):
     """Everything a checkpoint holds, as host arrays and JSON-able values, on rank 0
@@ -323,7 +331,10 @@ def restore(path, model, comm, optimizer=None, scaler=None):
             else [state["buffers"].mean(axis=0)] * comm.size
     buffers.unpack(comm.scatter(rows, root=0), buffers.data)
     rngs = meta["rng"]
-    set_rng_states(model, rngs[comm.rank] if len(rngs) == comm.size else rngs[0])
+    if len(rngs) == comm.size:
+        set_rng_states(model, rngs[comm.rank])
+    else:       # another number of ranks: each rank's masks go on from a seed of its own
+        reseed_dropout(model, meta["config"].get("seed", 0), comm.rank, meta["global_step"])
     if optimizer is not None and hasattr(optimizer, "load_state_dict"):
         opt = dict(meta["optimizer"], momentum=momentum)
         for key in meta["optimizer_arrays"]:
