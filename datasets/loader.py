@@ -40,7 +40,7 @@ import numpy as np
 
 from .augment import RATIO, SCALE, Augment
 from .batch_augment import BatchAugment
-from .h5format import Reader
+from .h5format import Reader, white_level
 
 
 class DataError(RuntimeError):
@@ -126,7 +126,8 @@ class Loader:
     workers=0 does the work in the consumer (no threads). `wait_time` is the
     total time the consumer has waited for data (with workers=0: spent loading
     it), `last_wait` that of the last batch. Call `close()` (or use `with`) to
-    stop the workers. `pinned=True` allocates the ring in page-locked host memory (CuPy), so
+    stop the workers. normalise: the model's normalisation {mean, std, pixel_max}, used
+    in place of the file's own (in_units_of). `pinned=True` allocates the ring in page-locked host memory (CuPy), so
     the trainer can copy it to the GPU asynchronously; such a copy reads the slot when the
     GPU reaches it, so a worker refills a handed-back slot only after the event the
     consumer recorded at its hand-back. decode="gpu": the ring is on the current GPU and
@@ -137,11 +138,11 @@ class Loader:
                  workers=2, prefetch=2, dtype=np.float32, seed=0, skip_bad_records=False,
                  num_classes=None, augment=None, shuffle=None, drop_last=None,
                  scale=SCALE, ratio=RATIO, crop_fraction=0.875, flip=True, pinned=False,
-                 decode="cpu"):
+                 decode="cpu", normalise=None):
         with Reader(path, num_classes) as reader:
             self.labels = reader.labels
             self.class_names = reader.class_names
-            self.mean, self.std = reader.mean, reader.std
+            self.mean, self.std = in_units_of(reader, normalise)
         self.path = path
         self.num_classes = len(self.class_names) if num_classes is None else num_classes
         self.sampler = ShardedSampler(len(self.labels), global_batch, rank, size, seed,
@@ -447,6 +448,21 @@ class Loader:
                     self._slot_bad[slot] += 1
                     self.bad_indices.add(r)
         raise DataError(f"{self.path}: records {i}..{r} are all bad; giving up")
+
+
+def in_units_of(reader, normalise=None):
+    """The (mean, std) that a file's pixels are normalised with: the file's own, or the
+    model's `normalise` {mean, std, pixel_max} (its training file's) where given, in this
+    file's pixel units. A model is scored on the normalisation it was trained with, not
+    on that of the file scored (a test set converted apart has statistics of its own)."""
+    if normalise is None:
+        return reader.mean, reader.std
+    mean = np.asarray(normalise["mean"], np.float64)
+    std = np.asarray(normalise["std"], np.float64)
+    if np.array_equal(mean, reader.mean) and np.array_equal(std, reader.std):
+        return reader.mean, reader.std
+    scale = white_level(reader) / float(normalise.get("pixel_max", 255.0))
+    return mean * scale, std * scale
 
 
 def pinned_for(xp, decode):

@@ -434,8 +434,10 @@ class Run:
                       pinned=pinned_for(backend.xp, cfg.decode), decode=data.decode)
         self.train_data = Loader(data.train_file, self.batch, train=True, **data.transform,
                                  **shared)
+        # validation on the training file's normalisation, which the model learns
         self.val_data = Loader(data.val_file, self.batch, train=False,
-                               crop_fraction=data.transform["crop_fraction"], **shared)
+                               crop_fraction=data.transform["crop_fraction"],
+                               normalise=data.normalise, **shared)
         self.steps = self.train_data.steps_per_epoch
 
     def make_optimizer(self):

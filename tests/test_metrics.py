@@ -413,3 +413,32 @@ def test_a_run_resumed_from_an_earlier_checkpoint_writes_each_step_once(digits, 
     assert [(rec["kind"], rec["global_step"]) for rec in records(run_dir)] == [
         ("step", 10), ("step", 20), ("step", 22), ("eval", 22),
         ("step", 32), ("step", 42), ("step", 44), ("eval", 44)]
+
+
+def test_eval_and_validation_normalise_as_the_model_was_trained(digits_run, digits, tmp_path):
+    """A validation file whose recorded mean and std are not the training file's (a test
+    set converted apart) is scored on the training file's normalisation, which the model
+    learnt: the same images give the same scores in eval and in train's validation."""
+    import shutil
+
+    import h5py
+    run_dir, _ = digits_run
+    val, other = digits / "digits_val.h5", tmp_path / "other_val.h5"
+    shutil.copy(val, other)
+    with h5py.File(other, "r+") as f:
+        f["mean"][...] = f["mean"][:] * 1.6
+        f["std"][...] = f["std"][:] * 0.8
+    scores = []
+    for path in (val, other):
+        r = mpitrain_quick("eval", "--checkpoint", str(run_dir), "--data", str(path), "--json")
+        assert r.returncode == 0, r.stdout + r.stderr
+        scores.append({k: v for k, v in json.loads(r.stdout).items() if k != "data"})
+    assert scores[0] == scores[1] and scores[0]["top1"] > 0.5, scores
+    finals = []
+    for path in (val, other):
+        r = mpitrain_quick("train", "--data-dir", str(digits), "--val-data", str(path),
+                           "--epochs", "1", "--batch-size", "64", "--run-dir",
+                           str(tmp_path / path.stem))
+        assert r.returncode == 0, r.stdout + r.stderr
+        finals.append(re.search(r"final validation accuracy: .*\(", r.stdout).group(0))
+    assert finals[0] == finals[1], finals

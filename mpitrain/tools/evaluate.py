@@ -84,9 +84,12 @@ def _evaluate(comm, path, data, batch_size, workers, device, image_size, data_di
     average_buffers(model, comm)
     crop = crop_fraction(cfg)
     size_px = image_size or cfg.get("image_size") or stored_size
+    # the normalisation the model was trained with (a checkpoint without it: the file's)
+    normalise = {key: cfg[key] for key in ("mean", "std", "pixel_max") if key in cfg} \
+        if "mean" in cfg and "std" in cfg else None
     with Loader(data, batch, rank=comm.rank, size=comm.size, train=False, image_size=size_px,
                 workers=workers, dtype=np.float32, num_classes=classes, crop_fraction=crop,
-                pinned=backend.xp is not np) as loader:
+                pinned=backend.xp is not np, normalise=normalise) as loader:
         result = evaluate(model, comm, loader, (1, 5) if classes >= 5 else (1,))
     result.update(images=num_images, image_size=size_px, data=data)
     return result
