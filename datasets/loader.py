@@ -121,7 +121,9 @@ class Loader:
 
     Without drop_last, `last_valid` says how many leading entries of the last
     batch are real samples (the rest pad the last step), so an evaluation can
-    score x[:last_valid] and count every sample exactly once.
+    score x[:last_valid] and count every sample exactly once. `last_stand_in` marks
+    the rows of the batch where the next good record stands in for a bad one
+    (skip_bad_records), which an evaluation leaves out.
 
     workers=0 does the work in the consumer (no threads). `wait_time` is the
     total time the consumer has waited for data (with workers=0: spent loading
@@ -173,6 +175,8 @@ class Loader:
         else:
             self.x = _empty(shape, dtype, pinned)
         self.y = np.zeros((self.ring, self.local_batch), np.int64)
+        # the rows of each slot that hold the next good record in place of a bad one
+        self.stand_in = np.zeros((self.ring, self.local_batch), bool)
         self.chunk = -(-self.local_batch // max(workers, 1))
         self.chunks = -(-self.local_batch // self.chunk)
         self.wait_time = self.last_wait = 0.0
@@ -220,6 +224,7 @@ class Loader:
                     self.wait_time += self.last_wait
                     self._next = a + 1
                     self.last_valid = self._valid(a)
+                    self.last_stand_in = self.stand_in[a % self.ring]
                     self.skipped += self._slot_bad[a % self.ring]
                     self._hand_over_device(a % self.ring)
                     yield self.x[a % self.ring], self.y[a % self.ring]
@@ -243,6 +248,7 @@ class Loader:
             self.wait_time += self.last_wait
             self._next = a + 1
             self.last_valid = self._valid(a)
+            self.last_stand_in = self.stand_in[k]
             self.skipped += self._slot_bad[k]
             self._hand_over_device(k)
             yield self.x[k], self.y[k]
@@ -377,7 +383,8 @@ class Loader:
                 freed.synchronize()
         for j in range(lo, hi):
             i = int(indices[j])
-            self.y[k, j] = self._load(reader, i, epoch, self.x[k, j], k)
+            r = self._load(reader, i, epoch, self.x[k, j], k)
+            self.y[k, j], self.stand_in[k, j] = self.labels[r], r != i
 
     def _fill_device(self, reader, epoch, indices, k, lo, hi):
         """The records of `indices` decoded and augmented together on this worker's
@@ -393,9 +400,9 @@ class Loader:
         with self._lock:
             freed = self._freed[k]
         with local.stream:
-            records, rngs, labels, images = self._decoded(
+            records, rngs, rs, images = self._decoded(
                 reader, epoch, indices, k, lambda batch: local.batch.decode(batch, cupy))
-            self.y[k, lo:hi] = labels
+            self.y[k, lo:hi], self.stand_in[k, lo:hi] = self.labels[rs], rs != indices
             if freed is not None:               # the decode wrote buffers of its own
                 local.stream.wait_event(freed)
             local.batch(records, rngs, self.x[k, lo:hi], images)
@@ -406,7 +413,7 @@ class Loader:
     def _decoded(self, reader, epoch, indices, slot, decode):
         """The records of `indices` decoded together by `decode` (a list of records to a
         list of pixels, None for a record that does not decode), a bad one replaced as
-        _load replaces it: (records, their generators, their labels, their pixels)."""
+        _load replaces it: (records, their generators, their indices, their pixels)."""
         def alone(r):
             pixels = decode([reader.record(r)])[0]
             if pixels is None:
@@ -421,13 +428,14 @@ class Loader:
                 rs[j], images[j] = self._first_good(rs[j], slot, alone)
                 records[j] = reader.record(rs[j])
         rngs = [np.random.default_rng([self.seed, epoch, r]) for r in rs]
-        return records, rngs, self.labels[rs], images
+        return records, rngs, np.array(rs), images
 
     def _load(self, reader, i, epoch, out, slot):
-        """Decode and augment record i into out (in ring slot `slot`); returns its label."""
+        """Decode and augment record i into out (in ring slot `slot`); returns the record
+        that is there: i, or the one that stands in for it."""
         r, _ = self._first_good(i, slot, lambda r: self.augment(
             reader.record(r), out, np.random.default_rng([self.seed, epoch, r])))
-        return self.labels[r]
+        return r
 
     def _first_good(self, i, slot, attempt):
         """(r, attempt(r)) for the first record r of i, i + 1, ... (in file order, round

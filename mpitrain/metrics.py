@@ -208,7 +208,7 @@ class MetricsLog:
     on overflow under loss scaling, so far), "top1", "top5", "loss" (the validation
     set's mean cross-entropy, without label smoothing; null when some logits were not
     finite), "nonfinite" (images whose logits were not finite), "bad_records"
-    (validation records skipped)}.
+    (bad validation records, left out of the scores)}.
 
     A record that the file system has no room for is left out whole (the file is cut
     back to its last complete line) and said once on `stream`: the run goes on, and the

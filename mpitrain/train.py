@@ -52,6 +52,7 @@ from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
 from . import backend, checkpoint
+from .backend import array_module
 from .checks import (ConfigError, check_batch, check_decode, check_free_space, check_image_size,
                      check_launch, check_threads, describe_data, find_resume, free_space,
                      prepare_run_dir, refuse_options, resolve_data)
@@ -260,13 +261,19 @@ def evaluate(model, comm, loader, topk=(1, 5)):
     every (padded) step and the counts and loss sums are summed over the ranks. Returns
     {"top1": fraction, ..., "loss": mean cross-entropy (without label smoothing; None
     when some logits were not finite), "nonfinite": images whose logits held an inf or a
-    NaN (counted wrong), "bad_records": records skipped by --skip-bad-records}."""
+    NaN (counted wrong), "bad_records": records skipped by --skip-bad-records, which are
+    not scored (nor the records that stood in for them)}."""
     xp = backend.xp
     counts = xp.zeros(len(topk) + 1, np.int64)  # correct at each k, non-finite rows, and the
     loss_sum = xp.zeros((), np.float64)         # summed loss: on the device until the end
-    scored, skipped = 0, loader.skipped
+    scored = bad = 0
     for x, y in loader:
         n = loader.last_valid                   # the rest of the batch pads the last step
+        stand_in = loader.last_stand_in[:n]     # where a bad record was: not scored
+        bad += int(stand_in.sum())
+        rows = np.flatnonzero(~stand_in)
+        if len(rows) < n:
+            x, y, n = x[:n][array_module(x).asarray(rows)], y[:n][rows], len(rows)
         if n:
             logits = model.forward(xp.asarray(x[:n]), train=False)
             labels = xp.asarray(y[:n])
@@ -276,7 +283,7 @@ def evaluate(model, comm, loader, topk=(1, 5)):
                 loss_sum += softmax_cross_entropy(logits, labels)[0] * n
             scored += n
     counts = np.append(backend.to_numpy(counts).astype(np.float64),
-                       (float(loss_sum), loader.skipped - skipped, scored))
+                       (float(loss_sum), bad, scored))
     comm.allreduce(counts, "flat")
     result = {f"top{k}": float(counts[i] / counts[-1]) for i, k in enumerate(topk)}
     nonfinite = int(counts[-4])

@@ -194,10 +194,13 @@ def test_a_batch_replaces_a_bad_record_as_the_cpu_loader_does(tmp_path, skip):
                                                 r".*train with --skip-bad-records"):
                 batched._decoded(*args)
             return
-        records, rngs, labels, images = batched._decoded(*args)
+        records, rngs, rs, images = batched._decoded(*args)
         x, y = next(iter(cpu))
         out = batch(records, rngs, np.empty_like(x), images)
-    np.testing.assert_array_equal(labels, y)
+    np.testing.assert_array_equal(batched.labels[rs], y)
+    # the rows where a record stands in for a bad one, which an evaluation leaves out
+    np.testing.assert_array_equal(rs != indices, cpu.last_stand_in)
+    assert sorted(indices[cpu.last_stand_in]) == [3, 4, 7]
     assert batched.bad_indices == cpu.bad_indices == {3, 4, 7}
     assert batched._slot_bad[0] == cpu.skipped == 4     # 3 and 4 for 3, 4 for 4, 7 for 7
     grey = np.abs(out - x) * cpu.std

@@ -656,3 +656,36 @@ def test_synthetic_jpegs_are_the_same_on_any_number_of_threads(tmp_path):
     assert files[1][1] == [i % 3 for i in range(70)]
     assert all(Image.open(io.BytesIO(b)).size == (40, 30) for b in files[1][0])
     assert not set(files[1][0]) & set(files[2][0])
+
+
+def test_validation_leaves_out_a_bad_record_and_its_stand_in(tmp_path):
+    """With --skip-bad-records a bad validation record is replaced in its batch by the next
+    good one, which validation must not score twice: scores on a file with a bad record are
+    those on the same file without it."""
+    import json
+    import subprocess
+    import sys
+
+    from launcher import environment
+    train = jpeg_file(str(tmp_path / "train.h5"), n=48)
+    bad = jpeg_file(str(tmp_path / "bad.h5"), n=12, corrupt={3})
+    without = str(tmp_path / "without.h5")
+    with Reader(bad) as r, Writer(without, r.class_names) as w:
+        for i in range(len(r)):
+            if i != 3:
+                w.add(int(r.labels[i]), bytes(r.record(i)))
+        w.commit(r.mean, r.std)
+    scores = []
+    for val in (bad, without):
+        run_dir = tmp_path / ("run-" + os.path.basename(val))
+        r = subprocess.run([sys.executable, "-m", "mpitrain", "train", "--data", train,
+                            "--val-data", val, "--skip-bad-records", "--image-size", "32",
+                            "--batch-size", "8", "--epochs", "1", "--workers", "1",
+                            "--run-dir", str(run_dir)], capture_output=True, text=True,
+                           timeout=300, env=environment(1))
+        assert r.returncode == 0, r.stdout + r.stderr
+        evals = [json.loads(x) for x in open(run_dir / "metrics.jsonl") if '"eval"' in x]
+        scores.append(evals[-1])
+    assert scores[0]["bad_records"] == 1 and scores[1]["bad_records"] == 0
+    for key in ("top1", "loss"):
+        assert scores[0][key] == scores[1][key], (key, scores)

@@ -162,15 +162,17 @@ def test_a_data_file_with_a_nan_statistic_is_refused_when_opened(which, stat, tm
 
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.launches)])
 def test_train_whose_validation_logits_overflow_fails_its_final_line(tmp_path, ranks):
-    """A validation file whose std is so small that its normalised pixels overflow float32:
-    every validation logit is NaN. The run says so and exits 1, never 100%."""
+    """A training file whose std is so small that normalised pixels overflow: under fp16's
+    loss scaling every step is skipped, and validation, which normalises as the training
+    file does, gets NaN logits only. The run says so and exits 1, never 100%."""
     from mpitrain.datasets.convert import convert_synthetic
     train, val = str(tmp_path / "s.h5"), str(tmp_path / "s_val.h5")
-    convert_synthetic(train, 32, (24, 24), classes=2)
-    convert_synthetic(str(tmp_path / "v.h5"), 8, (24, 24), classes=2)
-    with_stats(str(tmp_path / "v.h5"), val, std=[1e-40] * 3)
+    convert_synthetic(str(tmp_path / "t.h5"), 32, (24, 24), classes=2)
+    with_stats(str(tmp_path / "t.h5"), train, std=[1e-40] * 3)
+    convert_synthetic(val, 8, (24, 24), classes=2)
     args = ("train", "--data", train, "--val-data", val, "--batch-size", "8", "--epochs", "1",
-            "--image-size", "24", "--workers", "1", "--run-dir", str(tmp_path / "run"))
+            "--image-size", "24", "--workers", "1", "--precision", "fp16",
+            "--run-dir", str(tmp_path / "run"))
     r = quick(*args) if ranks == 1 else run(ranks, *args)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "final validation accuracy: 0.00% top-1 (8 images" in r.stdout
