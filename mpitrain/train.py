@@ -513,6 +513,7 @@ class Run:
         self.correct = backend.xp.zeros(1, np.int64)
         self.counted = 0
         self.saved_step = None                  # global step of the newest checkpoint written
+        self.resumed = None                     # (epoch, step) a resume started this job at
         self.skipped = 0                        # bad training records skipped by all ranks
         self.skipped_logged = 0                 # of them, counted in earlier log lines
         self.last_good = None                   # the newest written before a divergence began
@@ -608,6 +609,7 @@ class Run:
             self.tuner.load_state_dict(meta["progress"]["fusion"])
         self.result["checkpoint"] = self.last_good = path
         self.saved_step = meta["global_step"]
+        self.resumed = meta["epoch"], meta["step"]
         self.say(f"resumed from {path}: epoch {meta['epoch'] + 1}, step {meta['step']} "
                  f"(written by {meta['world_size']} rank(s))", flush=True)
 
@@ -915,8 +917,12 @@ def train(comm=None, log=print, **options):
                   loss_scale=scaler.scale, skipped_steps=scaler.skipped,
                   skipped_records=run.skipped, val_images=len(run.val_data.labels))
     top5 = f", {result['top5']:.2%} top-5" if "top5" in result else ""
+    # a resumed run's seconds are this job's: from the position it resumed at
+    since = "" if run.resumed is None else \
+        f" since the resume at epoch {run.resumed[0] + 1}, step {run.resumed[1]}"
     run.say(f"final validation accuracy: {result['top1']:.2%} top-1{top5} "
-            f"({result['val_images']} images, {epochs(run.epochs)}, {result['seconds']:.1f} s)"
+            f"({result['val_images']} images, {epochs(run.epochs)}, {result['seconds']:.1f} s"
+            f"{since})"
             + (" -- not a result: see below" if result["nonfinite"] else ""), flush=True)
     if scaler.check:
         run.say(f"loss scale {scaler.scale:g} at the end; {scaler.skipped} step(s) skipped on "

@@ -394,7 +394,8 @@ def test_a_stop_between_two_log_lines_resumes_with_the_same_training_accuracy(di
 def test_a_run_resumed_from_an_earlier_checkpoint_writes_each_step_once(digits, tmp_path):
     """A run that went past its last checkpoint before it stopped (a crash: here the newer
     checkpoint is removed) and is resumed: the records of the steps it runs again replace
-    the earlier ones, so metrics.jsonl is the uninterrupted run's, timings aside."""
+    the earlier ones, so metrics.jsonl is the uninterrupted run's, timings aside; its
+    final line says its seconds are since the resume."""
     job = ("train", "--batch-size", "64", "--seed", "5", "--epochs", "2", "--log-every", "10",
            "--data-dir", str(digits))
     straight, run_dir = tmp_path / "straight", tmp_path / "run"
@@ -405,6 +406,9 @@ def test_a_run_resumed_from_an_earlier_checkpoint_writes_each_step_once(digits, 
     r = mpitrain_quick(*job, "--run-dir", str(run_dir), "--resume", "auto")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "resumed from" in r.stdout and "checkpoint-000000022.h5" in r.stdout
+    # the seconds of the final line are this job's
+    assert re.search(r"\(359 images, 2 epochs, [0-9.]+ s since the resume at epoch 2, step 0\)",
+                     r.stdout), r.stdout
 
     def records(run_dir):
         return [{k: v for k, v in rec.items() if k not in ("time", "images_per_s")}
