@@ -58,8 +58,10 @@
    With trust off this is SGD with momentum in the "lr inside the momentum"
    form, v = m v + lr g; w -= v. PyTorch's form is v' = m v' + g; w -= lr v'.
    The two agree exactly while lr is constant (v = lr v'); when lr changes,
-   the lr-inside form keeps the velocity of the old rate, which is the form of
-   Goyal et al. and of the LARS paper.
+   the lr-inside form keeps the velocity of the old rate: the LARS paper's form.
+   Goyal et al. write it too, with a "momentum correction" (v scaled by the new
+   rate over the old when the rate changes, which makes it PyTorch's) that this
+   kernel leaves out.
 
    Each implementation first computes two small per-segment vectors, step_s =
    lr * local_lr_s and wd_s, in the master's dtype; then the element pass reads

@@ -25,9 +25,10 @@ Under --shard-update an optimizer runs over one rank's shard of the arena
 with `sum_partials` adding the per-parameter sums of squares of the trust ratio
 over the ranks: the same kernels, the same formulas.
 
-SGD keeps the learning rate inside the velocity (Goyal et al., You et al.):
+SGD keeps the learning rate inside the velocity (the LARS paper's form, You et al.):
 with a constant rate this equals PyTorch's v' = m v' + d; w -= lr v' with
-v = lr v'; when the rate changes, the velocity keeps the rate it was built with.
+v = lr v'; when the rate changes, the velocity keeps the rate it was built with
+(Goyal et al.'s momentum correction, which would rescale it, is not applied).
 """
 import math
 
