@@ -248,6 +248,16 @@ def resolve_data(cfg, comm=None, need_val=True):
     return train_file, val_file, {**transform, **augment_options(cfg)}
 
 
+def check_validation_file(train_file, val_file):
+    """Refuse a training run whose validation file is its training file: its "validation"
+    accuracy would be on the images it trains on."""
+    if os.path.exists(val_file) and os.path.samefile(train_file, val_file):
+        raise ConfigError(f"validation file {val_file} is the training file {train_file}: "
+                          f"accuracy on the images trained on is no validation; give "
+                          f"--val-data a file of other images (convert imagefolder "
+                          f"--val-fraction F splits one off)")
+
+
 def check_data_file(path):
     """Refuse (ConfigError, with the reader's words) a file that is not one of mpitrain's
     data files."""

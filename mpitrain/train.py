@@ -54,8 +54,8 @@ from threadpoolctl import threadpool_limits
 from . import backend, checkpoint
 from .backend import array_module
 from .checks import (ConfigError, check_batch, check_decode, check_free_space, check_image_size,
-                     check_launch, check_threads, describe_data, find_resume, free_space,
-                     prepare_run_dir, refuse_options, resolve_data)
+                     check_launch, check_threads, check_validation_file, describe_data,
+                     find_resume, free_space, prepare_run_dir, refuse_options, resolve_data)
 from .comm import Communicator, syncbn
 from .comm.autotune import FusionTuner
 from .comm.buckets import Reducer, share_gradients
@@ -394,6 +394,7 @@ class Run:
         """The run's data (RunData): its files, checked, and what they hold."""
         cfg, size = self.cfg, self.comm.size
         train_file, val_file, transform = resolve_data(cfg, self.comm)
+        check_validation_file(train_file, val_file)
         working = np.float16 if cfg.precision == "fp16" else None
         num_train, class_names, image_size, normalise = describe_data(
             train_file, val_file, cfg.image_size, cfg.batch_size // size, cfg.workers,

@@ -184,8 +184,9 @@ def test_a_file_declaring_huge_images_is_refused_before_allocating(tmp_path):
         f["class_names"] = np.array(["a", "b"], dtype=object).astype(h5py.string_dtype())
         f["mean"], f["std"] = np.full(3, 128.0), np.full(3, 64.0)
     assert os.path.getsize(huge) < 100_000
-    r = quick("train", "--data", str(huge), "--val-data", str(huge), "--batch-size", "16",
-              "--run-dir", str(tmp_path / "run"))
+    shutil.copy(huge, tmp_path / "huge_val.h5")
+    r = quick("train", "--data", str(huge), "--val-data", str(tmp_path / "huge_val.h5"),
+              "--batch-size", "16", "--run-dir", str(tmp_path / "run"))
     refused(r, "224x224 images in batches of 16 need", "GiB of buffers, more than the",
             "it declares images of (60000, 60000, 3)")
 
@@ -283,6 +284,16 @@ def test_a_run_directory_that_is_a_file_or_read_only(digits, tmp_path):
                     "directory here refuses writes to root as Linux's /proc/sys does")
     r = quick("train", "--data-dir", str(digits), *BATCH, "--run-dir", locked)
     refused(r, f"--run-dir {locked} is not writable")
+
+
+def test_the_training_file_as_validation_file_is_refused(synth, tmp_path):
+    """Its accuracy would be on the images trained on, reported as validation."""
+    data = str(synth / "s.h5")
+    r = quick("train", "--data", data, "--val-data", data, *BATCH, "--image-size", "32",
+              "--run-dir", str(tmp_path / "run"))
+    refused(r, f"validation file {data} is the training file {data}: accuracy on the images "
+               f"trained on is no validation; give --val-data a file of other images")
+    assert not (tmp_path / "run").exists()
 
 
 # ----- resuming -----

@@ -1,6 +1,7 @@
 """Failure handling: a killed rank ends the whole job, the stall watchdog, a diverged
 run, and each invalid input refused before any work with a message that names it."""
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -176,8 +177,10 @@ def test_data_smaller_than_one_global_batch(digits, tmp_path):
 
 def test_resume_with_other_classes_is_refused(five_classes, tmp_path):
     data, ckpt = five_classes
-    r = run_quick("train", "--data", data, "--val-data", data, "--batch-size", "8",
-                  "--resume", ckpt, "--run-dir", str(tmp_path))
+    val = str(tmp_path / "val.h5")
+    shutil.copy(data, val)
+    r = run_quick("train", "--data", data, "--val-data", val, "--batch-size", "8",
+                  "--resume", ckpt, "--run-dir", str(tmp_path / "run"))
     assert r.returncode == 2, r.stdout + r.stderr
     assert ("does not fit the model: parameter fc.bias has shape (10,) in the checkpoint, "
             "the model has fc.bias (5,)") in r.stderr

@@ -433,7 +433,10 @@ def test_check_gpu_dry_run_shares_the_gpu_with_every_algorithm_then_times_the_da
     assert "--json" in loader and "--json" in step
     train, train_cpu = (steps[f"data train {decode}"]["command"] for decode in ("gpu", "cpu"))
     assert train[train.index("mpitrain"):][:2] == ["mpitrain", "train"]
-    assert value(train, "--data") == value(train, "--val-data") == jpegs
+    assert value(train, "--data") == jpegs
+    val = steps["data convert"]["val_command"]
+    assert value(val, "--seed") == "1" and value(train, "--val-data") == \
+        val[val.index("synthetic") + 1] == jpegs.replace(".h5", "_val.h5")
     assert (value(train, "--model"), value(train, "--precision"), value(train, "--batch-size"),
             value(train, "--image-size"), value(train, "--device")) == \
         ("resnet50", "fp16", "256", "224", "gpu")

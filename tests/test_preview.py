@@ -108,8 +108,9 @@ def test_an_out_that_cannot_be_written_is_refused_with_nothing_written(square, t
 
 
 def test_train_takes_the_crop_options_and_records_them(square, tmp_path):
-    run_dir = tmp_path / "run"
-    r = mpitrain("train", "--data", str(square), "--val-data", str(square), "--batch-size", "4",
+    run_dir, val = tmp_path / "run", tmp_path / "sq_val.h5"
+    val.write_bytes(square.read_bytes())
+    r = mpitrain("train", "--data", str(square), "--val-data", str(val), "--batch-size", "4",
                  "--epochs", "1", "--crop-scale", "0.5", "1", "--crop-fraction", "0.9",
                  "--run-dir", str(run_dir))
     assert r.returncode == 0, r.stdout + r.stderr

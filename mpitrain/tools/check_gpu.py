@@ -37,7 +37,8 @@ the install step put in place is what the later steps import:
                  replicas compared after every step (a difference stops the job);
                  the last epoch's images/s and the share of the all-reduce that
                  backward hid
-    data         `convert synthetic` of --jpegs 500x375 JPEGs, then `bench data
+    data         `convert synthetic` of --jpegs 500x375 JPEGs (and VAL_JPEGS others,
+                 train's validation file), then `bench data
                  --device gpu` (GPU decoding against the CPU loader, a worker on
                  every core each), `bench step --data --cuda-graph` of ResNet-50
                  fp16 batch 256, the loader decoding on the GPU, then on the CPU,
@@ -417,16 +418,31 @@ def shared(options, train=SHARED_TRAIN):
     return out
 
 
+VAL_JPEGS = 512         # the data steps' validation file: two of train's batches
+
+
 def convert_jpegs(path, count):
     """convert synthetic: `count` JPEGs of 500x375 into `path`, the data steps' file (a
-    thread per core)."""
+    thread per core), then VAL_JPEGS other ones (another seed) into validation_file(path),
+    train's validation file."""
     from mpitrain.launcher import cores
     argv = [sys.executable, "-m", "mpitrain", "convert", "synthetic", path, "--count", str(count)]
     t0 = time.perf_counter()
     r = {**_command_step(argv, 900), "jpegs": count, "threads": cores()}
     if r["passed"] and not CLOCK.dry_run:
         r["jpegs_per_s"] = count / (time.perf_counter() - t0)
+    if r["passed"]:
+        val = _command_step([sys.executable, "-m", "mpitrain", "convert", "synthetic",
+                             validation_file(path), "--count", str(VAL_JPEGS), "--seed", "1"],
+                            300)
+        r.update(passed=val["passed"], val_command=val.get("command"),
+                 failures=r.get("failures", []) + val.get("failures", []))
     return r
+
+
+def validation_file(path):
+    """The validation file beside the data steps' file (convert's FILE_val.h5)."""
+    return path[:-len(".h5")] + "_val.h5"
 
 
 def bench_data(path):
@@ -454,14 +470,14 @@ TRAIN_DATA = ("--device", "gpu", "--model", "resnet50", "--precision", "fp16", "
 
 
 def train_data(path, decode):
-    """`python -m mpitrain train` (TRAIN_DATA) on `path`, which is also its validation file,
-    the loader decoding on `decode` with a worker per core: the last progress line's
+    """`python -m mpitrain train` (TRAIN_DATA) on `path`, with validation_file(path), the
+    loader decoding on `decode` with a worker per core: the last progress line's
     images/s (the second epoch's last quarter) and the share of that time the step waited
     for data, from metrics.jsonl."""
     from mpitrain.launcher import cores
     with tempfile.TemporaryDirectory() as run_dir:
         argv = [sys.executable, "-m", "mpitrain", "train", *TRAIN_DATA, "--data", path,
-                "--val-data", path, "--decode", decode, "--workers", str(cores()),
+                "--val-data", validation_file(path), "--decode", decode, "--workers", str(cores()),
                 "--run-dir", run_dir]
         r = {**_command_step(argv, 900), "decode": decode, "jpegs_file": path}
         metrics = os.path.join(run_dir, "metrics.jsonl")
