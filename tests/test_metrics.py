@@ -169,6 +169,17 @@ def test_a_refusal_of_options_from_the_config_file_says_they_came_from_it(
 
 
 # ----- plot -----
+def test_the_training_loss_is_labelled_with_its_label_smoothing(tmp_path):
+    """The training loss is that of the smoothed targets, beside a validation loss of the
+    labels: its curve says so."""
+    from mpitrain.tools.plot import train_loss_label
+    assert train_loss_label(str(tmp_path)) == "train loss"           # no config.json
+    (tmp_path / "config.json").write_text(json.dumps({"label_smoothing": 0.1}))
+    assert train_loss_label(str(tmp_path)) == "train loss (label smoothing 0.1)"
+    (tmp_path / "config.json").write_text(json.dumps({"label_smoothing": 0.0}))
+    assert train_loss_label(str(tmp_path)) == "train loss"
+
+
 def test_plot_draws_the_curves(tmp_path):
     pytest.importorskip("matplotlib")
     from mpitrain.tools.plot import PlotError, plot_run

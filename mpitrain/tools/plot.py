@@ -11,6 +11,7 @@
 
 and `plot_batch_study`: the large-batch study's top-1 against the global batch.
 """
+import json
 import math
 import os
 
@@ -41,6 +42,17 @@ def pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def train_loss_label(run_dir):
+    """"train loss", with the run's label smoothing where its config.json has one: the
+    training loss is that of the smoothed targets, the validation loss the labels'."""
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            eps = json.load(f).get("label_smoothing") or 0
+    except (OSError, ValueError, AttributeError):
+        eps = 0
+    return "train loss" + (f" (label smoothing {eps:g})" if eps else "")
 
 
 def plot_run(run_dir, out=None):
@@ -82,7 +94,7 @@ def plot_run(run_dir, out=None):
         written.append(target)
 
     def loss(ax):
-        ax.plot(x, [r["loss"] for r in steps], marker=".", label="train loss")
+        ax.plot(x, [r["loss"] for r in steps], marker=".", label=train_loss_label(run_dir))
         scored = [r for r in evals if r.get("loss") is not None]
         if scored:
             ax.plot([r["epoch"] for r in scored], [r["loss"] for r in scored], marker="o",
