@@ -517,6 +517,8 @@ class Run:
         self.resumed = None                     # (epoch, step) a resume started this job at
         self.skipped = 0                        # bad training records skipped by all ranks
         self.skipped_logged = 0                 # of them, counted in earlier log lines
+        self.skipped_before = 0                 # of them, before the resume (the loaders'
+                                                # counts start at 0)
         self.last_good = None                   # the newest written before a divergence began
         self.tuner = (FusionTuner(self.model.arena, self.comm)
                       if self.cfg.fusion_threshold == "auto" else None)
@@ -598,6 +600,8 @@ class Run:
         except checkpoint.CheckpointError as e:
             raise ConfigError(str(e)) from None
         self.train_data.load_state_dict({"epoch": meta["epoch"], "step": meta["step"]})
+        self.skipped = self.skipped_before = meta["progress"].get("skipped", 0)
+        self.skipped_logged = meta["progress"].get("skipped_logged", 0)
         saved = meta["progress"].get("loss_sum", ())
         self.loss_sum[:] = 0
         self.loss_sum[:len(saved)] = saved
@@ -648,7 +652,7 @@ class Run:
             if cfg.check_replicas and global_step % cfg.check_replicas == 0:
                 self.check_replicas(global_step)
             agreed = agree(comm, self.signals.pending(), loss, data.skipped)
-            self.skipped = agreed.skipped
+            self.skipped = self.skipped_before + agreed.skipped
             self.signals.mark()
             if self.stop_on_nan and agreed.not_finite:
                 raise TrainingError(self.diverged(loss, epoch, s, "is not finite",
@@ -777,7 +781,8 @@ class Run:
         global_step = pos["epoch"] * self.steps + pos["step"]
         if global_step == self.saved_step:
             return
-        progress = {"loss_sum": self.loss_sum.tolist(), **self.loss_watch.state_dict()}
+        progress = {"loss_sum": self.loss_sum.tolist(), "skipped": self.skipped,
+                    "skipped_logged": self.skipped_logged, **self.loss_watch.state_dict()}
         progress["top1_counts"] = self.top1_counts().tolist()
         if self.tuner:
             progress["fusion"] = self.tuner.state_dict()

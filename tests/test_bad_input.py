@@ -213,6 +213,28 @@ def test_decode_errors_are_counted_and_reported_with_skip_bad_records(synth, tmp
     assert sum(x.get("skipped_records", 0) for x in records if x["kind"] == "step") == 3
 
 
+def test_bad_records_skipped_before_a_resume_are_still_counted(synth, tmp_path):
+    """A run resumed after its first epoch counts the bad records of both epochs, as an
+    uninterrupted run does (the loaders' counts start again at 0)."""
+    data = tmp_path / "s.h5"
+    data.write_bytes((synth / "s.h5").read_bytes())
+    (tmp_path / "s_val.h5").write_bytes((synth / "s_val.h5").read_bytes())
+    with h5py.File(data, "r+") as f:
+        for i in (3, 17, 40):
+            f["images"][f["offsets"][i]:f["offsets"][i + 1]] = 1
+    args = ("train", "--data", str(data), "--batch-size", "16", "--image-size", "32",
+            "--skip-bad-records", "--workers", "1")
+    straight = quick(*args, "--epochs", "2", "--run-dir", str(tmp_path / "straight"))
+    first = quick(*args, "--epochs", "1", "--run-dir", str(tmp_path / "run"))
+    resumed = quick(*args, "--epochs", "2", "--run-dir", str(tmp_path / "run"),
+                    "--resume", "auto")
+    for r in (straight, first, resumed):
+        assert r.returncode == 0, r.stdout + r.stderr
+    assert "3 bad training record(s) skipped (--skip-bad-records)" in first.stdout
+    for r in (straight, resumed):
+        assert "6 bad training record(s) skipped (--skip-bad-records)" in r.stdout, r.stdout
+
+
 # ----- options -----
 @pytest.mark.parametrize("flag,value", [("--lr", "nan"), ("--lr", "inf"), ("--momentum", "nan"),
                                         ("--weight-decay", "inf"), ("--warmup-epochs", "nan"),
