@@ -218,10 +218,19 @@ def read(path):
 
 def read_config(path):
     """The resolved training configuration stored in a checkpoint."""
+    return json.loads(_attribute(path, "config"))
+
+
+def read_global_step(path):
+    """The global step a checkpoint was written at."""
+    return int(_attribute(path, "global_step"))
+
+
+def _attribute(path, name):
     import h5py
     try:
         with h5py.File(path, "r") as f:
-            return json.loads(f.attrs["config"])
+            return f.attrs[name]
     except (OSError, KeyError) as e:
         raise unreadable(path, e) from e
 

@@ -538,12 +538,27 @@ def find_resume(cfg, comm, say):
                 raise ConfigError(f"--resume {cfg.resume}: no such checkpoint file")
             if found:
                 check_resume(cfg, found, checkpoint.read_config(found))
+            if found == cfg.resume:                 # a file named: the newest here?
+                check_no_newer(found, checkpoint.latest(cfg.run_dir), cfg.run_dir)
         except (ConfigError, checkpoint.CheckpointError) as e:
             found = ConfigError(str(e))
     found = comm.bcast(found, root=0)
     if isinstance(found, ConfigError):
         raise found
     return found
+
+
+def check_no_newer(path, newest, run_dir):
+    """Refuse to resume from checkpoint `path` into a run directory whose newest complete
+    checkpoint, `newest`, comes after it: the run would go on beside the later history
+    it abandons, whose checkpoints --resume auto and the pruning of old ones would take
+    for its own."""
+    if newest is None or os.path.samefile(newest, path):
+        return
+    if checkpoint.read_global_step(newest) > checkpoint.read_global_step(path):
+        raise ConfigError(f"--resume {path}: --run-dir {run_dir} holds a later checkpoint, "
+                          f"{newest}, of a run that went on from there; resume into another "
+                          f"--run-dir, or move the later checkpoints out of {run_dir} first")
 
 
 # what a resumed run must keep: changing them would not continue the same training

@@ -362,6 +362,26 @@ def test_a_resume_that_leaves_out_the_runs_recipe_is_refused_naming_it(one_epoch
     assert {p: p.read_bytes() for p in run_dir.iterdir()} == before
 
 
+def test_a_resume_from_before_the_run_directorys_newest_checkpoint_is_refused(one_epoch, digits,
+                                                                             tmp_path):
+    """The run would go on beside the later history it abandons, whose checkpoints
+    --resume auto and the pruning would take for its own: refused, the directory as it
+    was."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    older, later = run_dir / "checkpoint-000000022.h5", run_dir / "checkpoint-000000044.h5"
+    for path in (older, later):
+        path.write_bytes((one_epoch / "checkpoint-000000022.h5").read_bytes())
+    with h5py.File(later, "r+") as f:
+        f.attrs["global_step"] = 44
+    before = {p: p.read_bytes() for p in run_dir.iterdir()}
+    r = quick("train", "--epochs", "2", *BATCH, "--data-dir", str(digits), "--run-dir",
+              str(run_dir), "--resume", str(older))
+    refused(r, f"--resume {older}: --run-dir {run_dir} holds a later checkpoint, {later}, of "
+               f"a run that went on from there; resume into another --run-dir")
+    assert {p: p.read_bytes() for p in run_dir.iterdir()} == before
+
+
 def test_resume_auto_says_it_passes_over_an_unreadable_checkpoint(one_epoch, digits, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
