@@ -185,7 +185,22 @@ def decode(data, reduce=1, fast=False, turbo=True, rows=None, buffer=None):
     im = Image.open(io.BytesIO(data))
     if reduce > 1 and im.format == "JPEG":
         im.draft("RGB", (im.width // reduce, im.height // reduce))
-    return np.asarray(im.convert("RGB"))
+    return np.asarray(to_rgb(im))
+
+
+# Pillow's modes of 16-bit grey images (a 16-bit PNG is "I;16"; "I" holds 32-bit integers)
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+
+
+def to_rgb(im):
+    """A Pillow image in RGB. A 16-bit grey one is first scaled to 8 bits,
+        p8 = (p16 * 255 + 32767) // 65535     (p16 clipped to [0, 65535]),
+    where Pillow's convert("RGB") would clip it at 255 (nearly every pixel white); any
+    other mode is Pillow's to convert."""
+    if im.mode in SIXTEEN_BIT_MODES:
+        grey = np.clip(np.asarray(im, np.int64), 0, 65535)
+        im = Image.fromarray(((grey * 255 + 32767) // 65535).astype(np.uint8), "L")
+    return im if im.mode == "RGB" else im.convert("RGB")
 
 
 # libjpeg's warning at the end of a JPEG decoded only down to a lowered height: the

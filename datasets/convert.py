@@ -30,6 +30,7 @@ from PIL import Image, UnidentifiedImageError
 
 from mpitrain.files import save_text
 
+from .augment import to_rgb
 from .h5format import Writer
 from .split import stratified_val
 
@@ -130,7 +131,7 @@ def encode_file(path, resize_short=None):
         data = fh.read()
     im = Image.open(io.BytesIO(data))
     im.load()                                       # full decode: catches truncation
-    rgb = im.convert("RGB") if im.mode != "RGB" else im
+    rgb = to_rgb(im)                                # as the loader decodes it
     if resize_short and min(rgb.size) > resize_short:
         scale = resize_short / min(rgb.size)
         rgb = rgb.resize((max(1, round(rgb.size[0] * scale)), max(1, round(rgb.size[1] * scale))),
@@ -208,6 +209,7 @@ def convert_imagefolder(src, dst, val_fraction=0.0, resize_short=None, seed=0, p
         splits = {"train": dst, "val": val_path(dst)} if val_fraction > 0 else {"train": dst}
         writers = {name: Writer(path, classes) for name, path in splits.items()}
         hist = np.zeros((3, 256), np.int64)
+        trained = np.zeros(len(classes), np.int64)  # training images written, per class
         skipped = list(unread)
     try:
         block = ROUND * size
@@ -226,16 +228,28 @@ def convert_imagefolder(src, dst, val_fraction=0.0, resize_short=None, seed=0, p
                 writers["val" if is_val[j] else "train"].add(label, data, rel)
                 if not is_val[j]:
                     hist += h
+                    trained[label] += 1
             if progress is not None:
                 progress(min(start + block, len(items)), len(items))
         result = None
         empty = rank == 0 and next((name for name, w in writers.items() if not len(w)), None)
+        untrained = next((c for c in range(len(classes)) if not trained[c]), None) \
+            if rank == 0 else None
         if empty:
-            for w in writers.values():
-                w.abort()
             result = ConvertError(f"{src}: none of its {len(items)} image file(s) could be "
                                   f"read into the {empty} split (the first skipped: "
                                   f"{skipped[0][0]}: {skipped[0][1]}); nothing written")
+        elif untrained is not None:
+            name = classes[untrained]
+            rel, reason = next((rel, reason) for rel, reason in skipped
+                               if rel.split(os.sep, 1)[0] == name)
+            result = ConvertError(f"{src}: class {name} has no readable training image (the "
+                                  f"first skipped: {rel}: {reason}), so a model would be scored "
+                                  f"on a class it never saw; mend or remove its files, or "
+                                  f"remove the class; nothing written")
+        if result is not None:
+            for w in writers.values():
+                w.abort()
         elif rank == 0:
             mean, std = mean_std(hist)
             for name in reversed(list(writers)):    # train last: its presence means both are done

@@ -689,3 +689,40 @@ def test_validation_leaves_out_a_bad_record_and_its_stand_in(tmp_path):
     assert scores[0]["bad_records"] == 1 and scores[1]["bad_records"] == 0
     for key in ("top1", "loss"):
         assert scores[0][key] == scores[1][key], (key, scores)
+
+
+def test_a_sixteen_bit_png_is_scaled_to_eight_bits_not_clipped(tmp_path):
+    """Pillow's convert("RGB") clips a 16-bit grey PNG at 255, nearly all of it white: the
+    loader's decode and convert's statistics scale it to 8 bits instead, rounded."""
+    ramp = (np.arange(64 * 64, dtype=np.int64).reshape(64, 64) * 16).astype(np.uint16)
+    buf = io.BytesIO()
+    Image.fromarray(ramp).save(buf, "PNG")
+    assert Image.open(io.BytesIO(buf.getvalue())).mode.startswith("I")
+    eight = ((ramp.astype(np.int64) * 255 + 32767) // 65535).astype(np.uint8)
+    expected = np.repeat(eight[..., None], 3, axis=2)
+    np.testing.assert_array_equal(decode(buf.getvalue()), expected)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "ramp.png").write_bytes(buf.getvalue())
+    from mpitrain.datasets.convert import encode_file, histogram
+    data, hist = encode_file(str(tmp_path / "a" / "ramp.png"))
+    assert data == buf.getvalue()                       # kept as it is: decoding scales it
+    np.testing.assert_array_equal(hist, histogram(expected))
+
+
+def test_a_class_left_without_a_readable_training_image_is_refused(tmp_path):
+    """Its training files all fail to decode: a model would be scored on a class it never
+    trained on. Refused, naming the class and a skipped file, and nothing written."""
+    from mpitrain.datasets.convert import ConvertError
+    src, dst = tmp_path / "src", tmp_path / "out" / "d.h5"
+    images, _ = digit_images()
+    for c in ("a", "b"):
+        (src / c).mkdir(parents=True)
+        for i in range(4):
+            (src / c / f"{i}.png").write_bytes(encode(images[i], "PNG"))
+    for i in range(4):                                  # every file of b is broken
+        (src / "b" / f"{i}.png").write_bytes(b"garbage" * 20)
+    with pytest.raises(ConvertError, match=r"class b has no readable training image \(the "
+                                           r"first skipped: b/\d.png: .*\), so a model would "
+                                           r"be scored on a class it never saw"):
+        convert_imagefolder(str(src), str(dst), val_fraction=0.25, seed=0)
+    assert not dst.parent.exists() or not os.listdir(dst.parent)

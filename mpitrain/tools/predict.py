@@ -42,9 +42,6 @@ import numpy as np
 
 from .. import checkpoint
 
-# Pillow's modes of a 16-bit greyscale image (a PNG of bit depth 16 opens as I;16)
-SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
-
 
 class PredictError(ValueError):
     """A checkpoint, data file or image that cannot be used; the message names it."""
@@ -186,7 +183,7 @@ class Preprocessing:
 def read_image(path):
     """(record, bits) of image file `path`: the encoded bytes of an 8-bit image (decoded
     by the loader's own code, datasets/augment.py), or (H, W, 3) uint16 pixels of a
-    16-bit greyscale one, which that code would cut to 8 bits."""
+    16-bit greyscale one, which that code would scale to 8 bits."""
     from PIL import Image, UnidentifiedImageError
     if os.path.isdir(path):
         raise PredictError(f"{path} is a folder: give its image files ({path}/*.jpg)")
@@ -199,6 +196,7 @@ def read_image(path):
         raise PredictError(f"{path}: not an image (no format Pillow reads)") from None
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise PredictError(f"{path}: not a readable image ({e})") from None
+    from mpitrain.datasets.augment import SIXTEEN_BIT_MODES
     if image.mode in SIXTEEN_BIT_MODES:
         grey = np.clip(np.asarray(image), 0, 65535).astype(np.uint16)
         return np.repeat(grey[..., None], 3, axis=2), 16
