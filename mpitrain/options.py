@@ -187,8 +187,9 @@ OPTIONS = (
            choices=("fp32", "fp16")),
     Option("loss_scale", None, "multiply the loss gradient by S (unscaled in the update), or "
            "'dynamic' (from 2^16, halved and the step skipped on an inf or NaN in the summed "
-           "gradient, doubled after 2000 clean steps); default: dynamic under fp16, 1 under "
-           "fp32", OPTIM, loss_scale, metavar="S|dynamic"),
+           "gradient, doubled after 2000 clean steps); default: dynamic where fp16 carries "
+           "gradients (--precision fp16, or --comm-dtype fp16: each rank's share would fall "
+           "into fp16's subnormals), else 1", OPTIM, loss_scale, metavar="S|dynamic"),
     Option("cuda_graph", False, "on a GPU with one rank: replay forward, loss and backward "
            "from CUDA graphs captured after 2 eager steps (mpitrain/graph.py); the run says "
            "when a model cannot be captured (fp32 fully connected layers) and runs it "

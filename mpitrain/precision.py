@@ -103,12 +103,16 @@ class LossScaler:
         self.skipped = int(state["skipped"])
 
 
-def make_scaler(loss_scale, precision):
-    """The trainer's scaler: loss_scale is a number, 'dynamic', or None for the default of the
-    precision ('dynamic' under fp16, 1 under fp32). fp16 always checks for overflow; fp32 only
+def make_scaler(loss_scale, precision, comm_dtype="fp32"):
+    """The trainer's scaler: loss_scale is a number, 'dynamic', or None for the default:
+    'dynamic' where fp16 carries gradients (fp16 precision, or fp16 on the wire), else 1.
+    Gradients sent in fp16 are each rank's share (divided by the ranks) of the step's: at
+    scale 1 the small ones fall into fp16's subnormals and lose their bits, and a large
+    one overflows unseen. So fp16 in either place always checks for overflow; fp32 only
     when the scale is dynamic or not 1."""
     if precision not in ("fp32", "fp16"):
         raise ValueError(f"unknown precision {precision!r}; choose fp32 or fp16")
+    half = "fp16" in (precision, comm_dtype)
     if loss_scale is None:
-        loss_scale = "dynamic" if precision == "fp16" else 1.0
-    return LossScaler(loss_scale, check=True if precision == "fp16" else None)
+        loss_scale = "dynamic" if half else 1.0
+    return LossScaler(loss_scale, check=True if half else None)

@@ -460,7 +460,7 @@ class Run:
             self.optimizer = ShardedOptimizer(cfg.optimizer, model.arena, comm, **hyper)
         else:
             self.optimizer = make_optimizer(cfg.optimizer, model.arena, **hyper)
-        self.scaler = make_scaler(cfg.loss_scale, cfg.precision)
+        self.scaler = make_scaler(cfg.loss_scale, cfg.precision, cfg.comm_dtype)
         self.base_lr = scaled_lr(cfg.lr, self.batch, cfg.lr_ref_batch)
 
     def say_what_runs(self, data):

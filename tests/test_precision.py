@@ -67,6 +67,10 @@ def test_scaler_defaults_per_precision():
     assert (fp32.dynamic, fp32.scale, fp32.check) == (False, 1.0, False)
     assert make_scaler(1.0, "fp16").check           # fp16 always checks, even at scale 1
     assert make_scaler("dynamic", "fp32").check
+    # fp16 on the wire: each rank's share of the gradient in fp16, scaled up and checked
+    wire = make_scaler(None, "fp32", comm_dtype="fp16")
+    assert (wire.dynamic, wire.scale, wire.check) == (True, 2.0 ** 16, True)
+    assert make_scaler(1.0, "fp32", comm_dtype="fp16").check
     with pytest.raises(ValueError, match="unknown precision"):
         make_scaler(None, "bf16")
 
