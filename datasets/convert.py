@@ -18,6 +18,7 @@ share of each round of images, rank 0 gathers them and writes; the result is
 the same file as a serial run.
 """
 import gzip
+import hashlib
 import io
 import os
 import shutil
@@ -210,6 +211,7 @@ def convert_imagefolder(src, dst, val_fraction=0.0, resize_short=None, seed=0, p
         writers = {name: Writer(path, classes) for name, path in splits.items()}
         hist = np.zeros((3, 256), np.int64)
         trained = np.zeros(len(classes), np.int64)  # training images written, per class
+        first = {}              # digest of a file's bytes -> the first file that had them
         skipped = list(unread)
     try:
         block = ROUND * size
@@ -222,6 +224,12 @@ def convert_imagefolder(src, dst, val_fraction=0.0, resize_short=None, seed=0, p
             for j in range(start, min(start + block, len(items))):
                 label, data, h, reason = shares[(j - start) % size][(j - start) // size]
                 rel = items[j][0]
+                if reason is None:
+                    # a copy could stand in both splits, and be scored as an image trained on
+                    digest = hashlib.blake2b(data, digest_size=16).digest()
+                    reason = f"a byte-for-byte copy of {first[digest]}" if digest in first \
+                        else None
+                    first.setdefault(digest, rel)
                 if reason is not None:
                     skipped.append((rel, reason))
                     continue

@@ -742,7 +742,7 @@ def test_convert_makes_the_directory_of_its_file_or_says_why_it_cannot(tmp_path)
     for c in ("cat", "dog"):
         (src / c).mkdir(parents=True)
         for i in range(3):
-            png(src / c / f"{i}.png", 40 * i)
+            png(src / c / f"{i}.png", 40 * i + (c == "dog"))   # no copies: they would be skipped
     out = tmp_path / "data" / "new" / "pets.h5"
     r = subprocess.run(command(2, "convert", "imagefolder", str(src), str(out), "--val-fraction",
                                "0.34"), capture_output=True, text=True, timeout=120,
@@ -766,7 +766,7 @@ def test_links_that_lead_nowhere_and_files_that_are_no_images_are_listed_as_skip
     for c in ("cat", "dog"):
         (src / c).mkdir(parents=True)
         for i in range(3):
-            png(src / c / f"{i}.png", 40 * i)
+            png(src / c / f"{i}.png", 40 * i + (c == "dog"))   # no copies: they would be skipped
     os.symlink("loop", src / "cat" / "loop")              # a link to itself
     os.symlink("nowhere.png", src / "dog" / "gone.png")   # a broken link
     (src / "dog" / "notes.txt").write_text("not an image")

@@ -726,3 +726,25 @@ def test_a_class_left_without_a_readable_training_image_is_refused(tmp_path):
                                            r"be scored on a class it never saw"):
         convert_imagefolder(str(src), str(dst), val_fraction=0.25, seed=0)
     assert not dst.parent.exists() or not os.listdir(dst.parent)
+
+
+def test_a_copy_of_a_file_is_kept_once(tmp_path):
+    """Byte-for-byte copies (in one class or in two) could stand on both sides of the split
+    and be scored as images trained on: the first in the file order is kept, the others are
+    skipped as copies of it and listed with that reason."""
+    images, _ = digit_images()
+    src = tmp_path / "src"
+    for c in ("a", "b"):
+        (src / c).mkdir(parents=True)
+    for i in range(6):
+        (src / "a" / f"{i}.png").write_bytes(encode(images[i], "PNG"))
+        (src / "b" / f"{i}.png").write_bytes(encode(images[10 + i], "PNG"))
+    copies = [os.path.join("a", "copy.png"), os.path.join("b", "0-again.png")]
+    for rel in copies:
+        (src / rel).write_bytes((src / "a" / "0.png").read_bytes())
+    result = convert_imagefolder(str(src), str(tmp_path / "d.h5"), val_fraction=0.3, seed=1)
+    group = {os.path.join("a", "0.png"), *copies}
+    assert sum(result.counts.values()) == 12 and len(result.skipped) == 2
+    kept = (group - {rel for rel, _ in result.skipped}).pop()
+    assert sorted(result.skipped) == sorted((rel, f"a byte-for-byte copy of {kept}")
+                                            for rel in group - {kept})
