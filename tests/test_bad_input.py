@@ -191,16 +191,23 @@ def test_a_file_declaring_huge_images_is_refused_before_allocating(tmp_path):
             "it declares images of (60000, 60000, 3)")
 
 
-@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.launches)])
-def test_decode_errors_are_counted_and_reported_with_skip_bad_records(synth, tmp_path, ranks):
-    """Every rank's skips are counted: summed over the ranks in the progress lines,
-    metrics.jsonl and the summary, whichever rank read the bad records."""
+def with_bad_records(synth, tmp_path):
+    """A copy of the synthetic training file (and its validation file beside it) in
+    tmp_path, whose records 3, 17 and 40 are bytes that decode nowhere."""
     data = tmp_path / "s.h5"
     data.write_bytes((synth / "s.h5").read_bytes())
     (tmp_path / "s_val.h5").write_bytes((synth / "s_val.h5").read_bytes())
     with h5py.File(data, "r+") as f:
         for i in (3, 17, 40):
             f["images"][f["offsets"][i]:f["offsets"][i + 1]] = 1
+    return data
+
+
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.launches)])
+def test_decode_errors_are_counted_and_reported_with_skip_bad_records(synth, tmp_path, ranks):
+    """Every rank's skips are counted: summed over the ranks in the progress lines,
+    metrics.jsonl and the summary, whichever rank read the bad records."""
+    data = with_bad_records(synth, tmp_path)
     args = ("train", "--data", str(data), "--batch-size", "16", "--image-size", "32",
             "--epochs", "1", "--log-every", "2", "--skip-bad-records",
             "--run-dir", str(tmp_path / "run"))
@@ -216,12 +223,7 @@ def test_decode_errors_are_counted_and_reported_with_skip_bad_records(synth, tmp
 def test_bad_records_skipped_before_a_resume_are_still_counted(synth, tmp_path):
     """A run resumed after its first epoch counts the bad records of both epochs, as an
     uninterrupted run does (the loaders' counts start again at 0)."""
-    data = tmp_path / "s.h5"
-    data.write_bytes((synth / "s.h5").read_bytes())
-    (tmp_path / "s_val.h5").write_bytes((synth / "s_val.h5").read_bytes())
-    with h5py.File(data, "r+") as f:
-        for i in (3, 17, 40):
-            f["images"][f["offsets"][i]:f["offsets"][i + 1]] = 1
+    data = with_bad_records(synth, tmp_path)
     args = ("train", "--data", str(data), "--batch-size", "16", "--image-size", "32",
             "--skip-bad-records", "--workers", "1")
     straight = quick(*args, "--epochs", "2", "--run-dir", str(tmp_path / "straight"))
