@@ -88,8 +88,11 @@ class BatchNorm2d(Module):
             raise ValueError(f"BatchNorm2d({C}): a residual needs a layer without relu and "
                              f"x's shape and dtype {x.shape} {x.dtype}, got "
                              f"relu={self.relu}, {residual.shape} {residual.dtype}")
-        if train and x.size // C < 2:
-            raise ValueError(f"BatchNorm2d needs more than one value per channel in train mode, got shape {x.shape}")
+        ranks = 1 if self.group is None else self.group.size    # whose values the statistics take
+        if train and x.size // C * ranks < 2:
+            raise ValueError(f"BatchNorm2d needs more than one value per channel in train mode, "
+                             f"got shape {x.shape}"
+                             + (f" on each of {ranks} ranks" if ranks > 1 else ""))
         kernels = self._kernels(x)
         x2 = xp.ascontiguousarray(x).reshape(-1, C)     # (M, C)
         stat = kernels.acc_dtype(x.dtype)

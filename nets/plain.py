@@ -180,8 +180,10 @@ class MaxPool2d:
     """y[n, oh, ow, c] = max of the k x k window at (oh*s - p, ow*s - p), padding -inf.
 
     Backward routes dy to the window's argmax, the first maximum in row-major window
-    order (a tie goes to the upper, then the left, element, and a NaN, above every
-    number, to the first NaN, as in nets/pool.py's kernels); the others get 0.
+    order among the taps inside x (a tie goes to the upper, then the left, element, and
+    a NaN, above every number, to the first NaN, as in nets/pool.py's kernels and
+    PyTorch); the others get 0. A window of -inf values keeps its gradient: the padding,
+    -inf too, never takes it.
     """
 
     def __init__(self, k, stride=None, padding=0):
@@ -189,11 +191,15 @@ class MaxPool2d:
 
     def forward(self, x, train=True):
         k, s, p = self.k, self.stride, self.padding
-        self.x_shape = x.shape
+        N, H, W, C = self.x_shape = x.shape
         win = im2col(x, k, s, p, pad_value=-np.inf)              # (N, Ho, Wo, k, k, C)
-        win = win.reshape(win.shape[:3] + (k * k, x.shape[3]))    # (N, Ho, Wo, k*k, C)
-        self.arg = win.argmax(axis=3)                            # (N, Ho, Wo, C): i*k + j
-        return win.max(axis=3)
+        win = win.reshape(win.shape[:3] + (k * k, C))            # (N, Ho, Wo, k*k, C)
+        inside = im2col(np.ones((1, H, W, 1), bool), k, s, p, pad_value=False)
+        inside = inside.reshape(inside.shape[:3] + (k * k, 1))   # (1, Ho, Wo, k*k, 1)
+        y = win.max(axis=3)                                      # NaN where a tap is NaN
+        top = (win == y[:, :, :, None]) | np.isnan(win)          # NaN: every NaN is a top
+        self.arg = (top & inside).argmax(axis=3)                 # (N, Ho, Wo, C): i*k + j
+        return y
 
     def backward(self, dy):
         k, C = self.k, dy.shape[3]

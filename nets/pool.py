@@ -48,6 +48,11 @@ class AvgPool2d(Module):
         return pool.avg_pool_backward(dy, self.x_shape, self.k, self.stride, self.padding)
 
 
+def _sum_dtype(dtype):
+    """The dtype the averaging pools sum in: fp32 for fp16, so each output is rounded once."""
+    return np.float32 if dtype == np.float16 else dtype
+
+
 def adaptive_bins(n_in, n_out, xp=np, dtype=np.float64):
     """A (n_out, n_in): row o averages x[start:end], start = floor(o*In/Out), end = ceil((o+1)*In/Out).
 
@@ -66,7 +71,8 @@ class AdaptiveAvgPool2d(Module):
 
     Written as y = A_h x A_w^T on each (n, c) plane with the bin matrices A of
     `adaptive_bins`; backward is dx = A_h^T dy A_w. When the input already has
-    the output size every bin is one pixel and the layer is the identity.
+    the output size every bin is one pixel and the layer is the identity. fp16 is
+    averaged in fp32 and rounded once, as PyTorch's fp16 pooling does.
     """
 
     def __init__(self, output_size):
@@ -79,15 +85,20 @@ class AdaptiveAvgPool2d(Module):
             return x
         xp = array_module(x)
         Oh, Ow = self.output_size
-        self.ah = adaptive_bins(H, Oh, xp, x.dtype)       # (Oh, H)
-        self.aw = adaptive_bins(W, Ow, xp, x.dtype)       # (Ow, W)
-        return xp.einsum("pw,nowc->nopc", self.aw, xp.einsum("oh,nhwc->nowc", self.ah, x))
+        wide = _sum_dtype(x.dtype)
+        self.ah = adaptive_bins(H, Oh, xp, wide)          # (Oh, H)
+        self.aw = adaptive_bins(W, Ow, xp, wide)          # (Ow, W)
+        rows = xp.einsum("oh,nhwc->nowc", self.ah, x.astype(wide, copy=False))
+        y = xp.einsum("pw,nowc->nopc", self.aw, rows)
+        return y.astype(x.dtype, copy=False)
 
     def backward(self, dy):
         if self.identity:
             return dy
         xp = array_module(dy)
-        return xp.einsum("oh,nowc->nhwc", self.ah, xp.einsum("pw,nopc->nowc", self.aw, dy))
+        cols = xp.einsum("pw,nopc->nowc", self.aw, dy.astype(self.ah.dtype, copy=False))
+        dx = xp.einsum("oh,nowc->nhwc", self.ah, cols)
+        return dx.astype(dy.dtype, copy=False)
 
 
 class GlobalAvgPool2d(Module):
@@ -95,8 +106,7 @@ class GlobalAvgPool2d(Module):
 
     def forward(self, x, train=True):
         self.x_shape = x.shape
-        return x.mean(axis=(1, 2), dtype=np.float32 if x.dtype == np.float16 else x.dtype
-                      ).astype(x.dtype, copy=False)
+        return x.mean(axis=(1, 2), dtype=_sum_dtype(x.dtype)).astype(x.dtype, copy=False)
 
     def backward(self, dy):
         xp = array_module(dy)

@@ -356,6 +356,29 @@ def test_adaptive_avg_pool_bins_and_identity():
     assert AdaptiveAvgPool2d((4, 4)).forward(x) is x
 
 
+def within_half_ulp(fp16, exact):
+    """Each fp16 value within half a unit in the last place of the float64 result (plus the
+    fp32 sum's own rounding): the result rounded once."""
+    ulp = np.spacing(np.abs(exact).astype(np.float16)).astype(np.float64)
+    return np.abs(fp16.astype(np.float64) - exact) <= 0.5 * ulp + 1e-6 * np.abs(exact)
+
+
+@pytest.mark.parametrize("hw,out", [((13, 13), (6, 6)), ((100, 7), (6, 3))])
+def test_adaptive_avg_pool_rounds_fp16_once(hw, out):
+    """fp16 averaged through fp16 bin weights (1/3 as 0.3333) and fp16 partial sums was off by
+    several units in the last place; summed in fp32, forward and backward are rounded once."""
+    x = rand((2, *hw, 3), np.float16, seed=2)
+    exact = AdaptiveAvgPool2d(out)
+    y64 = exact.forward(x.astype(np.float64))
+    layer = AdaptiveAvgPool2d(out)
+    y = layer.forward(x)
+    assert y.dtype == np.float16 and within_half_ulp(y, y64).all()
+    dy = rand(y.shape, np.float16, seed=3)
+    dx = layer.backward(dy)
+    assert dx.dtype == np.float16
+    assert within_half_ulp(dx, exact.backward(dy.astype(np.float64))).all()
+
+
 def test_global_avg_pool_gradients():
     y = check_layer(GlobalAvgPool2d(), rand((2, 3, 5, 3)))
     assert y.shape == (2, 3)

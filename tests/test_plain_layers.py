@@ -222,6 +222,22 @@ def test_max_pool_ties_go_to_the_first_maximum(k, s, p, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_max_pool_sends_a_window_of_minus_inf_its_gradient_inside_x(dtype):
+    """A window whose values are all -inf ties with the -inf padding: its dy goes to its
+    first tap inside x, as PyTorch's (not to the padding, where it would be dropped)."""
+    x = np.full((1, 3, 3, 1), -np.inf, dtype)
+    x[0, 2, 2, 0] = 1
+    fast, plain_pool = MaxPool2d(3, 2, 1), plain.MaxPool2d(3, 2, 1)
+    y = plain_pool.forward(x)
+    np.testing.assert_array_equal(y.ravel(), [-np.inf, -np.inf, -np.inf, 1])
+    np.testing.assert_array_equal(fast.forward(x), y)
+    dy = np.ones(y.shape, dtype)
+    expect = np.array([1, 1, 0, 1, 0, 0, 0, 0, 1], dtype).reshape(x.shape)  # F.max_pool2d's
+    np.testing.assert_array_equal(plain_pool.backward(dy), expect)
+    np.testing.assert_array_equal(fast.backward(dy), expect)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("channels", [3, 16])
 @pytest.mark.parametrize("k,s,p", POOLS)
 def test_avg_pool(k, s, p, channels, dtype):

@@ -69,6 +69,37 @@ def test_groups_equal_one_process_on_the_group_batch(comm, size):
     agree(check)
 
 
+def test_one_value_per_channel_on_each_rank_is_enough_in_a_group(comm):
+    """Batch 1 on a 1x1 map is one value per channel: per-rank BN refuses it, as PyTorch
+    does, but a group of two or more ranks takes its statistics over all their values, so
+    each rank's output and dx are one process's on the group's batch."""
+    N = WORLD.size
+
+    def check():
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((N, 1, 1, 5)) * 3 + 2      # rank r holds row r
+        dy = rng.standard_normal(x.shape)
+        net, _ = bn(comm, group_size=N)
+        mine = slice(WORLD.rank, WORLD.rank + 1)
+        if N == 1:
+            try:
+                net.forward(x, train=True)
+            except ValueError as e:
+                return None if "more than one value per channel" in str(e) else str(e)
+            return "one value per channel was accepted outside a group"
+        y = net.forward(x[mine], train=True)
+        dx = net.backward(dy[mine])
+        ref, _ = bn()
+        y_ref, dx_ref = ref.forward(x, train=True), ref.backward(dy)
+        failures = [f"{name} differ by {np.abs(a - b).max():.1e}"
+                    for name, a, b in (("y", y, y_ref[mine]), ("dx", dx, dx_ref[mine]),
+                                       ("running stats", net.buffer_arena.data,
+                                        ref.buffer_arena.data))
+                    if not np.allclose(a, b, rtol=1e-12, atol=1e-12)]
+        return "; ".join(failures) or None
+    agree(check)
+
+
 def test_group_of_one_is_per_rank_batchnorm(comm):
     def check():
         x = np.random.default_rng(WORLD.rank).standard_normal((2, 3, 3, 5))
