@@ -97,5 +97,8 @@ def loss_scale(text):
         value = 0.0
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} is neither a positive number nor 'dynamic'")
+    if value >= 2.0 ** 128:         # the gradients' scale is an fp32 number: this is inf
+        raise argparse.ArgumentTypeError(f"{text!r} is beyond fp32's range (below 3.4e38; "
+                                         f"loss scales are powers of two up to about 2^24)")
     return value
 

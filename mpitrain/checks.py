@@ -24,6 +24,7 @@ import numpy as np
 
 from . import backend, checkpoint
 from .options import BY_NAME, DEFAULTS
+from .precision import make_scaler
 
 # Data sets known by name: files under data_dir, made by `convert` on first use.
 # The digits are centred 32x32 glyphs: random crops and flips would only hurt.
@@ -441,12 +442,26 @@ def _takes(model, size):
         return False
 
 
+def unlinked(path):
+    """`path` with its links resolved where it passes through one (None stays None); a
+    relative path stays relative."""
+    if path is None or os.path.realpath(path) == os.path.abspath(path):
+        return path
+    real = os.path.realpath(path)
+    return real if os.path.isabs(path) else os.path.relpath(real)
+
+
 def prepare_run_dir(cfg, comm):
     """Choose the run directory (rank 0 decides, all ranks agree), make sure it can be
     written and take its lock (config.RunLock) before anything is written into it, and
     refuse a directory that another live job holds, or that holds an earlier run when
     this one does not --resume. Returns (run directory, the lock on rank 0, else None)."""
     from .config import RunDirInUse, RunLock, default_run_dir
+    # through a link (runs/latest): the directory it names now, as rank 0 sees it, which a
+    # later run that points the link elsewhere does not move under this one
+    cfg.run_dir, cfg.resume = comm.bcast(
+        [unlinked(cfg.run_dir), cfg.resume if cfg.resume == "auto" else unlinked(cfg.resume)]
+        if comm.rank == 0 else None, root=0)
     resume = cfg.resume
     if cfg.run_dir is None and resume not in (None, "auto"):
         # without --run-dir a resumed run goes on in the directory it continues
@@ -457,11 +472,12 @@ def prepare_run_dir(cfg, comm):
     problem = lock = None
     if comm.rank == 0:
         try:
+            made = not os.path.isdir(run_dir)
             os.makedirs(run_dir, exist_ok=True)
             if not os.access(run_dir, os.W_OK | os.X_OK):
                 problem = f"--run-dir {run_dir} is not writable; choose another directory"
             else:
-                lock = RunLock(run_dir)
+                lock = RunLock(run_dir, made=made)
                 problem = None if resume else earlier_run(run_dir)
         except FileExistsError:
             problem = f"--run-dir {run_dir} is a file, not a directory; choose another name"
@@ -556,7 +572,7 @@ def check_no_newer(path, newest, run_dir):
     if newest is None or os.path.samefile(newest, path):
         return
     if checkpoint.read_global_step(newest) > checkpoint.read_global_step(path):
-        raise ConfigError(f"--resume {path}: --run-dir {run_dir} holds a later checkpoint, "
+        raise ConfigError(f"--resume {path}: the run directory {run_dir} holds a later checkpoint, "
                           f"{newest}, of a run that went on from there; resume into another "
                           f"--run-dir, or move the later checkpoints out of {run_dir} first")
 
@@ -591,6 +607,24 @@ def check_resume(cfg, path, saved):
             f"run keeps its recipe; give these "
             f"options as the run had them (its config.json holds them all), or start a new "
             f"run in another --run-dir")
+    _check_default_loss_scale(cfg, path, saved)
+
+
+def _check_default_loss_scale(cfg, path, saved):
+    """Left at its default, the loss scale follows --precision and --comm-dtype (fp16 on
+    the wire makes it dynamic): a resume that changes the wire must not change it."""
+    if saved.get("loss_scale", cfg.loss_scale) is not None or cfg.loss_scale is not None:
+        return
+    old = {**DEFAULTS, **saved}
+    was = make_scaler(None, old["precision"], old["comm_dtype"]).dynamic
+    now = make_scaler(None, cfg.precision, cfg.comm_dtype).dynamic
+    if was != now:
+        kind = {True: "dynamic", False: "1"}
+        raise ConfigError(
+            f"{path} was trained with --comm-dtype {old['comm_dtype']} and its "
+            f"default loss scale, {kind[was]}; this run's --comm-dtype {cfg.comm_dtype} would "
+            f"make it {kind[now]}: a resumed run keeps its loss scale; pass --comm-dtype "
+            f"{old['comm_dtype']}, or start a new run in another --run-dir")
 
 
 def _as_given(keys, values):

@@ -70,14 +70,15 @@ class RunLock:
     kernel drops the lock when the holder dies, however it dies, so a file left by a
     killed job holds nothing. `release()` removes the file while still holding it, as
     leaving a `with` block does. flag: the option that named the directory, for the
-    refusal."""
+    refusal. made: this job made the directory, so a release that leaves it empty (a
+    run refused before it wrote anything) removes it too."""
 
     NAME = ".lock"
 
-    def __init__(self, run_dir, flag="--run-dir"):
+    def __init__(self, run_dir, flag="--run-dir", made=False):
         import fcntl
         import socket
-        self.path = os.path.join(run_dir, self.NAME)
+        self.path, self.made = os.path.join(run_dir, self.NAME), made
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -108,6 +109,11 @@ class RunLock:
             os.unlink(self.path)
             os.close(self.fd)
             self.fd = None
+            if self.made:
+                try:
+                    os.rmdir(os.path.dirname(self.path))
+                except OSError:             # not empty: the run wrote into it
+                    pass
 
     def __enter__(self):
         return self

@@ -11,6 +11,7 @@
     end_job       the one way a rank ends the whole job (MPI Abort), its last words kept
 """
 import array
+import contextlib
 import fcntl
 import os
 import select
@@ -175,7 +176,9 @@ class StopSignals:
       - the run has not acted on a stop signal within `grace()` seconds (`acted()`
         was not called): it cannot reach the next step boundary.
     The grace is `grace` seconds when given, else four times the longest interval
-    seen between two step boundaries (`mark()`), and at least MIN_GRACE.
+    seen between two step boundaries (`mark()`), and at least MIN_GRACE. Work the ranks
+    do together between two steps that may take longer, such as a first evaluation or
+    checkpoint, runs inside `busy()`: a signal's grace starts when it ends.
     The watcher also looks at `launcher` (a LauncherWatch) every LAUNCHER_POLL seconds
     and ends the job (status LAUNCHER_GONE) once the launcher is gone: nothing else
     would stop the ranks then, nor read what they print.
@@ -193,6 +196,7 @@ class StopSignals:
         EARLY.clear()
         self.previous = {}
         self._longest, self._last_mark = 0.0, time.monotonic()
+        self._busy, self._free_at = 0, 0.0     # inside busy(); when it was last left
         self._acted = threading.Event()
         self._thread = None
         if threading.current_thread() is not threading.main_thread():
@@ -227,12 +231,30 @@ class StopSignals:
             return self.fixed_grace
         return max(self.MIN_GRACE, 4.0 * self._longest)
 
+    @contextlib.contextmanager
+    def busy(self):
+        """Evaluation, a checkpoint: a stop signal waits for the next step boundary,
+        and its grace is counted from the end of this block."""
+        self._busy += 1
+        try:
+            yield
+        finally:
+            self._free_at = time.monotonic()
+            self._busy -= 1
+
     def acted(self):
         """The ranks agreed to stop: the watcher leaves the rest to the run."""
         self._acted.set()
 
+    def _due(self, since):
+        """When a stop signal that arrived at `since` has waited its grace: later while
+        the run is busy(), and counted from the end of its last busy() block."""
+        if self._busy:
+            return time.monotonic() + self.grace()
+        return max(since, self._free_at) + self.grace()
+
     def _watch(self):
-        first = deadline = None
+        first = deadline = since = None
         counts = dict.fromkeys(STOP_SIGNALS, 0)
         while True:
             waiting = deadline is not None and not self._acted.is_set()
@@ -241,11 +263,13 @@ class StopSignals:
                 wait = LAUNCHER_POLL if wait is None else min(wait, LAUNCHER_POLL)
             readable, _, _ = select.select([self._read], [], [], wait)
             if not readable:
+                if waiting and time.monotonic() >= deadline:
+                    deadline = self._due(since)
                 if waiting and time.monotonic() >= deadline:     # the grace ran out
-                    self._abort(first, f"{first} arrived {self.grace():.0f} s ago, but this "
-                                       f"rank has not reached the next step boundary (its main "
-                                       f"thread is blocked, likely in a collective waiting for "
-                                       f"a rank that stalled or died)")
+                    self._abort(first, f"{first} arrived {time.monotonic() - since:.0f} s "
+                                       f"ago, but this rank has not reached the next step "
+                                       f"boundary (its main thread is blocked, likely in a "
+                                       f"collective waiting for a rank that stalled or died)")
                 gone = self.launcher.gone() if self.launcher is not None else None
                 if gone:
                     self._end(LAUNCHER_GONE, f"{gone}, and with it what would stop this job",
@@ -262,7 +286,8 @@ class StopSignals:
                 if name == "SIGINT" and counts[name] == 2:
                     self._abort(name, "a second SIGINT: stopping now, without a checkpoint")
                 if first is None:
-                    first, deadline = name, time.monotonic() + self.grace()
+                    first, since = name, time.monotonic()
+                    deadline = self._due(since)
 
     def _abort(self, name, why):
         self._end(EXIT_STATUS[name] or 128 + getattr(signal, name), why)

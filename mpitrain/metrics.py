@@ -202,8 +202,10 @@ class MetricsLog:
     Step records: {"kind": "step", "epoch", "step", "global_step", "loss" (the mean of the
     ranks' finite training losses since the previous record; null when none was finite),
     "losses_not_finite" (the ranks' losses left out of it), "top1" (the training top-1 of
-    the images trained on since the previous record, over all ranks), "lr", "loss_scale"
-    (if any), "images_per_s", "skipped_records", "time": {phase: seconds per step}}.
+    the images trained on since the previous record, over all ranks), "lr" (the last
+    step's), "loss_scale" and "skipped_steps" (under loss scaling: the scale after the last
+    step, which the next step uses, and the steps skipped on overflow so far),
+    "images_per_s", "skipped_records", "time": {phase: seconds per step}}.
     Evaluation records: {"kind": "eval", "epoch", "global_step", "skipped_steps" (skipped
     on overflow under loss scaling, so far), "top1", "top5", "loss" (the validation
     set's mean cross-entropy, without label smoothing; null when some logits were not

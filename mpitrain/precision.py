@@ -21,9 +21,10 @@ everywhere), so every replica sees the same flag:
                             row, scale = min(2 scale, max_scale), count = 0
     static    scale never changes; an overflow still skips the step
 
-An overflow at the floor (static: at its one scale) means the gradients are
-not finite whatever the scale: after `patience` such overflows in a row the
-scaler raises LossScaleError rather than skip steps for ever.
+After `patience` overflows in a row at the floor the scaler raises LossScaleError
+rather than skip steps for ever. For a dynamic scale (or a static 1) that means the
+gradients are not finite whatever the scale: training has diverged. A static scale
+above 1 may instead be too large for every step's gradients, and the error says so.
 """
 import numbers
 
@@ -80,13 +81,20 @@ class LossScaler:
         if self.scale <= self.min_scale:
             self.stuck += 1
             if self.stuck >= self.patience:
-                raise LossScaleError(
-                    f"the gradients overflowed (inf or NaN) in {self.stuck} steps in a row at "
-                    f"the smallest loss scale {self.scale:g}: training has diverged; lower the "
-                    f"learning rate, or use --precision fp32 to see where it breaks")
+                raise LossScaleError(self._stuck_message())
         if self.dynamic:
             self.scale = max(0.5 * self.scale, self.min_scale)
         return False
+
+    def _stuck_message(self):
+        said = f"the gradients overflowed (inf or NaN) in {self.stuck} steps in a row at "
+        if self.dynamic or self.scale == 1.0:
+            return (said + f"the smallest loss scale {self.scale:g}: training has diverged; "
+                    f"lower the learning rate (under --precision fp16, a run in fp32 shows "
+                    f"where it breaks)")
+        return (said + f"the static loss scale {self.scale:g}: the scale may be too large for "
+                f"these gradients; lower --loss-scale, or give --loss-scale dynamic, which "
+                f"finds one (if the overflows go on at 1, training has diverged)")
 
     def state_dict(self):
         """Everything needed to resume the scaler exactly (plain Python numbers)."""

@@ -688,6 +688,13 @@ class Run:
                 self.metrics.write(dict(kind="fusion", global_step=global_step,
                                         **self.tuner.state_dict()))
 
+    def scaler_record(self):
+        """A step record's loss scale (the next step's) and steps skipped so far; None
+        where the run does not scale its loss."""
+        check = self.scaler.check
+        return dict(loss_scale=self.scaler.scale if check else None,
+                    skipped_steps=self.scaler.skipped if check else None)
+
     def log_step(self, epoch, s, lr, global_step):
         """The mean loss over the ranks and the steps since the last log, and the top-1
         accuracy of the images they trained on: the progress text and a metrics.jsonl
@@ -715,7 +722,7 @@ class Run:
             self.metrics.write(dict(kind="step", epoch=epoch + 1, step=s + 1,
                                     global_step=global_step, loss=loss,
                                     losses_not_finite=not_finite, top1=top1, lr=lr,
-                                    loss_scale=self.scaler.scale if self.scaler.check else None,
+                                    **self.scaler_record(),
                                     images_per_s=images_per_s, skipped_records=skipped,
                                     time=phases))
         self.loss_sum[:] = 0
@@ -741,6 +748,13 @@ class Run:
         """BatchNorm statistics averaged and the validation set scored (every --eval-every
         epochs and after the last), a checkpoint (every --checkpoint-every epochs and after
         the last), the epoch's summary line."""
+        with self.signals.busy():               # a stop signal waits for the next step
+            self.evaluate_and_save(epoch)
+        self.timeline.take_totals()             # evaluation and checkpoint time is not a step's
+        self.signals.mark()
+
+    def evaluate_and_save(self, epoch):
+        """end_of_epoch's work, which may take longer than a stop signal's grace."""
         cfg, line = self.cfg, self.line
         if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == self.epochs:
             with self.timeline.span("evaluate", "evaluate"):
@@ -759,8 +773,6 @@ class Run:
         if every and ((epoch + 1) % every == 0 or epoch + 1 == self.epochs):
             self.save_checkpoint()
             self.beat(f"checkpoint after epoch {epoch + 1}")
-        self.timeline.take_totals()             # evaluation and checkpoint time is not a step's
-        self.signals.mark()
         if self.progress:
             self.progress.line(f"{line}  ({time.perf_counter() - self.start:.1f} s since the "
                                f"start)")

@@ -331,14 +331,20 @@ def one_epoch(digits, tmp_path_factory):
     return run_dir
 
 
-@pytest.mark.parametrize("change", [("--optimizer", "lamb"), ("--precision", "fp16"),
-                                    ("--model", "resnet18")])
-def test_a_refused_resume_changes_nothing_in_the_run(one_epoch, digits, tmp_path, change):
+def copy_of(one_epoch, tmp_path):
+    """A copy of the one-epoch run, and its files' bytes, to hold a refusal to leaving it
+    as it was."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     for name in ("config.json", "environment.json", "checkpoint-000000022.h5"):
         (run_dir / name).write_bytes((one_epoch / name).read_bytes())
-    before = {p: p.read_bytes() for p in run_dir.iterdir()}
+    return run_dir, {p: p.read_bytes() for p in run_dir.iterdir()}
+
+
+@pytest.mark.parametrize("change", [("--optimizer", "lamb"), ("--precision", "fp16"),
+                                    ("--model", "resnet18")])
+def test_a_refused_resume_changes_nothing_in_the_run(one_epoch, digits, tmp_path, change):
+    run_dir, before = copy_of(one_epoch, tmp_path)
     r = quick("train", "--epochs", "2", *BATCH, "--data-dir", str(digits),
               "--run-dir", str(run_dir), "--resume", "auto", *change)
     flag, value = change
@@ -346,21 +352,44 @@ def test_a_refused_resume_changes_nothing_in_the_run(one_epoch, digits, tmp_path
     assert {p: p.read_bytes() for p in run_dir.iterdir()} == before
 
 
+def test_a_refused_resume_into_a_new_run_directory_leaves_none_behind(one_epoch, digits,
+                                                                       tmp_path):
+    """The directory is made (and locked) before the checkpoint is checked: a refusal
+    then removes it, as it found no directory there."""
+    new = tmp_path / "runs" / "new"
+    r = quick("train", "--epochs", "2", *BATCH, "--data-dir", str(digits), "--run-dir",
+              str(new), "--resume", str(one_epoch / "checkpoint-000000022.h5"),
+              "--model", "resnet18")
+    refused(r, "was trained with --model resnet_small, this run asks for resnet18")
+    assert not new.exists() and (tmp_path / "runs").is_dir()
+
+
 def test_a_resume_that_leaves_out_the_runs_recipe_is_refused_naming_it(one_epoch, digits,
                                                                        tmp_path):
     """Flags left out (or changed) on --resume would train on with other values: every
     option of the recipe that differs is named, as the run had it and as asked for, and
     the run directory is left as it was. --epochs may change."""
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    for name in ("config.json", "environment.json", "checkpoint-000000022.h5"):
-        (run_dir / name).write_bytes((one_epoch / name).read_bytes())
-    before = {p: p.read_bytes() for p in run_dir.iterdir()}
+    run_dir, before = copy_of(one_epoch, tmp_path)
     r = quick("train", "--epochs", "3", *BATCH, "--data-dir", str(digits), "--run-dir",
               str(run_dir), "--resume", "auto", "--lr", "0.05", "--seed", "3", "--nesterov")
     refused(r, f"{run_dir / 'checkpoint-000000022.h5'} was trained with --seed 0, --lr 0.1, no "
                f"--nesterov, this run has --seed 3, --lr 0.05, --nesterov: a resumed run keeps "
                f"its recipe; give these options as the run had them")
+    assert {p: p.read_bytes() for p in run_dir.iterdir()} == before
+
+
+def test_a_resume_whose_wire_would_change_the_default_loss_scale_is_refused(one_epoch, digits,
+                                                                           tmp_path):
+    """Left at its default, the loss scale is 1 with fp32 gradients on the wire and dynamic
+    with fp16 ones: a resume that changes --comm-dtype would load the saved static scaler
+    into a dynamic one (it ended in a traceback). Refused naming the option, the run
+    directory as it was."""
+    run_dir, before = copy_of(one_epoch, tmp_path)
+    r = quick("train", "--epochs", "2", *BATCH, "--data-dir", str(digits), "--run-dir",
+              str(run_dir), "--resume", "auto", "--comm-dtype", "fp16")
+    refused(r, f"{run_dir / 'checkpoint-000000022.h5'} was trained with --comm-dtype fp32 and "
+               f"its default loss scale, 1; this run's --comm-dtype fp16 would make it "
+               f"dynamic: a resumed run keeps its loss scale; pass --comm-dtype fp32")
     assert {p: p.read_bytes() for p in run_dir.iterdir()} == before
 
 
@@ -379,8 +408,8 @@ def test_a_resume_from_before_the_run_directorys_newest_checkpoint_is_refused(on
     before = {p: p.read_bytes() for p in run_dir.iterdir()}
     r = quick("train", "--epochs", "2", *BATCH, "--data-dir", str(digits), "--run-dir",
               str(run_dir), "--resume", str(older))
-    refused(r, f"--resume {older}: --run-dir {run_dir} holds a later checkpoint, {later}, of "
-               f"a run that went on from there; resume into another --run-dir")
+    refused(r, f"--resume {older}: the run directory {run_dir} holds a later checkpoint, "
+               f"{later}, of a run that went on from there; resume into another --run-dir")
     assert {p: p.read_bytes() for p in run_dir.iterdir()} == before
 
 

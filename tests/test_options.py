@@ -70,6 +70,7 @@ def test_a_value_means_the_same_as_a_flag_in_yaml_and_in_python(flag_value, pyth
     (dict(crop_scale=[0.5]), "--crop-scale: .*2 values expected"),
     (dict(nesterov="yes"), "--nesterov: 'yes' is not true or false"),
     (dict(density=0), "--density: 0 must be > 0.0"),
+    (dict(loss_scale=1e39), "--loss-scale: '1e\\+39' is beyond fp32's range"),
     (dict(batchsize=64), "unknown training options: batchsize"),
 ])
 def test_a_bad_value_is_refused_naming_its_flag(values, message):

@@ -1,5 +1,6 @@
 """Mixed precision: the loss scaler's state machine, skipped steps (weights and BatchNorm
 statistics untouched), fp16 activations in the layers, and fp16 training of the digits."""
+import json
 import re
 import subprocess
 
@@ -53,8 +54,13 @@ def test_static_scaler_keeps_its_scale_and_skips_overflows():
     assert s.check and not s.dynamic
     assert steps(s, "o" + "." * 5) == [(False, 1024.0)] + [(True, 1024.0)] * 5
     s.update(True)
-    with pytest.raises(LossScaleError):
+    # a static scale above 1 may be too large: the fix is a smaller one, not a lower lr
+    with pytest.raises(LossScaleError, match="2 steps in a row at the static loss scale 1024: "
+                                             ".* lower --loss-scale, or give --loss-scale dynamic"):
         s.update(True)
+    one = LossScaler(1.0, patience=1, check=True)   # at 1 there is no smaller scale to try
+    with pytest.raises(LossScaleError, match="smallest loss scale 1: training has diverged"):
+        one.update(True)
     assert not LossScaler(1.0).check                # fp32 default: no checks unless asked
     with pytest.raises(ValueError, match="positive number or 'dynamic'"):
         LossScaler(-1.0)
@@ -196,8 +202,13 @@ def test_fp16_digits_training_reaches_the_default_jobs_accuracy(tmp_path):
     final = re.findall(r"final validation accuracy: ([\d.]+)% top-1", out)
     assert len(final) == 1, out
     assert float(final[0]) >= 95.0, out
-    skipped = re.search(r"loss scale [\d.]+ at the end; (\d+) step", out).group(1)
-    assert int(skipped) < 35, out
+    skipped = int(re.search(r"loss scale [\d.]+ at the end; (\d+) step", out).group(1))
+    assert skipped < 35, out
+    # each step record says the steps skipped so far and the scale the next step takes
+    records = [json.loads(line) for line in open(tmp_path / "fp16" / "metrics.jsonl")]
+    counts = [r["skipped_steps"] for r in records if r["kind"] == "step"]
+    assert counts == sorted(counts) and counts[-1] <= skipped == records[-1]["skipped_steps"]
+    assert all(r["loss_scale"] >= 1 for r in records if r["kind"] == "step")
 
 
 def test_the_step_that_grows_the_scale_is_unscaled_by_the_scale_it_was_made_with():

@@ -3,6 +3,7 @@ second job into it is refused, naming the holder), an earlier run's directory re
 to a fresh run without --resume, runs/latest pointing at the newest run."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -107,6 +108,35 @@ def test_a_fresh_run_into_a_used_directory_is_refused(used, digits):
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads((run_dir / "config.json").read_text())["resume"] == "auto"
     assert os.readlink(cwd / "runs" / "latest") == run_dir.name      # the run it names
+
+
+@pytest.mark.launches
+def test_a_run_resumed_through_runs_latest_stays_in_the_run_it_named(digits, tmp_path):
+    """runs/latest is resolved once, at the start: a run started later points the link
+    at itself, and the resumed run's checkpoints must not follow the link into that run's
+    directory (where its pruning would delete the other run's checkpoints)."""
+    def fresh_run():
+        r = quick(*JOB, "--epochs", "1", "--data-dir", str(digits), cwd=tmp_path)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return os.readlink(tmp_path / "runs" / "latest")
+    first = tmp_path / "runs" / fresh_run()
+    job = BackgroundJob(mpitrain_command(2, *JOB, "--epochs", "40", "--data-dir", str(digits),
+                                         "--resume", str(tmp_path / "runs" / "latest")),
+                        first, tmp_path / "resumed.log")
+    try:
+        job.running()
+        second = tmp_path / "runs" / fresh_run()
+        assert second != first
+        os.kill(job.pid(1), signal.SIGUSR1)         # stop with a checkpoint
+        status, _, out = job.finish()
+    finally:
+        job.cleanup()
+    assert status == 0, out
+    stop = re.search(r"SIGUSR1: stopped at .*; checkpoint (\S+); continue with --run-dir "
+                     r"(\S+) --resume auto", out)
+    assert stop and (os.path.dirname(stop[1]), stop[2]) == (str(first), str(first)), out
+    assert os.path.exists(stop[1])
+    assert [p.name for p in second.glob("checkpoint-*.h5")] == ["checkpoint-000000022.h5"]
 
 
 def test_the_end_of_a_run_says_where_its_outputs_are(used):

@@ -149,6 +149,37 @@ def test_a_stop_signal_to_a_rank_blocked_in_a_collective_still_ends_the_job(job)
     assert status != 0 and took < 15, out
 
 
+BUSY = """
+import os, signal, sys, time
+from mpi4py import MPI
+from mpitrain.comm import Communicator
+from mpitrain.control import StopSignals
+stop = StopSignals(Communicator(MPI.COMM_SELF), grace=1.0)
+with stop.busy() if sys.argv[1] == "busy" else open(os.devnull):
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(3)                   # an evaluation three times the grace
+time.sleep(0.3)                     # then the next step boundary, within the grace
+stop.acted()
+print("stopped at the step boundary", flush=True)
+stop.restore()
+"""
+
+
+@pytest.mark.parametrize("work", ["busy", "not busy"])
+def test_a_stop_signal_waits_out_an_evaluation_longer_than_its_grace(work):
+    """A stop signal that comes during the end of an epoch's evaluation or checkpoint
+    (StopSignals.busy) is acted on at the next step: its grace starts when that work ends
+    (a first evaluation longer than 30 s ended healthy jobs without a checkpoint). The
+    same wait outside busy() is a rank that cannot reach the step boundary."""
+    r = subprocess.run([sys.executable, "-c", BUSY, work], capture_output=True, text=True,
+                       timeout=60, env=environment(1))
+    if work == "busy":
+        assert r.returncode == 0 and "stopped at the step boundary" in r.stdout, r.stdout + r.stderr
+    else:
+        assert r.returncode != 0 and "SIGUSR1 arrived 1 s ago, but this rank has not reached " \
+            "the next step boundary" in r.stderr, r.stdout + r.stderr
+
+
 def test_the_watchdog_names_a_rank_frozen_inside_the_collective(job):
     """Rank 0 frozen: the others wait for it; its heartbeat stops, and the message says so."""
     j = job("--epochs", "20", "--collective-timeout", "4")
