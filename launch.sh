@@ -575,7 +575,8 @@ case $command in
         "$PY" -m mpitrain --version ;;
     *)
         [[ " ${COMMANDS[*]} " == *" $command "* ]] || die "unknown command '$command' (use:" \
-            "setup, test, test-mpi, gpu-check, --version, nothing, or one of mpitrain's:" \
+            "setup, test, test-mpi, gpu-check, --version, no command for the default job, or" \
+            "one of mpitrain's:" \
             "${COMMANDS[*]})"
         setup; cd "$CALLER"; run_command "$@" ;;
 esac

@@ -14,12 +14,13 @@ The input is prepared as the checkpoint's run prepared its validation images
     normalise              (pixel - mean) / std per channel, with the training
                            file's mean and std, in that file's stored pixel units
 
-mean and std live in the training data file (attributes `mean`, `std` of
-docs/data-format.md), not in the checkpoint; they are read from the config's
-own copy when a checkpoint carries one, else from the training file its config
-names (the digits preset: DATA_DIR/digits_train.h5), else from `--data FILE`
-(a validation file carries the training split's values too). Class names come
-from the config, else from that file.
+mean and std are the training data file's (attributes `mean`, `std` of
+docs/data-format.md), which a run copies into its config: they are read from the
+checkpoint's config, or, with `--data FILE`, from that file (the training file, or its
+validation file, which carries the training split's values too); a checkpoint whose
+config has no copy reads them from the training file its config names (the digits
+preset: DATA_DIR/digits_train.h5). Class names come from the config, else from that
+file.
 
 Pixel units. An 8-bit image (JPEG, PNG, anything Pillow reads) is 0..255. A data
 file of 8-bit images stores those units; a 16-bit pixel file stores its own
@@ -311,7 +312,8 @@ def top_classes(images, probs, class_names, top=5):
 
 def predict(path, images, data=None, top=5, batch_size=32):
     """The `top` most probable classes of each image file under checkpoint `path`:
-    {"checkpoint", "model", "normalisation" (the file mean and std came from),
+    {"checkpoint", "model", "normalisation" ("checkpoint", or the file mean and std came
+    from),
     "predictions": [{"image", "top": [{"class", "index", "probability"}]}]}, most
     probable first (ties: the lower index, as argmax). An image whose logits are not
     finite has "top": None and "error" saying so."""
