@@ -24,9 +24,9 @@ File layout (no pickle anywhere; format_version 1):
                        images, summed since the last log line),
                        complete = True (written last)
 
-Writing: a temporary file `.NAME.tmp` in the same directory is written, flushed
-and fsync'ed, then renamed over NAME with os.replace (atomic on POSIX), and the
-directory is fsync'ed. A crash at any point leaves the previous checkpoints as they
+Writing: the file is built in memory, and its bytes are written to a temporary file
+`.NAME.tmp` in the same directory, flushed and fsync'ed, then renamed over NAME with
+os.replace (atomic on POSIX), and the directory is fsync'ed. A crash at any point leaves the previous checkpoints as they
 were; a stray `.tmp` is ignored by `latest()` and removed by the next `prune()`.
 """
 import glob
@@ -38,6 +38,8 @@ import numpy as np
 
 
 FORMAT_VERSION = 1
+INCOMPLETE = "incomplete (its write was cut short)"
+ANOTHER = "give a checkpoint-*.h5 that train wrote, or its run directory (its newest complete one)"
 PATTERN = "checkpoint-{global_step:09d}.h5"
 _NAME = re.compile(r"^checkpoint-(\d+)\.h5$")
 
@@ -130,42 +132,22 @@ def state_size(state):
 def write(path, state, before_rename=None):
     """Write `state` (from collect) to `path` atomically; returns path.
 
-    before_rename(tmp_path) is called after the temporary file is complete and
-    synced, just before the rename (tests use it to fail at that point).
+    The HDF5 file is built in memory and its bytes written with plain writes: a file
+    system that fills up then fails a write (an OSError, the temporary file removed),
+    never HDF5's own flush at close, whose failure leaves h5py's objects broken (noise
+    on stderr, a crash at exit). before_rename(tmp_path) is called after the temporary
+    file is complete and synced, just before the rename (tests use it to fail at that
+    point).
     """
-    import h5py
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp")
+    image = file_image(state)
     try:
-        with h5py.File(tmp, "w") as f:
-            f["master"] = state["master"]
-            f["momentum"] = state["momentum"]
-            f["buffers"] = state["buffers"]
-            if state.get("residual") is not None:
-                f["residual"] = state["residual"]
-            text = h5py.string_dtype()
-            f["params/name"] = np.array(state["names"], dtype=object).astype(text)
-            f["params/offset"] = np.asarray(state["offsets"], np.int64)
-            f["params/shape"] = json.dumps(state["shapes"])
-            f["buffer_names"] = np.array(state["buffer_names"], dtype=object).astype(text) \
-                if state["buffer_names"] else np.zeros(0, text)
-            f["buffer_shapes"] = json.dumps(state["buffer_shapes"])
-            group = f.create_group("optimizer")
-            for key, value in state["optimizer"].items():
-                if isinstance(value, np.ndarray):
-                    group[key] = value
-                else:
-                    group.attrs[key] = value
-            for key in ("epoch", "step", "global_step", "world_size"):
-                f.attrs[key] = state[key]
-            f.attrs["format_version"] = FORMAT_VERSION
-            f.attrs["config"] = json.dumps(state["config"], sort_keys=True)
-            f.attrs["scaler"] = json.dumps(state["scaler"])
-            f.attrs["rng"] = json.dumps(state["rng"])
-            f.attrs["progress"] = json.dumps(state["progress"])
-            f.attrs["complete"] = True
-        _fsync(tmp)
+        with open(tmp, "wb") as f:
+            f.write(image)
+            f.flush()
+            os.fsync(f.fileno())
         if before_rename is not None:
             before_rename(tmp)
         os.replace(tmp, path)
@@ -175,6 +157,40 @@ def write(path, state, before_rename=None):
         raise
     _fsync(directory)               # the rename itself survives a crash
     return path
+
+
+def file_image(state):
+    """The bytes of the checkpoint file of `state`, in the layout above."""
+    import h5py
+    with h5py.File("checkpoint", "w", driver="core", backing_store=False) as f:
+        f["master"] = state["master"]
+        f["momentum"] = state["momentum"]
+        f["buffers"] = state["buffers"]
+        if state.get("residual") is not None:
+            f["residual"] = state["residual"]
+        text = h5py.string_dtype()
+        f["params/name"] = np.array(state["names"], dtype=object).astype(text)
+        f["params/offset"] = np.asarray(state["offsets"], np.int64)
+        f["params/shape"] = json.dumps(state["shapes"])
+        f["buffer_names"] = np.array(state["buffer_names"], dtype=object).astype(text) \
+            if state["buffer_names"] else np.zeros(0, text)
+        f["buffer_shapes"] = json.dumps(state["buffer_shapes"])
+        group = f.create_group("optimizer")
+        for key, value in state["optimizer"].items():
+            if isinstance(value, np.ndarray):
+                group[key] = value
+            else:
+                group.attrs[key] = value
+        for key in ("epoch", "step", "global_step", "world_size"):
+            f.attrs[key] = state[key]
+        f.attrs["format_version"] = FORMAT_VERSION
+        f.attrs["config"] = json.dumps(state["config"], sort_keys=True)
+        f.attrs["scaler"] = json.dumps(state["scaler"])
+        f.attrs["rng"] = json.dumps(state["rng"])
+        f.attrs["progress"] = json.dumps(state["progress"])
+        f.attrs["complete"] = True
+        f.flush()
+        return f.id.get_file_image()
 
 
 def _fsync(path):
@@ -191,7 +207,7 @@ def read(path):
     try:
         with h5py.File(path, "r") as f:
             if not f.attrs.get("complete", False):
-                raise CheckpointError(f"{path} is incomplete (no 'complete' mark)")
+                raise CheckpointError(f"{path} is {INCOMPLETE}; {ANOTHER}")
             version = int(f.attrs["format_version"])
             if version != FORMAT_VERSION:
                 raise CheckpointError(f"{path} has format version {version}; this mpitrain "
@@ -242,13 +258,16 @@ def unreadable(path, e):
     if not os.path.exists(path):
         why = "no such file"
     elif isinstance(e, KeyError):
-        why = "an HDF5 file without a checkpoint's parts (a data file?)"
+        with h5py.File(path, "r") as f:
+            begun = "master" in f and not f.attrs.get("complete", False)
+        why = INCOMPLETE if begun else "an HDF5 file without a checkpoint's parts (a data file?)"
     elif os.path.isfile(path) and not h5py.is_hdf5(path):
         why = "not an HDF5 file (an exported model?)"
+    elif "truncated file" in str(e):        # HDF5's words for a file cut short
+        why = f"{INCOMPLETE}: {e}"
     else:
         why = str(e)
-    return CheckpointError(f"cannot read checkpoint {path}: {why}; give a checkpoint-*.h5 "
-                           f"that train wrote, or its run directory")
+    return CheckpointError(f"cannot read checkpoint {path}: {why}; {ANOTHER}")
 
 
 def check_matches(state, model):
@@ -413,7 +432,7 @@ def latest(directory, passed_over=None):
             with h5py.File(path, "r") as f:
                 if f.attrs.get("complete", False):
                     return path
-            why = "incomplete (no 'complete' mark)"
+            why = INCOMPLETE
         except (CheckpointError, OSError) as e:
             why = str(e)
         if passed_over is not None:

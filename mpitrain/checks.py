@@ -23,6 +23,7 @@ import os
 import numpy as np
 
 from . import backend, checkpoint
+from .files import output_problem
 from .options import BY_NAME, DEFAULTS
 from .precision import make_scaler
 
@@ -122,7 +123,16 @@ def refuse_options(cfg, world_size):
     comm_options(cfg, world_size)
     check_options_used(cfg)
     check_milestones(cfg)
+    check_never_used(cfg)
     check_batch(cfg.batch_size, world_size)
+    if cfg.trace:                       # written at the end: found unwritable before the run
+        from .metrics import trace_path
+        problem = output_problem(trace_path(cfg.trace, 0))
+        if problem:
+            raise ConfigError(f"--trace {cfg.trace}: {problem}")
+    if cfg.resume not in (None, "auto") and not os.path.exists(cfg.resume):
+        # before its directory, which a resume without --run-dir goes on in, is made
+        raise ConfigError(f"--resume {cfg.resume}: no such checkpoint file or run directory")
 
 
 def check_milestones(cfg):
@@ -138,6 +148,18 @@ def check_milestones(cfg):
         raise ConfigError(f"--milestones {' '.join(f'{m:g}' for m in late)} would never "
                           f"apply: the run ends after --epochs {cfg.epochs}; drop "
                           f"{'it' if len(late) == 1 else 'them'} or raise --epochs")
+
+
+def check_never_used(cfg):
+    """Refuse values that would do nothing: Nesterov momentum without momentum, and dense
+    sums for the whole run before top-k compression starts."""
+    if cfg.nesterov and cfg.momentum == 0:
+        raise ConfigError("--nesterov looks ahead along the momentum, and --momentum is 0: "
+                          "drop --nesterov, or give --momentum above 0")
+    if cfg.compress == "topk" and cfg.compress_warmup >= cfg.epochs:
+        raise ConfigError(f"--compress-warmup {cfg.compress_warmup} keeps the sums dense for "
+                          f"the whole run of --epochs {cfg.epochs}, so top-k never starts: "
+                          f"lower --compress-warmup, or drop --compress topk")
 
 
 def check_topk_wire(compress, comm_dtype):
@@ -210,11 +232,16 @@ def resolve_data(cfg, comm=None, need_val=True):
         problem = None
         if (comm is None or comm.rank == 0) \
                 and not all(map(os.path.exists, data_files(cfg.data, cfg.data_dir))):
-            print(f"mpitrain: converting {cfg.data} into {cfg.data_dir}/", flush=True)
-            try:
-                getattr(convert, preset["convert"])(cfg.data_dir)
-            except convert.ConvertError as e:
-                problem = str(e)
+            problem = output_problem(train_file)
+            if problem:
+                problem = (f"--data-dir {cfg.data_dir} cannot hold the {cfg.data} files: "
+                           f"{problem}")
+            else:
+                print(f"mpitrain: converting {cfg.data} into {cfg.data_dir}/", flush=True)
+                try:
+                    getattr(convert, preset["convert"])(cfg.data_dir)
+                except convert.ConvertError as e:
+                    problem = str(e)
         if comm is not None:
             problem = comm.bcast(problem, root=0)   # every rank raises, none waits alone
         if problem:
@@ -531,9 +558,10 @@ def check_free_space(run_dir, need, comm):
         raise ConfigError(problem)
 
 
-def find_resume(cfg, comm, say):
+def find_resume(cfg, comm, say, data=None):
     """The checkpoint to resume from (rank 0 looks; None: start afresh), after checking
-    that its run is this one continued; refuses, before any work, one that is not."""
+    that its run is this one continued (on `data`'s classes and normalisation, when
+    given); refuses, before any work, one that is not."""
     if not cfg.resume:
         return None
     found = None
@@ -548,12 +576,10 @@ def find_resume(cfg, comm, say):
                 if found is None:
                     raise ConfigError(f"--resume {cfg.resume}: the run directory holds no "
                                       f"complete checkpoint; name a checkpoint file")
-            elif os.path.exists(cfg.resume):
+            else:                                   # refuse_options saw it exists
                 found = cfg.resume
-            else:
-                raise ConfigError(f"--resume {cfg.resume}: no such checkpoint file")
             if found:
-                check_resume(cfg, found, checkpoint.read_config(found))
+                check_resume(cfg, found, checkpoint.read_config(found), data)
             if found == cfg.resume:                 # a file named: the newest here?
                 check_no_newer(found, checkpoint.latest(cfg.run_dir), cfg.run_dir)
         except (ConfigError, checkpoint.CheckpointError) as e:
@@ -587,7 +613,7 @@ RESUME_RECIPE = ("seed", "lr", "lr_ref_batch", "momentum", "nesterov", "weight_d
                  "crop_fraction")
 
 
-def check_resume(cfg, path, saved):
+def check_resume(cfg, path, saved, data=None):
     if saved.get("batch_size", cfg.batch_size) != cfg.batch_size:
         raise ConfigError(f"{path} was trained with global batch {saved['batch_size']}, this "
                           f"run has {cfg.batch_size}: a resumed run keeps the global batch "
@@ -608,6 +634,29 @@ def check_resume(cfg, path, saved):
             f"options as the run had them (its config.json holds them all), or start a new "
             f"run in another --run-dir")
     _check_default_loss_scale(cfg, path, saved)
+    if data is not None:
+        _check_same_data(cfg, path, saved, data)
+
+
+def _check_same_data(cfg, path, saved, data):
+    """A resume on other data (other classes, or images of another mean and std) would
+    train the model on what it has not learnt, and fail as a divergence, if at all."""
+    was = saved.get("class_names")
+    if was is not None and list(was) != list(data.class_names):
+        differ = (f"{len(was)} classes against {len(data.class_names)}"
+                  if len(was) != len(data.class_names) else
+                  next(f"class {i} is {a!r} against {b!r}"
+                       for i, (a, b) in enumerate(zip(was, data.class_names)) if a != b))
+        problem = f"other classes ({differ})"
+    elif all(key in saved for key in ("mean", "std")) and not all(
+            np.allclose(saved[key], data.normalise[key]) for key in ("mean", "std")):
+        problem = (f"images of another mean and std ({saved['mean']}, {saved['std']} against "
+                   f"{list(data.normalise['mean'])}, {list(data.normalise['std'])})")
+    else:
+        return
+    raise ConfigError(f"{path} was trained on --data {saved.get('data')}, and --data "
+                      f"{cfg.data} holds {problem}: a resumed run keeps its data; give the "
+                      f"run's --data, or start a new run in another --run-dir")
 
 
 def _check_default_loss_scale(cfg, path, saved):

@@ -358,7 +358,7 @@ class Run:
         data = self.find_data()
         self.build_model(data)
         self.open_run_directory()
-        resume_from = find_resume(cfg, self.comm, self.say)
+        resume_from = find_resume(cfg, self.comm, self.say, data)
         self.make_loaders(data)
         self.make_optimizer()
         self.say_what_runs(data)
@@ -572,8 +572,10 @@ class Run:
         stall watchdog."""
         cfg, comm, steps, timeline = self.cfg, self.comm, self.steps, self.timeline
         rank0 = comm.rank == 0
+        # a resume cuts the records past its checkpoint; one that found none starts afresh
+        through = 0 if cfg.resume and self.saved_step is None else self.saved_step
         self.metrics = MetricsLog(os.path.join(self.run_dir, "metrics.jsonl"),
-                                  through=self.saved_step) if rank0 else None
+                                  through=through) if rank0 else None
         position = self.train_data.state_dict()
         self.first_epoch = position["epoch"]
         self.progress = StepProgress(self.epochs * steps,
@@ -824,8 +826,9 @@ class Run:
         last = f"the last checkpoint is {self.result['checkpoint'] or 'none'}"
         if have is not None and have < need:
             return None, (f"{full}: it needs {need / 2**20:.1f} MiB, {have / 2**20:.1f} MiB "
-                          f"are free. Stopped without writing it; {last}. Free space (or "
-                          f"lower --keep-checkpoints) and continue with --resume auto")
+                          f"are free. Stopped without writing it; {last}. Free space (delete "
+                          f"older checkpoint-*.h5 there, and lower --keep-checkpoints) and "
+                          f"continue with --resume auto")
         try:
             checkpoint.write(path, state)
         except OSError as e:
@@ -886,15 +889,17 @@ class Run:
         for loader in (self.train_data, self.val_data):
             if loader:
                 loader.close()
-        self.timeline.save()
-        if self.metrics:
-            self.metrics.close()
-        if self.progress:
-            self.progress.close()
-        if self.comm and collective:
-            self.comm.free()
-        if self.lock:
-            self.lock.release()
+        try:
+            self.timeline.save()
+        finally:                        # a trace that cannot be written still lets go of the run
+            if self.metrics:
+                self.metrics.close()
+            if self.progress:
+                self.progress.close()
+            if self.comm and collective:
+                self.comm.free()
+            if self.lock:
+                self.lock.release()
 
 
 def train(comm=None, log=print, **options):

@@ -1,5 +1,6 @@
 """Bad input: refused before any work with exit status 2 and a message that names the
 problem and the fix; nothing written, nothing overwritten, no traceback."""
+import errno
 import json
 import os
 import re
@@ -109,7 +110,25 @@ def test_a_folder_or_a_data_file_in_the_wrong_place_is_answered_with_the_fix(one
     data = digits / "digits_val.h5"                  # a data file given as the checkpoint
     refused(quick("eval", "--checkpoint", str(data)),
             f"cannot read checkpoint {data}: an HDF5 file without a checkpoint's parts (a data "
-            f"file?); give a checkpoint-*.h5 that train wrote, or its run directory")
+            f"file?); give a checkpoint-*.h5 that train wrote, or its run directory (its newest "
+            f"complete one)")
+
+
+def test_a_checkpoint_cut_short_is_refused_as_incomplete_with_the_fix(one_epoch, tmp_path):
+    """A checkpoint whose write was cut short (a copy of a killed job's .tmp file, or one
+    without its 'complete' mark) is named so, with what to give instead, not taken for a
+    data file or shown as HDF5's words alone."""
+    whole = (one_epoch / "checkpoint-000000022.h5").read_bytes()
+    cut, unmarked = tmp_path / "cut.h5", tmp_path / "unmarked.h5"
+    cut.write_bytes(whole[:len(whole) // 2])
+    unmarked.write_bytes(whole)
+    with h5py.File(unmarked, "r+") as f:
+        f.attrs["complete"] = False
+    fix = "give a checkpoint-*.h5 that train wrote, or its run directory (its newest complete one)"
+    refused(quick("eval", "--checkpoint", str(cut)),
+            f"cannot read checkpoint {cut}: incomplete (its write was cut short): ", fix)
+    refused(quick("eval", "--checkpoint", str(unmarked)),
+            f"{unmarked} is incomplete (its write was cut short); {fix}")
 
 
 def test_validation_classes_must_be_the_training_classes(synth, tmp_path):
@@ -277,7 +296,7 @@ def test_argument_errors_are_said_once_per_job(digits):
     from test_checkpoint import command
     r = subprocess.run(command(2, "train", "--lr", "-1"), capture_output=True, text=True,
                        timeout=120, env=environment(2))
-    assert r.returncode != 0
+    assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.count("argument --lr") == 1, r.stderr
     # the reason is the last thing printed: no launcher's help text after it (Open MPI
     # runs with --quiet)
@@ -308,6 +327,42 @@ def test_a_run_directory_that_is_a_file_or_read_only(digits, tmp_path):
                     "directory here refuses writes to root as Linux's /proc/sys does")
     r = quick("train", "--data-dir", str(digits), *BATCH, "--run-dir", locked)
     refused(r, f"--run-dir {locked} is not writable")
+
+
+def test_a_file_given_as_the_data_dir_of_a_named_set_is_refused(tmp_path):
+    """The set would be converted into it (it ended in 'File exists', status 1)."""
+    afile = tmp_path / "digits_val.h5"
+    afile.write_text("x")
+    r = quick("train", "--data-dir", str(afile), "--run-dir", str(tmp_path / "run"))
+    refused(r, f"--data-dir {afile} cannot hold the digits files: {afile} is a file, so "
+               f"{afile / 'digits_train.h5'} cannot be written; choose another path")
+    assert sorted(os.listdir(tmp_path)) == ["digits_val.h5"]
+
+
+def test_a_trace_that_cannot_be_written_is_refused_before_the_run(digits, tmp_path):
+    """Traces are written when the run ends: a path under a file was found only then,
+    after the whole run (status 1, the run directory left locked)."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    r = quick("train", "--data-dir", str(digits), *BATCH, "--trace", f"{afile}/",
+              "--run-dir", str(tmp_path / "run"))
+    refused(r, f"--trace {afile}/: {afile} is a file, so {afile / 'trace.rank0.json'} cannot "
+               f"be written; choose another path")
+    assert sorted(os.listdir(tmp_path)) == ["afile"]
+
+
+@pytest.mark.parametrize("options,message", [
+    (("--nesterov", "--momentum", "0"), "--nesterov looks ahead along the momentum, and "
+                                        "--momentum is 0: drop --nesterov"),
+    (("--compress", "topk", "--compress-warmup", "2", "--epochs", "2"),
+     "--compress-warmup 2 keeps the sums dense for the whole run of --epochs 2, so top-k "
+     "never starts"),
+])
+def test_options_that_would_do_nothing_are_refused(options, message, digits, tmp_path):
+    r = quick("train", "--data-dir", str(digits), *BATCH, *options,
+              "--run-dir", str(tmp_path / "run"))
+    refused(r, message)
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_training_file_as_validation_file_is_refused(synth, tmp_path):
@@ -375,6 +430,29 @@ def test_a_resume_that_leaves_out_the_runs_recipe_is_refused_naming_it(one_epoch
     refused(r, f"{run_dir / 'checkpoint-000000022.h5'} was trained with --seed 0, --lr 0.1, no "
                f"--nesterov, this run has --seed 3, --lr 0.05, --nesterov: a resumed run keeps "
                f"its recipe; give these options as the run had them")
+    assert {p: p.read_bytes() for p in run_dir.iterdir()} == before
+
+
+def test_a_resume_on_other_data_is_refused_naming_it(one_epoch, digits, tmp_path):
+    """Other classes, or images of another mean and std (another data set with the same
+    class count): the run trained on until the loss exploded, blamed on the learning
+    rate. Refused, the run directory as it was."""
+    run_dir, before = copy_of(one_epoch, tmp_path)
+    train, val = tmp_path / "other.h5", tmp_path / "other_val.h5"
+    shutil.copy(digits / "digits_train.h5", train)
+    shutil.copy(digits / "digits_val.h5", val)
+    with h5py.File(train, "r+") as f:
+        f["mean"][...] = f["mean"][:] * 1.5
+    r = quick("train", "--epochs", "2", *BATCH, "--data", str(train), "--run-dir",
+              str(run_dir), "--resume", "auto")
+    refused(r, f"{run_dir / 'checkpoint-000000022.h5'} was trained on --data digits, and "
+               f"--data {train} holds images of another mean and std", "a resumed run keeps "
+               f"its data; give the run's --data, or start a new run in another --run-dir")
+    for name, path in (("digits_train.h5", train), ("digits_val.h5", val)):
+        rename_classes(digits / name, path, [f"L{i}" for i in range(10)])
+    r = quick("train", "--epochs", "2", *BATCH, "--data", str(train), "--val-data", str(val),
+              "--run-dir", str(run_dir), "--resume", "auto")
+    refused(r, f"--data {train} holds other classes (class 0 is '0' against 'L0')")
     assert {p: p.read_bytes() for p in run_dir.iterdir()} == before
 
 
@@ -866,6 +944,38 @@ def test_a_file_system_that_fills_up_stops_the_run_cleanly(small_fs, digits, ran
                                               "environment.json", "heartbeat", "metrics.jsonl"]
     assert checkpoint.read(str(first))["global_step"] == 22
     assert json.loads((fs / "run" / "config.json").read_text())["batch_size"] == 64
+
+
+FILL_UP = """
+import os, sys
+from mpitrain import checkpoint
+state, fs = checkpoint.read(sys.argv[1]), sys.argv[2]
+stat = os.statvfs(fs)
+free, size = stat.f_bavail * stat.f_frsize, os.path.getsize(sys.argv[1])
+for n in range(free - size - 16384, free, 2048):   # the checkpoint's last bytes find no room
+    with open(os.path.join(fs, "filler"), "wb") as f:
+        f.write(b"x" * n)
+    try:
+        checkpoint.write(os.path.join(fs, "c.h5"), state)
+    except OSError as e:
+        print(e.errno, sorted(os.listdir(fs)))
+    for name in os.listdir(fs):
+        os.remove(os.path.join(fs, name))
+"""
+
+
+def test_a_checkpoint_that_fills_the_file_system_fails_as_one_oserror(small_fs, one_epoch):
+    """However near the end of the file the room runs out, the write is an OSError (no
+    space left), its temporary file removed: HDF5 writing the file itself failed in its
+    flush at close, a RuntimeError that train did not take for a full disk, with pages of
+    HDF5 errors and a crash at the process's exit."""
+    fs = small_fs(3000)
+    r = subprocess.run([sys.executable, "-c", FILL_UP,
+                        str(one_epoch / "checkpoint-000000022.h5"), str(fs)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr == "", r.stderr[-3000:]
+    failures = r.stdout.splitlines()
+    assert len(failures) >= 8 and set(failures) == {f"{errno.ENOSPC} ['filler']"}, r.stdout
 
 
 def test_reports_are_written_whole_or_not_at_all(small_fs):

@@ -196,9 +196,13 @@ def test_eval_with_other_classes_is_refused(five_classes):
 
 
 def test_resume_from_a_missing_file(digits, tmp_path):
-    r = run_quick("train", "--data-dir", str(digits), "--resume", str(tmp_path / "nope.h5"))
+    """Refused before the run directory, which a resume without --run-dir goes on in (the
+    missing file's folder was made, and left behind)."""
+    missing = tmp_path / "typo" / "nope.h5"
+    r = run_quick("train", "--data-dir", str(digits), "--resume", str(missing))
     assert r.returncode == 2
-    assert f"--resume {tmp_path / 'nope.h5'}: no such checkpoint file" in r.stderr
+    assert f"--resume {missing}: no such checkpoint file or run directory" in r.stderr
+    assert os.listdir(tmp_path) == []
 
 
 def test_plot_without_metrics(tmp_path):

@@ -402,24 +402,31 @@ def test_a_stop_between_two_log_lines_resumes_with_the_same_training_accuracy(di
     assert all(0 < rec["top1"] <= 1 for rec in steps)
 
 
-def test_a_run_resumed_from_an_earlier_checkpoint_writes_each_step_once(digits, tmp_path):
+@pytest.mark.parametrize("removed", [("044",), ("044", "022")], ids=["one", "all"])
+def test_a_run_resumed_from_an_earlier_checkpoint_writes_each_step_once(digits, tmp_path,
+                                                                       removed):
     """A run that went past its last checkpoint before it stopped (a crash: here the newer
     checkpoint is removed) and is resumed: the records of the steps it runs again replace
     the earlier ones, so metrics.jsonl is the uninterrupted run's, timings aside; its
-    final line says its seconds are since the resume."""
+    final line says its seconds are since the resume. With every checkpoint gone the
+    resume starts from the beginning, and every earlier record goes."""
     job = ("train", "--batch-size", "64", "--seed", "5", "--epochs", "2", "--log-every", "10",
            "--data-dir", str(digits))
     straight, run_dir = tmp_path / "straight", tmp_path / "run"
     for d in (straight, run_dir):
         r = mpitrain_quick(*job, "--run-dir", str(d))
         assert r.returncode == 0, r.stdout + r.stderr
-    (run_dir / "checkpoint-000000044.h5").unlink()      # epoch 2's: back to step 22
+    for step in removed:
+        (run_dir / f"checkpoint-000000{step}.h5").unlink()
     r = mpitrain_quick(*job, "--run-dir", str(run_dir), "--resume", "auto")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "resumed from" in r.stdout and "checkpoint-000000022.h5" in r.stdout
-    # the seconds of the final line are this job's
-    assert re.search(r"\(359 images, 2 epochs, [0-9.]+ s since the resume at epoch 2, step 0\)",
-                     r.stdout), r.stdout
+    if removed == ("044",):
+        assert "resumed from" in r.stdout and "checkpoint-000000022.h5" in r.stdout
+        # the seconds of the final line are this job's
+        assert re.search(r"\(359 images, 2 epochs, [0-9.]+ s since the resume at epoch 2, "
+                         r"step 0\)", r.stdout), r.stdout
+    else:
+        assert f"no checkpoint in {run_dir}: starting from the beginning" in r.stdout
 
     def records(run_dir):
         return [{k: v for k, v in rec.items() if k not in ("time", "images_per_s")}
