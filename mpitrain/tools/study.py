@@ -2,13 +2,17 @@
 
 The claim of Jia et al. (after Goyal et al. and You et al.) at small scale: train
 resnet_small for the same number of epochs at global batches from 32 to the largest
-the data allows (powers of two leaving MIN_STEPS steps an epoch), so a larger batch
-takes fewer, larger steps, with four recipes (CONFIGS):
+the data allows (powers of two leaving MIN_STEPS steps an epoch, or the batches a
+plan names), so a larger batch takes fewer, larger steps, with the seven recipes of
+CONFIGS (the digits run the first four; PLANS says what each data set runs):
 
     sgd        SGD with momentum, the linear scaling rule (lr = 0.1 x batch / 32)
     lars       LARS (trust ratio eta ||w|| / ||g||), lr = 1.0 x sqrt(batch / 32)
     lars-fp16  the same under fp16 mixed precision with dynamic loss scaling
     lamb       LAMB, lr = 0.01 x sqrt(batch / 32)
+    nesterov   SGD with Nesterov momentum, the linear scaling rule
+    neumann    Neumann, lr = 0.1 x sqrt(batch / 32)
+    nlcg       NLCG, lr = 0.01 x sqrt(batch / 32)
 
 all with linear warm-up over the first eighth of the epochs, then polynomial decay
 (power 2) to zero, and several seeds per point. Each run is an ordinary
@@ -65,8 +69,7 @@ QUICK = dict(epochs=4, seeds=1)
 
 # What the study runs on each data set (anything not named: "digits"' plan).
 #   recipes     the CONFIGS compared
-#   smallest    the smallest global batch; largest_share: the largest batch is the first
-#               power of two at or beyond this share of the training set (None: the
+#   batches     the global batches (None: powers of two from SMALLEST_BATCH up to the
 #               largest leaving MIN_STEPS steps an epoch)
 #   lr_factors  the sweep: each recipe's rule times these, at every batch, seed 0; the
 #               best (top-1 on the validation file) is the point's learning rate
@@ -79,14 +82,12 @@ QUICK = dict(epochs=4, seeds=1)
 # sweep's edges, and 28 seed runs (2 more seeds at the 2 end batches), each 3 epochs of
 # 54,000 images.
 PLANS = {
-    "digits": dict(recipes=("sgd", "lars", "lars-fp16", "lamb"), smallest=32, largest_share=None,
-                   batches=None, lr_factors=(1.0,), widen=0, decide="all", full=FULL,
-                   quick=QUICK),
+    "digits": dict(recipes=("sgd", "lars", "lars-fp16", "lamb"), batches=None,
+                   lr_factors=(1.0,), widen=0, decide="all", full=FULL, quick=QUICK),
     "fashion-mnist": dict(recipes=("sgd", "nesterov", "lars", "lars-fp16", "lamb", "neumann",
                                    "nlcg"),
-                          smallest=128, largest_share=0.05, batches=(128, 1024, 4096),
-                          lr_factors=(0.5, 1.0, 2.0), widen=6, decide="ends",
-                          full=dict(epochs=3, seeds=3),
+                          batches=(128, 1024, 4096), lr_factors=(0.5, 1.0, 2.0), widen=6,
+                          decide="ends", full=dict(epochs=3, seeds=3),
                           quick=dict(epochs=1, seeds=1, batches=(128, 4096),
                                      recipes=("sgd", "lars"), lr_factors=(1.0,),
                                      widen=0)),
@@ -186,10 +187,11 @@ def flags(options):
 def check_inputs(data, val_data, data_dir, out, resume=False):
     """(training file, number of training images, number of classes, the image size a
     run takes from the file: checks.describe_file); refuses
-    (StudyError) a data file that is missing or not mpitrain's format, too few images,
+    (StudyError) a data file that is missing or not mpitrain's format, a validation file
+    that is the training file, too few images,
     an --out that cannot be written and, without resume, one that holds an earlier
     study's runs, before anything is written."""
-    from mpitrain.checks import ConfigError, describe_file, resolve_data
+    from mpitrain.checks import ConfigError, check_validation_file, describe_file, resolve_data
     from mpitrain.datasets.h5format import FormatError
     from mpitrain.options import Config
     if find_spec("matplotlib") is None:
@@ -199,7 +201,9 @@ def check_inputs(data, val_data, data_dir, out, resume=False):
     if problem:
         raise StudyError(problem)
     try:        # a named data set is converted here, on first use
-        train_file, _, _ = resolve_data(Config(data=data, data_dir=data_dir, val_data=val_data))
+        train_file, val_file, _ = resolve_data(Config(data=data, data_dir=data_dir,
+                                                      val_data=val_data))
+        check_validation_file(train_file, val_file)     # each run would refuse it
         num_train, classes, size = describe_file(train_file)
     except (ConfigError, FormatError) as e:
         raise StudyError(str(e)) from None
