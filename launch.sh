@@ -79,6 +79,10 @@ STAMP=$VENV/.mpitrain-installed     # hash of what was installed (setup.py, pypr
                                     # the version, kind)
 RECORD=$VENV/.mpitrain-mpi          # the venv's MPI: kind=, impl=, mpiexec=, library=
 NP=${NP:-2}
+# a count of ranks: anything else reached mpirun as a bash error, or as 1 rank
+[[ $NP =~ ^[0-9]{1,9}$ ]] && (( 10#$NP >= 1 )) || die "NP=$NP: the number of MPI ranks" \
+    "must be a whole number of 1 or more (for example NP=4); unset it for 2"
+NP=$((10#$NP))                      # 08 is 8, not an octal number's error
 IN_JOB=${SLURM_JOB_ID:+1}           # inside a Slurm allocation: never install
 
 # ----- the venv's MPI, decided once -----

@@ -17,8 +17,8 @@ import time
 import traceback
 
 from .argtypes import (OnOff, class_count, comma_list, density, fraction, metavar,
-                       nonnegative_float, nonnegative_int, number, positive_float, positive_int,
-                       workers)
+                       nonnegative_float, nonnegative_int, number, path, positive_float,
+                       positive_int, workers)
 from .options import BY_NAME, DEFAULTS, IMAGE_SIZE, add_arguments
 
 REFUSAL_GRACE = 1.0     # seconds the other ranks wait before exiting on a refusal
@@ -182,7 +182,7 @@ def add_train(commands):
         description="Train a network data-parallel: every MPI rank holds a replica, gradients "
                     "are summed with one all-reduce per step. Run under mpirun -np N or srun.")
     add_arguments(train)                        # every option of mpitrain/options.py
-    train.add_argument("--config", metavar="YAML",
+    train.add_argument("--config", type=path, metavar="YAML",
                        help="a YAML file of train options (keys as the flags, dashes or "
                             "underscores); flags given on the command line override it")
     train.set_defaults(command_parser=train)     # for errors found after parsing
@@ -198,10 +198,10 @@ def add_inspect(commands):
     inspect.add_argument("--model", choices=MODELS,
                          help=f"default: with --data, train's ({DEFAULTS['model']}: the network "
                               f"`train --data` builds), else resnet50")
-    inspect.add_argument("--data", metavar="FILE|digits|fashion-mnist",
+    inspect.add_argument("--data", type=path, metavar="FILE|digits|fashion-mnist",
                          help="take the classes and the image size from this training file, "
                               "or 'digits' or 'fashion-mnist'")
-    inspect.add_argument("--data-dir", default=DEFAULTS["data_dir"], metavar="DIR",
+    inspect.add_argument("--data-dir", type=path, default=DEFAULTS["data_dir"], metavar="DIR",
                          help="where named data sets are converted to")
     inspect.add_argument("--image-size", type=positive_int, metavar="PX",
                          help="default: the data's with --data, else 224")
@@ -226,8 +226,8 @@ def add_convert(commands):
                     "once to validate it; unreadable files are skipped and listed in "
                     "DST.skipped.txt. Under mpirun each rank converts a share "
                     "(mpirun -np N python -m mpitrain convert imagefolder ...).")
-    folder.add_argument("src", metavar="SRC")
-    folder.add_argument("dst", metavar="DST")
+    folder.add_argument("src", type=path, metavar="SRC")
+    folder.add_argument("dst", type=path, metavar="DST")
     folder.add_argument("--val-fraction", type=fraction, default=0.0,
                         help="stratified share written to DST_val.h5")
     folder.add_argument("--resize-short", type=positive_int,
@@ -248,7 +248,7 @@ def add_convert(commands):
     fashion.set_defaults(command_parser=fashion)
     synthetic = sources.add_parser(
         "synthetic", help="generated JPEGs at ImageNet sizes, for benchmarks")
-    synthetic.add_argument("dst", metavar="DST")
+    synthetic.add_argument("dst", type=path, metavar="DST")
     synthetic.add_argument("--count", type=positive_int, default=1000, help="images")
     synthetic.add_argument("--size", type=image_size, default=(500, 375), metavar="WxH",
                            help="the images' width and height in pixels (default: 500x375)")
@@ -260,7 +260,8 @@ def add_convert(commands):
 
 def add_dst_dir(source):
     """A named data set's DST_DIR: the folder its files are written to."""
-    source.add_argument("dst_dir", nargs="?", default=DEFAULTS["data_dir"], metavar="DST_DIR",
+    source.add_argument("dst_dir", type=path, nargs="?", default=DEFAULTS["data_dir"],
+                        metavar="DST_DIR",
                         help=f"the folder the files are written to (default: "
                              f"{DEFAULTS['data_dir']})")
 
@@ -338,7 +339,7 @@ def add_bench_step(benches):
                       help="one process: time mpitrain (and --reference) N times, taking turns "
                            "at going first, and report each round and the median ratio (a "
                            "host's speed drifts between runs a minute apart)")
-    step.add_argument("--data", metavar="FILE",
+    step.add_argument("--data", type=path, metavar="FILE",
                       help="one process: also time the steps fed by the loader from FILE (a "
                            "file made by `convert`, training crops at --image-size), against "
                            "the steps on a random batch (mpitrain/tools/bench/step_data.py)")
@@ -359,7 +360,7 @@ def add_bench_data(benches):
         description="Images/s of the loader (read, decode, augment into batches) per worker "
                     "and in total; optionally a PyTorch DataLoader with PIL transforms on the "
                     "same file, same workers, in the same run.")
-    data.add_argument("--data", required=True, metavar="FILE",
+    data.add_argument("--data", type=path, required=True, metavar="FILE",
                       help="an HDF5 file made by `convert`")
     data.add_argument("--workers", type=nonnegative_int, default=2,
                       help="loader threads, and PyTorch DataLoader processes with --reference "
@@ -423,7 +424,8 @@ def add_bench_comm(benches):
     comm.add_argument("--wires", type=comma_list(str, ("fp32", "fp16")), default="fp32,fp16",
                       metavar="W,W", help="dtypes of the values on the wire: fp32, fp16 or both")
     comm.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
-    comm.add_argument("--densities", type=comma_list(density), default="0.1,0.01", metavar="D,D",
+    comm.add_argument("--densities", type=comma_list(density, empty=True), default="0.1,0.01",
+                      metavar="D,D",
                       help="top-k densities timed against dense sums over the model's "
                            "buckets ('' for none)")
 
@@ -453,12 +455,13 @@ def add_eval(commands):
                     "default the validation file its run trained with); under "
                     "mpirun the ranks share the file. The model and its number of classes "
                     "come from the checkpoint.")
-    evaluate.add_argument("--checkpoint", required=True, metavar="FILE|RUN_DIR", help=CHECKPOINT)
-    evaluate.add_argument("--data", metavar="FILE|digits|fashion-mnist",
+    evaluate.add_argument("--checkpoint", type=path, required=True, metavar="FILE|RUN_DIR",
+                          help=CHECKPOINT)
+    evaluate.add_argument("--data", type=path, metavar="FILE|digits|fashion-mnist",
                           help="an HDF5 file made by `convert`, or a named data set (its "
                                "validation file) (default: the validation file of the "
                                "checkpoint's run)")
-    evaluate.add_argument("--data-dir", metavar="DIR",
+    evaluate.add_argument("--data-dir", type=path, metavar="DIR",
                           help="where a named data set's files are (default: the checkpoint's "
                                "run's --data-dir)")
     evaluate.add_argument("--batch-size", type=positive_int,
@@ -483,9 +486,10 @@ def add_plot(commands):
                     "loss.png (training and validation), accuracy.png (training top-1, "
                     "validation top-1 and top-5), lr.png, throughput.png. Needs matplotlib "
                     "(pip install 'mpitrain[plot]').")
-    plot.add_argument("run_dir", metavar="RUN_DIR", help="a training run's --run-dir (or its "
-                                                        "metrics.jsonl)")
-    plot.add_argument("--out", metavar="DIR", help="directory for the PNG files (default: RUN_DIR)")
+    plot.add_argument("run_dir", type=path, metavar="RUN_DIR",
+                      help="a training run's --run-dir (or its metrics.jsonl)")
+    plot.add_argument("--out", type=path, metavar="DIR",
+                      help="directory for the PNG files (default: RUN_DIR)")
     plot.set_defaults(command_parser=plot)
 
 
@@ -501,13 +505,13 @@ def add_export(commands):
                     "'logits', opset 17, dynamic batch. OUT is written to a temporary file "
                     "and renamed when complete. Needs the package of the format "
                     "(pip install 'mpitrain[export]').")
-    export.add_argument("checkpoint", metavar="CHECKPOINT", help=CHECKPOINT)
+    export.add_argument("checkpoint", type=path, metavar="CHECKPOINT", help=CHECKPOINT)
     export.add_argument("--format", choices=["safetensors", "onnx"],
                         help="the file format to write (default: OUT's extension, "
                              ".safetensors or .onnx)")
-    export.add_argument("out", metavar="OUT",
+    export.add_argument("out", type=path, metavar="OUT",
                         help="the file to write (its directory is made where missing)")
-    export.add_argument("--data", metavar="FILE", help=STAND_IN)
+    export.add_argument("--data", type=path, metavar="FILE", help=STAND_IN)
     export.set_defaults(command_parser=export)
 
 
@@ -523,23 +527,23 @@ def add_predict(commands):
                     "images prepared as its metadata says (the same code); with "
                     "--checkpoint too, its probabilities compared with the checkpoint's "
                     "(exit 1 above --tolerance).")
-    predict.add_argument("--checkpoint", metavar="FILE|RUN_DIR",
+    predict.add_argument("--checkpoint", type=path, metavar="FILE|RUN_DIR",
                          help=CHECKPOINT + " (required without --onnx)")
-    predict.add_argument("--onnx", metavar="FILE",
+    predict.add_argument("--onnx", type=path, metavar="FILE",
                          help="a file of `export --format onnx`, run by onnxruntime "
                               "(pip install onnxruntime)")
     predict.add_argument("--tolerance", type=positive_float, metavar="P",
                          default=ONNX_TOLERANCE,
                          help="with --onnx and --checkpoint: the largest difference of "
                               "probabilities that agrees")
-    predict.add_argument("images", nargs="+", metavar="IMAGE",
+    predict.add_argument("images", type=path, nargs="+", metavar="IMAGE",
                          help="image files (JPEG, PNG, anything Pillow reads; 16-bit "
                               "greyscale PNGs are taken in a 16-bit data file's units)")
     predict.add_argument("--top", type=positive_int, default=5,
                          help="classes shown per image (at most the model's classes)")
     predict.add_argument("--batch-size", type=positive_int, default=32,
                          help="images per forward pass")
-    predict.add_argument("--data", metavar="FILE", help=STAND_IN)
+    predict.add_argument("--data", type=path, metavar="FILE", help=STAND_IN)
     predict.add_argument("--json", action="store_true", help="print one JSON object")
     predict.set_defaults(command_parser=predict)
 
@@ -574,7 +578,7 @@ def add_preview(commands):
                          help="the training batches (augmented) or the validation ones")
     preview.add_argument("--batch", type=positive_int, default=16, help="images in the grid")
     BY_NAME["seed"].add_to(preview, help="the run's seed (the shuffle and the crops follow it)")
-    preview.add_argument("--out", default="batch.png", metavar="FILE",
+    preview.add_argument("--out", type=path, default="batch.png", metavar="FILE",
                          help="the PNG file to write (its name ends in .png)")
     preview.set_defaults(command_parser=preview)
 
@@ -607,7 +611,7 @@ def add_study(commands):
     large.add_argument("--augment", action=OnOff,
                        help="random-resized-crop and flip (default: the data's own: off for "
                             "digits, on for a file)")
-    large.add_argument("--out", default="runs/study-large-batch", metavar="DIR",
+    large.add_argument("--out", type=path, default="runs/study-large-batch", metavar="DIR",
                        help="directory for the results and the runs; one that holds an "
                             "earlier study's runs takes --resume")
     large.add_argument("--quick", action="store_true",
@@ -687,7 +691,7 @@ def add_simulate(commands):
                      help="epochs of ImageNet-1k for the time-to-train column")
     sim.add_argument("--sweep", action="store_true",
                      help="scaling efficiency against rank count, 1 to 4,096")
-    sim.add_argument("--calibration", metavar="FILE",
+    sim.add_argument("--calibration", type=path, metavar="FILE",
                      help="with --device cpu: the fit `--calibrate` saved (calibration.json)")
     sim.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
     cal = sim.add_argument_group("--calibrate (runs MPI jobs on this host, a few minutes)")
@@ -695,7 +699,7 @@ def add_simulate(commands):
                      help="measure this host with bench comm and bench step on 1 to --max-ranks "
                           "ranks, fit alpha and beta per algorithm, print predicted against "
                           "measured and save the fit in --out")
-    cal.add_argument("--out", default="runs/calibration", metavar="DIR",
+    cal.add_argument("--out", type=path, default="runs/calibration", metavar="DIR",
                      help="where --calibrate writes calibration.json and the benchmarks' output")
     cal.add_argument("--max-ranks", type=number(int, 2, 16), default=4,
                      help="largest rank count measured")
@@ -726,6 +730,9 @@ def run_simulate(args):
         args.command_parser.error(str(e))
 
 
+JPEG_SIDE = 65535       # the largest width or height a JPEG's header can give
+
+
 def image_size(text):
     """'500x375' -> (500, 375)."""
     try:
@@ -734,6 +741,9 @@ def image_size(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not WIDTHxHEIGHT, e.g. 500x375") from None
     if width < 1 or height < 1:
         raise argparse.ArgumentTypeError(f"{text}: width and height must be positive")
+    if max(width, height) > JPEG_SIDE:
+        raise argparse.ArgumentTypeError(f"{text}: a JPEG holds at most {JPEG_SIDE} pixels a "
+                                         f"side; give a smaller size")
     return width, height
 
 
@@ -871,12 +881,17 @@ def run_train(args, parser=None, argv=()):
 
 def checkpoint_in(args, comm=None):
     """args.checkpoint, or where it names a run directory, that directory's newest complete
-    checkpoint (chosen by rank 0 of `comm` when given, so that every rank takes the same);
-    a directory without one is refused."""
+    checkpoint (chosen by rank 0 of `comm` when given, so that every rank takes the same),
+    saying on stderr which newer ones it passes over and why; a directory without one is
+    refused."""
     from mpitrain import checkpoint
     if not os.path.isdir(args.checkpoint):
         return args.checkpoint
-    found = checkpoint.latest(args.checkpoint) if comm is None or comm.rank == 0 else None
+
+    def passed_over(path, why):
+        sys.stderr.write(f"{args.command_parser.prog}: passing over {path}: {why}\n")
+    found = checkpoint.latest(args.checkpoint, passed_over) \
+        if comm is None or comm.rank == 0 else None
     if comm is not None:
         found = comm.bcast(found, root=0)
     if found is None:
@@ -1038,17 +1053,32 @@ def not_installed(e):
             f"which `pip install -e .` ran in the checkout")
 
 
+# the options that size a command's arrays: what an answer to running out of memory names
+SIZE_OPTIONS = ("--image-size", "--batch-size", "--batch", "--batch-per-rank", "--size")
+
+
+def out_of_memory(e, argv):
+    """A MemoryError (NumPy's names the array it could not allocate) as one line naming
+    the size options given, the ones to lower."""
+    given = [o for o in SIZE_OPTIONS if any(a == o or a.startswith(o + "=") for a in argv)]
+    lower = " or ".join(given) or "the image size or the batch"
+    return (f"out of memory: {str(e) or 'an allocation failed'}; lower {lower} (the images "
+            f"and activations of a batch must fit in this machine's memory)")
+
+
 def run(argv=None):
     """What `python -m mpitrain` and the installed `mpitrain` script run (mpitrain/__main__.py):
     main(), and when it fails on any rank, the end of the whole job.
 
     An error of the operating system on a named file (a path that cannot be made), or a
-    full disk, is said in one line, without the traceback (exit status 1); so is a Python
-    without mpitrain's dependencies (exit status 2).
+    full disk, is said in one line, without the traceback (exit status 1); so are a Python
+    without mpitrain's dependencies and an array too large for memory (an --image-size
+    of 100000: the size options given, to lower), with exit status 2.
 
     Without the Abort, one rank dying inside a training step (or stopped by Ctrl-C
     before the run handles signals) leaves the others waiting forever in their next
     collective, and MPI_Finalize at exit waits for them too."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
         main(argv)
     except SystemExit:
@@ -1071,13 +1101,16 @@ def run(argv=None):
             sys.stderr.write(f"{where}: error: {e}\n")
         elif missing:
             sys.stderr.write(f"{where}: error: {missing}\n")
+        elif isinstance(e, MemoryError):
+            sys.stderr.write(f"{where}: error: {out_of_memory(e, argv)}\n")
         elif isinstance(e, OSError) and (e.filename is not None or e.errno in FULL):
             sys.stderr.write(f"{where}: error: {os_error(e)}\n")
         else:
             sys.stderr.write(f"{where}: uncaught exception, ending the job\n"
                              f"{traceback.format_exc()}")
         sys.stderr.flush()
-        status = 130 if interrupted else 2 if isinstance(e, data_error) or missing else 1
+        status = 130 if interrupted else 2 if isinstance(e, (MemoryError, *data_error)) \
+            or missing else 1
         if world is not None and world.size > 1:
             from mpitrain.control import end_job
             end_job(world, status)

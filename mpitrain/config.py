@@ -24,9 +24,14 @@ def load_yaml(path, known):
     import yaml
     try:
         with open(path) as f:
-            data = yaml.safe_load(f)
+            text = f.read()
+        data = yaml.safe_load(text)
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
     except OSError as e:
         raise ConfigFileError(f"cannot read config file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigFileError(f"config file {path} is not text (a data file or a checkpoint?): "
+                              f"give a YAML file of option: value lines") from None
     except yaml.YAMLError as e:     # one line: the problem, and where YAML met it
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -37,6 +42,7 @@ def load_yaml(path, known):
     if not isinstance(data, dict):
         raise ConfigFileError(f"config file {path} must hold a mapping of option: value, "
                               f"not a {type(data).__name__}")
+    check_unique_keys(path, node)
     options = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
@@ -44,6 +50,22 @@ def load_yaml(path, known):
             raise ConfigFileError(f"config file {path}: unknown option {key!r}")
         options[name] = value
     return options
+
+
+def check_unique_keys(path, mapping):
+    """Refuse an option the YAML mapping node `mapping` gives twice, as the same key or
+    spelled once with dashes and once with underscores: YAML keeps the last one without
+    a word, and the other would be ignored."""
+    seen = {}
+    for key, _ in mapping.value:
+        name = str(key.value).replace("-", "_")
+        line = key.start_mark.line + 1
+        if name in seen:
+            first, at = seen[name]
+            raise ConfigFileError(f"config file {path}: {key.value!r} (line {line}) gives "
+                                  f"{first!r} (line {at}) again, and one of them would be "
+                                  f"ignored: keep one")
+        seen[name] = (key.value, line)
 
 
 def default_run_dir(comm):

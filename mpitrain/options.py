@@ -20,8 +20,9 @@ import argparse
 from types import SimpleNamespace
 from typing import Callable, NamedTuple
 
-from .argtypes import (OnOff, density, fraction, fusion_threshold, loss_scale, metavar,
-                       nonnegative_float, nonnegative_int, positive_float, positive_int, workers)
+from .argtypes import (OnOff, density, finite_float, fraction, fusion_threshold, loss_scale,
+                       metavar, nonnegative_float, nonnegative_int, path, positive_float,
+                       positive_int, trace_file, workers)
 # nets.MODELS, optim.OPTIMIZERS and comm.ALGORITHMS, which are not imported here (the first
 # two bring Numba, so a refused option would wait a second for its answer; the third would
 # start MPI); a test holds them equal
@@ -77,8 +78,10 @@ class Option(NamedTuple):
     def _one(self, value):
         if isinstance(value, (list, tuple, dict)) or isinstance(value, bool):
             raise ValueError(f"{value!r}: one value expected")
+        if self.parse and not getattr(self.parse, "as_typed", False):
+            value = str(value)      # as a flag's text: epochs 2.5 is refused, not cut to 2
         try:
-            value = self.parse(str(value)) if self.parse else value
+            value = self.parse(value) if self.parse else value
         except argparse.ArgumentTypeError as e:
             raise ValueError(str(e)) from None
         if self.choices is not None and value not in self.choices:
@@ -109,23 +112,22 @@ OPTIONS = (
            "layers)", MODEL, choices=MODELS),
     Option("data", "digits", "a training file made by `convert` (with its FILE_val.h5), or "
            "'digits': scikit-learn's bundled handwritten digits at 32x32, or 'fashion-mnist' "
-           "(28x28), converted into --data-dir on first use", MODEL,
+           "(28x28), converted into --data-dir on first use", MODEL, path,
            metavar="FILE|digits|fashion-mnist"),
     Option("val_data", None, "validation file (default: DATA's FILE_val.h5, or a named "
-           "data set's own)", MODEL,
-           metavar="FILE"),
+           "data set's own)", MODEL, path, metavar="FILE"),
     Option("data_dir", "data", "where named data sets (digits, fashion-mnist) are converted "
-           "to", MODEL, metavar="DIR"),
+           "to", MODEL, path, metavar="DIR"),
     Option("image_size", None, IMAGE_SIZE, MODEL, positive_int, metavar="PX"),
     Option("augment", None, "random-resized-crop and flip for training (default: on, off for "
            "digits and fashion-mnist)", MODEL, kind="on-off"),
     Option("crop_scale", None, f"a training crop's share of the image's area, drawn "
            f"uniformly from [MIN, MAX] (default: {CROP_SCALE[0]:g} {CROP_SCALE[1]:g}); raise "
-           f"MIN where small crops cut the object out of small images", MODEL, float, nargs=2,
-           metavar=("MIN", "MAX")),
-    Option("crop_ratio", None, f"a training crop's width / height, drawn log-uniformly from "
-           f"[MIN, MAX] (default: {CROP_RATIO[0]:g} {CROP_RATIO[1]:.4g})", MODEL, float,
+           f"MIN where small crops cut the object out of small images", MODEL, finite_float,
            nargs=2, metavar=("MIN", "MAX")),
+    Option("crop_ratio", None, f"a training crop's width / height, drawn log-uniformly from "
+           f"[MIN, MAX] (default: {CROP_RATIO[0]:g} {CROP_RATIO[1]:.4g})", MODEL,
+           finite_float, nargs=2, metavar=("MIN", "MAX")),
     Option("crop_fraction", None, "validation: the centred square of F times the short side, "
            "resized to the image size (default: 0.875, 1 for digits and fashion-mnist)", MODEL,
            float, metavar="F"),
@@ -198,7 +200,7 @@ OPTIONS = (
     # ----- the run around the loop -----
     Option("run_dir", None, "where config.json, environment.json, metrics.jsonl and the "
            "checkpoints go; not given: runs/<timestamp>, or with --resume PATH the run directory "
-           "PATH is or lies in", RUN, metavar="DIR"),
+           "PATH is or lies in", RUN, path, metavar="DIR"),
     Option("checkpoint_every", 1, "write a checkpoint every N epochs and after the last (0: "
            "only on a stop signal: SIGTERM, SIGINT, SIGUSR1)", RUN, nonnegative_int,
            metavar="N"),
@@ -206,9 +208,11 @@ OPTIONS = (
     Option("resume", None, "continue from the newest complete checkpoint in --run-dir (auto) "
            "or from PATH (a checkpoint file, or a run directory: its newest complete "
            "checkpoint); the global batch must be the same, the number of ranks may differ",
-           RUN, metavar="auto|PATH"),
-    Option("trace", None, "write a Chrome-trace timeline per rank: FILE.rankN.json, or "
-           "DIR/trace.rankN.json when FILE is a directory or ends in /", RUN, metavar="FILE"),
+           RUN, path, metavar="auto|PATH"),
+    Option("trace", None, "write a Chrome-trace timeline per rank: FILE.rankN.json for "
+           "FILE.json (or FILE without an extension; another one is refused), or "
+           "DIR/trace.rankN.json for a directory or a name ending in /", RUN, trace_file,
+           metavar="FILE"),
     Option("collective_timeout", None, "end the job (MPI Abort) when no step, evaluation or "
            "checkpoint completes for S seconds", RUN, positive_float, metavar="S"),
     Option("stop_grace", None, "after a stop signal (SIGTERM, SIGINT, SIGUSR1), end the job "

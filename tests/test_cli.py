@@ -46,6 +46,9 @@ def run(*args, timeout=120):
     (["bench", "comm", "--fusion-mib", "4,0"], "argument --fusion-mib: 0 must be >= 1"),
     (["bench", "comm", "--densities", "0.1,2"], "argument --densities: 2 must be <= 1.0"),
     (["bench", "comm", "--wires", "fp8"], "argument --wires: 'fp8' is not one of fp32, fp16"),
+    (["bench", "comm", "--algorithms", ""], "argument --algorithms: '' names none: give one or "
+                                           "more of flat, hierarchical, 2d, shm, hybrid, "
+                                           "separated by commas"),
     (["bench"], "the following arguments are required: benchmark"),
     ([], "the following arguments are required: command"),
 ])
@@ -760,3 +763,92 @@ def test_bench_step_data_refuses_what_it_cannot_time(tmp_path):
             (["--data", str(jpegs), "--decode", "gpu", "--device", "gpu"], "GPU"),):
         r = run("bench", "step", *argv)
         assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("argv,option", [
+    (["eval", "--checkpoint", ""], "--checkpoint"),
+    (["eval", "--checkpoint", "runs/x", "--data-dir", ""], "--data-dir"),
+    (["export", "", "m.onnx"], "CHECKPOINT"),
+    (["export", "runs/x", ""], "OUT"),
+    (["predict", "--checkpoint", "runs/x", ""], "IMAGE"),
+    (["plot", ""], "RUN_DIR"),
+    (["plot", "runs/x", "--out", ""], "--out"),
+    (["inspect", "--data", ""], "--data"),
+    (["preview", "--out", ""], "--out"),
+    (["bench", "data", "--data", ""], "--data"),
+    (["simulate", "--device", "cpu", "--calibration", ""], "--calibration"),
+    (["study", "large-batch", "--out", ""], "--out"),
+    (["check-gpu", "--dry-run", "--out-dir", ""], "--out-dir"),
+    (["convert", "digits", ""], "DST_DIR"),
+])
+def test_an_empty_path_is_refused_by_every_command(argv, option, capsys):
+    """'' names no file: the commands took it for the current directory or its parent,
+    or for their default."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert f"error: argument {option}: '' is an empty path" in err, err
+
+
+def test_convert_to_an_empty_path_writes_nothing_in_the_parent_directory(tmp_path):
+    here = tmp_path / "here"
+    here.mkdir()
+    r = subprocess.run([sys.executable, "-m", "mpitrain", "convert", "synthetic", "",
+                        "--count", "2"], capture_output=True, text=True, timeout=120, cwd=here)
+    assert r.returncode == 2 and "argument DST: '' is an empty path" in r.stderr, r.stderr
+    assert os.listdir(tmp_path) == ["here"] and os.listdir(here) == []
+
+
+def test_a_synthetic_size_beyond_a_jpegs_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["convert", "synthetic", str(tmp_path / "s.h5"), "--size", "70000x8",
+              "--count", "1"])
+    assert exit_.value.code == 2
+    assert "argument --size: 70000x8: a JPEG holds at most 65535 pixels a side; give a " \
+           "smaller size" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("argv,lower", [
+    (["inspect", "--image-size", "100000"], "--image-size"),
+    (["bench", "data", "--data", "{digits}/digits_train.h5", "--image-size", "100000"],
+     "--image-size"),
+    (["bench", "step", "--batch", "100000", "--image-size", "100000"], "--image-size or --batch"),
+])
+def test_an_array_beyond_memory_is_one_line_naming_the_sizes_to_lower(argv, lower, digits):
+    """NumPy's MemoryError said as what to change, with status 2, not as a traceback."""
+    r = run(*[a.format(digits=digits) for a in argv])
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert re.search(rf"error: out of memory: Unable to allocate .*; lower {lower} \(the images "
+                     rf"and activations of a batch must fit in this machine's memory\)\n$",
+                     r.stderr), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_plot_takes_an_epochs_steps_from_the_runs_data_when_its_records_do_not_say(digits,
+                                                                                   tmp_path):
+    """A run stopped in its first epoch has no record past it: its x axis is the run's
+    training images over its batch (1437 digits // 64 = 22 steps an epoch), not the last
+    step logged (which drew 10 steps as a whole epoch)."""
+    from mpitrain.tools.plot import read_records, steps_per_epoch
+    run_dir = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "mpitrain", "train", "--data-dir", str(digits),
+                        "--run-dir", str(run_dir), "--epochs", "1", "--batch-size", "64",
+                        "--log-every", "5"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    metrics = run_dir / "metrics.jsonl"
+    records = read_records(str(metrics))
+    steps = [x for x in records if x["kind"] == "step"]
+    evals = [x for x in records if x["kind"] == "eval"]
+    assert steps_per_epoch(steps, evals) == 22                  # the evaluation's record
+    # as the run's metrics.jsonl stands when it is stopped at step 12
+    lines = [line for line in metrics.read_text().splitlines(keepends=True)
+             if json.loads(line)["kind"] != "step" or json.loads(line)["step"] <= 12]
+    metrics.write_text("".join(line for line in lines if json.loads(line)["kind"] == "step"))
+    stopped = read_records(str(metrics))
+    assert max(x["step"] for x in stopped) == 10
+    assert steps_per_epoch(stopped, (), str(run_dir)) == 22
+    assert steps_per_epoch(stopped, (), str(tmp_path / "gone")) == 10    # no config.json
+    r = run("plot", str(run_dir))
+    assert r.returncode == 0 and (run_dir / "loss.png").exists(), r.stderr

@@ -167,6 +167,10 @@ def small(tiny_data, tmp_path_factory):
     (["{small}", "--format", "onnx", "{text}/dir/m.onnx"],
      "{text} is a file, so {text}/dir/m.onnx cannot be written; choose another path"),
     (["{small}", "--format", "onnx", "{tmp}"], "{tmp} is a directory; name the file to write"),
+    (["{small}", "{tmp}"], "{tmp} is a directory; name the file to write"),
+    (["{small}", "--format", "onnx", "{small}"], "{small} is the checkpoint being exported, "
+                                                 "which the export would overwrite: name a new "
+                                                 "file for it"),
     (["{tmp}/none.h5", "--format", "onnx", "{tmp}/new/dir/m.onnx"],
      "checkpoint {tmp}/none.h5 does not exist"),
     (["{small}", "--format", "safetensors", "{tmp}/m.onnx"],
@@ -195,6 +199,53 @@ def test_a_missing_package_is_named_with_its_pip_command(fmt, small, tmp_path, c
         export(small, "--format", fmt, tmp_path / f"m.{fmt}")
     assert exit_.value.code == 2
     assert f"pip install '{fmt}'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("which", ["checkpoint", "data"])
+def test_an_out_that_holds_a_checkpoint_or_data_is_refused_and_kept(which, small, tiny_data,
+                                                                    tmp_path, capsys):
+    """`export RUN_DIR RUN_DIR/checkpoint-*.h5` overwrote the checkpoint it exported, and
+    an OUT that was a data file lost the data: any HDF5 file is refused, and kept."""
+    import shutil
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    ck = run_dir / f"checkpoint-{STEP:09d}.h5"
+    shutil.copy(small, ck)
+    out = ck if which == "checkpoint" else tmp_path / "tiny.h5"
+    if which == "data":
+        shutil.copy(tiny_data, out)
+    before = out.read_bytes()
+    with pytest.raises(SystemExit) as exit_:
+        export(run_dir, out, "--format", "safetensors")
+    assert exit_.value.code == 2
+    said = "the checkpoint being exported" if which == "checkpoint" else \
+        "an HDF5 file (a checkpoint or a data file)"
+    assert f"error: {out} is {said}, which the export would overwrite: name a new file for " \
+           f"it\n" in capsys.readouterr().err
+    assert out.read_bytes() == before
+
+
+def test_a_run_directory_says_which_checkpoint_it_exports_and_which_it_passes_over(
+        small, tmp_path, capsys):
+    """A damaged newest checkpoint was passed over without a word: export and predict say
+    so on stderr, and export's line names the checkpoint it took."""
+    pytest.importorskip("safetensors")
+    from PIL import Image
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    good, torn = run_dir / "checkpoint-000000007.h5", run_dir / "checkpoint-000000009.h5"
+    good.write_bytes(open(small, "rb").read())
+    torn.write_bytes(good.read_bytes()[:2000])
+    export(run_dir, tmp_path / "m.safetensors")
+    out, err = capsys.readouterr()
+    assert f"python -m mpitrain export: passing over {torn}: cannot read checkpoint" in err, err
+    assert out.startswith(f"{good} -> {tmp_path / 'm.safetensors'}: resnet_small, "), out
+    image = tmp_path / "grey.png"
+    Image.new("RGB", (32, 32), (128, 128, 128)).save(image)
+    main(["predict", "--checkpoint", str(run_dir), str(image), "--json"])
+    out, err = capsys.readouterr()
+    assert f"python -m mpitrain predict: passing over {torn}: cannot read checkpoint" in err
+    assert json.loads(out)["checkpoint"] == str(good)
 
 
 def test_a_failed_write_leaves_out_as_it_was(small, tmp_path, monkeypatch):
@@ -295,6 +346,25 @@ def test_predict_text_and_eight_bit_images(digits_run, tmp_path, capsys):
                for line in lines[1:4] + lines[5:])
 
 
+def test_a_sixteen_bit_png_for_an_eight_bit_model_is_rounded_as_the_loader_rounds_it(
+        small, tmp_path):
+    """The loader reads a 16-bit grey PNG as 8 bits, rounded (augment.to_rgb); predict
+    scaled it without rounding, up to half a grey level away from what training saw."""
+    from PIL import Image
+
+    from mpitrain.tools.predict import load_model, preprocessing
+    p16 = np.random.default_rng(4).integers(0, 65536, (50, 60)).astype(np.uint16)
+    sixteen, eight = str(tmp_path / "grey16.png"), str(tmp_path / "grey8.png")
+    Image.fromarray(p16).save(sixteen)
+    Image.fromarray(((p16.astype(np.int64) * 255 + 32767) // 65535).astype(np.uint8)).save(eight)
+    prep = preprocessing(load_model(small)[1])
+    assert prep.bits == 8
+    x = np.empty((2, 32, 32, 3), np.float32)
+    prep.load(sixteen, x[0])
+    prep.load(eight, x[1])
+    np.testing.assert_array_equal(x[0], x[1])
+
+
 def test_predict_with_fewer_than_five_classes_and_stand_in_data(small, tiny_data, tmp_path,
                                                                 capsys):
     from PIL import Image
@@ -316,6 +386,12 @@ def test_predict_with_fewer_than_five_classes_and_stand_in_data(small, tiny_data
     assert exit_.value.code == 2 and "pass --data FILE" in capsys.readouterr().err
     main(["predict", "--checkpoint", gone, image, "--data", tiny_data])
     assert capsys.readouterr().out.splitlines()[0] == image
+    nothere = tmp_path / "nothere.h5"       # named by --data, not by the checkpoint
+    with pytest.raises(SystemExit) as exit_:
+        main(["predict", "--checkpoint", gone, image, "--data", str(nothere)])
+    assert exit_.value.code == 2
+    assert f"--data {nothere} does not exist; give the run's training file" \
+        in capsys.readouterr().err
 
     # a config that carries mean and std needs no data file: classes by index
     carried = write_checkpoint(model, {"model": "resnet_small", "num_classes": 3,

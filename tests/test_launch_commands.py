@@ -83,6 +83,21 @@ def test_ranks_that_outnumber_the_cores_yield_them_while_they_wait(tmp_path, imp
         ([] if impl == "mpich" else ["--quiet", "--bind-to", "none"])
 
 
+@pytest.mark.parametrize("np_", ["0", "abc", "1.5", "-1", ""])
+def test_np_must_be_a_count_of_ranks(tmp_path, np_):
+    """NP=0, abc, 1.5 or -1 printed bash's errors, or nothing, and trained on 1 rank; an
+    empty NP is the default, 2."""
+    r, log, venv = launch(tmp_path, "mpich", "train", NP=np_)
+    if not np_:
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"args=-np 2 {venv}/bin/python -m mpitrain train\n" in calls(log, "mpiexec")
+        return
+    assert r.returncode == 2 and r.stderr == (
+        f"launch.sh: NP={np_}: the number of MPI ranks must be a whole number of 1 or more "
+        f"(for example NP=4); unset it for 2\n"), r.stderr
+    assert calls(log, "mpiexec") == ""
+
+
 def test_the_main_job_runs_in_the_checkout_and_says_so_to_a_caller_elsewhere(tmp_path):
     r, log, venv = launch(tmp_path, "mpich")
     assert r.returncode == 0, r.stdout + r.stderr

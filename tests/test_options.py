@@ -102,3 +102,105 @@ def test_poly_power_shapes_the_learning_rate_of_a_run(digits, tmp_path):
         assert s["lr"] == pytest.approx(learning_rate(at, 0.1, 2, 0.0, "poly", power=1.0))
         if 0 < at < 2:
             assert s["lr"] != pytest.approx(learning_rate(at, 0.1, 2, 0.0, "poly"))
+
+
+PATHS = ("--data", "--val-data", "--data-dir", "--run-dir", "--resume", "--trace", "--config")
+
+
+@pytest.mark.parametrize("flag", PATHS)
+def test_an_empty_path_is_refused_naming_its_option(flag, capsys):
+    """'' names no file: taken as given it fell back to a default without a word, or (as
+    --resume) put the run into the parent of the current directory."""
+    from mpitrain.cli import build_parser
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["train", flag, ""])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert f"error: argument {flag}: '' is an empty path, which names no file or directory: " \
+           f"give a name\n" in err, err
+
+
+def test_an_empty_resume_writes_nothing_outside_the_current_directory(digits, tmp_path):
+    """The data-loss case: `train --resume ''` trained into the parent of the current
+    directory."""
+    import subprocess
+    import sys
+
+    from launcher import environment
+    here = tmp_path / "here"
+    here.mkdir()
+    r = subprocess.run([sys.executable, "-m", "mpitrain", "train", "--resume", "",
+                        "--data-dir", str(digits), "--epochs", "1", "--batch-size", "128"],
+                       capture_output=True, text=True, timeout=300, env=environment(1), cwd=here)
+    assert r.returncode == 2 and "argument --resume: '' is an empty path" in r.stderr, \
+        r.stdout + r.stderr
+    assert os.listdir(tmp_path) == ["here"] and os.listdir(here) == []
+
+
+@pytest.mark.parametrize("line,message", [
+    ("data: null", "data: null is not a path: give a name, or leave the key out for its "
+                   "default"),
+    ("data: 5", "data: 5 is not a path: write a name as text, in quotes where it would read "
+                "as a number ('5')"),
+    ("data_dir: null", "data_dir: null is not a path"),
+    ("run_dir: 7", "run_dir: 7 is not a path"),
+    ("resume: 7", "resume: 7 is not a path"),
+    ("val_data: 3", "val_data: 3 is not a path"),
+    ("trace: ''", "trace: '' is an empty path"),
+    ("crop-ratio: [1, .inf]", "crop_ratio: inf is not a finite number"),
+])
+def test_a_yaml_value_that_is_no_path_is_refused_by_the_options_type(line, message, tmp_path,
+                                                                       capsys):
+    """YAML gives a number or null where a flag gives text: each path option's type sees it
+    as YAML typed it (it ended in a traceback)."""
+    from mpitrain.cli import apply_config_file, build_parser
+    path = tmp_path / "run.yaml"
+    path.write_text(line + "\n")
+    parser = build_parser()
+    argv = ["train", "--config", str(path)]
+    args = parser.parse_args(argv)
+    with pytest.raises(SystemExit) as exit_:
+        apply_config_file(args, parser, argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"error: config file {path}: {message}" in err, err
+
+
+@pytest.mark.parametrize("text,message", [
+    ("epochs: 1\nepochs: 2\n", "'epochs' (line 2) gives 'epochs' (line 1) again"),
+    ("batch-size: 32\nlr: 0.1\nbatch_size: 64\n",
+     "'batch_size' (line 3) gives 'batch-size' (line 1) again"),
+])
+def test_an_option_given_twice_in_yaml_is_refused_naming_both_lines(text, message, tmp_path):
+    """YAML keeps the last of two equal keys without a word; dashes and underscores are
+    one option."""
+    from mpitrain.config import ConfigFileError, load_yaml
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigFileError) as e:
+        load_yaml(str(path), set(DEFAULTS))
+    assert str(e.value) == f"config file {path}: {message}, and one of them would be " \
+                           f"ignored: keep one"
+
+
+def test_a_config_file_that_is_not_text_is_named(digits):
+    from mpitrain.config import ConfigFileError, load_yaml
+    path = digits / "digits_val.h5"
+    with pytest.raises(ConfigFileError, match=f"config file {path} is not text"):
+        load_yaml(str(path), set(DEFAULTS))
+
+
+@pytest.mark.parametrize("value,ok", [("t.json", True), ("t", True), ("runs/", True),
+                                      ("data/digits_train.h5", False), ("t.txt", False)])
+def test_trace_takes_a_json_name_or_a_directory(value, ok, capsys):
+    """Each rank writes FILE.rankN.json (metrics.trace_path keeps the extension given, so
+    --trace data/digits_train.h5 wrote data/digits_train.rank0.h5 among the data)."""
+    from mpitrain.cli import build_parser
+    if ok:
+        assert build_parser().parse_args(["train", "--trace", value]).trace == value
+        return
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--trace", value])
+    stem = os.path.splitext(value)[0]
+    assert f"argument --trace: {value} ends in {os.path.splitext(value)[1]}, and each rank " \
+           f"writes its trace as JSON, FILE.rankN.json: name it {stem}.json, or a directory " \
+           f"ending in /" in capsys.readouterr().err

@@ -85,6 +85,8 @@ def test_a_whole_square_crop_is_the_validation_image_or_its_mirror(square, tmp_p
     ("--crop-scale", ("0.5", "2"), "0 < MIN <= MAX <= 1"),
     ("--crop-scale", ("0.6", "0.3"), "0 < MIN <= MAX <= 1"),
     ("--crop-ratio", ("0", "1"), "0 < MIN <= MAX"),
+    ("--crop-ratio", ("1", "inf"), "inf is not a finite number"),   # the crops failed later
+    ("--crop-scale", ("0.5", "nan"), "nan is not a finite number"),
     ("--crop-fraction", ("1.5",), "in (0, 1]"),
 ])
 def test_bad_crop_options_are_refused_by_name_with_nothing_written(square, tmp_path, option,
@@ -105,6 +107,14 @@ def test_an_out_that_cannot_be_written_is_refused_with_nothing_written(square, t
         r = mpitrain("preview", "--data", str(square), "--out", str(out))
         assert r.returncode == 2 and message in r.stderr, r.stderr
     assert os.listdir(tmp_path) == ["afile"]
+
+
+def test_an_image_size_beyond_memory_is_refused_with_nothing_written(square, tmp_path):
+    out = tmp_path / "b.png"
+    r = mpitrain("preview", "--data", str(square), "--image-size", "100000", "--out", str(out))
+    assert r.returncode == 2 and "error: out of memory: Unable to allocate" in r.stderr \
+        and "; lower --image-size (" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert os.listdir(tmp_path) == []
 
 
 def test_train_takes_the_crop_options_and_records_them(square, tmp_path):

@@ -188,6 +188,35 @@ def test_bad_simulate_arguments_exit_2(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_a_file_where_calibrate_writes_a_directory_is_refused_before_measuring(tmp_path,
+                                                                                capsys):
+    """It ended in "File exists" (status 1) after the benchmarks' set-up."""
+    data = tmp_path / "digits_val.h5"
+    data.write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(100))
+    for out, message in ((data, f"--out {data} is a file; give a directory for "
+                                f"calibration.json and the benchmarks' output"),
+                         (data / "cal", f"{data} is a file, so {data / 'cal'}/calibration.json "
+                                        f"cannot be written")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["simulate", "--calibrate", "--out", str(out)])
+        out_, err = capsys.readouterr()
+        assert exit_.value.code == 2 and message in err and out_ == "", err
+    assert data.read_bytes()[:4] == b"\x89HDF" and len(list(tmp_path.iterdir())) == 1
+
+
+def test_a_calibration_that_is_not_text_is_named(tmp_path, capsys):
+    """An HDF5 file given as --calibration was answered with Python's decoding error alone
+    ("'utf-8' codec can't decode byte 0x89"), not the file."""
+    data = tmp_path / "digits_val.h5"
+    data.write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(100))
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", "--device", "cpu", "--calibration", str(data)])
+    assert exit_.value.code == 2
+    assert f"error: cannot read the calibration {data}: it is not text (a data file or a " \
+           f"checkpoint?); give the calibration.json that `simulate --calibrate` wrote\n" \
+        in capsys.readouterr().err
+
+
 @pytest.mark.launches
 @pytest.mark.one_mpi
 def test_calibrate_measures_fits_and_feeds_the_model(tmp_path):

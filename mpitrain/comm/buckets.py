@@ -102,7 +102,28 @@ from mpitrain.metrics import Timeline
 from .topk import TopK
 
 DEFAULT_THRESHOLD = 4 << 20      # bytes
-POLL = float(os.environ.get("MPITRAIN_COMM_POLL", 2e-4))   # seconds; 0: blocking collectives
+
+
+def poll_seconds(name="MPITRAIN_COMM_POLL", default=2e-4):
+    """The seconds between tests of a started collective (0: blocking collectives): the
+    environment variable `name` where set, else `default`. Anything but a number >= 0 is
+    refused naming the variable (checks.ConfigError: one line, exit status 2)."""
+    import argparse
+
+    from mpitrain.argtypes import nonnegative_float
+    from mpitrain.checks import ConfigError
+    text = os.environ.get(name, "")
+    if not text:
+        return default
+    try:
+        return nonnegative_float(text)
+    except argparse.ArgumentTypeError as e:
+        raise ConfigError(f"{name}={text}: {e}; it takes the seconds between tests of a "
+                          f"started all-reduce, a number >= 0 (0: blocking collectives): "
+                          f"fix it, or unset it for {default:g}") from None
+
+
+POLL = poll_seconds()
 
 
 def bucket_bounds(arena, threshold=DEFAULT_THRESHOLD):

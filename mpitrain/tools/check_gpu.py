@@ -50,8 +50,10 @@ The order puts the measurements first: install, build, environment, bench,
 profile, shared, data, then tests, compare and nccl. `--budget SECONDS` bounds
 the whole check: a step starts only while time is left, and its commands may
 run only as long as what is left; the steps that did not fit are reported as
-skipped for time. `--out-dir DIR` keeps the report (DIR/report.json) and each
-step's whole output (DIR/STEP.log) there, each written as its step ends.
+skipped for time (where every step was skipped, the last line says that nothing
+ran, not that all passed). `--out-dir DIR` keeps the report (DIR/report.json) and
+each step's whole output (DIR/STEP.log) there, each written as its step ends; it and
+`--out` are checked before the first step.
 `--dry-run` goes through the same steps without a GPU and without running their
 commands, recording each command line: the control flow, checked where there is
 no GPU.
@@ -74,7 +76,7 @@ import sys
 import tempfile
 import time
 
-from mpitrain.files import save_json, save_text
+from mpitrain.files import output_problem, save_json, save_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = ("install", "build", "bench", "profile", "shared", "data", "tests", "compare",
@@ -129,11 +131,12 @@ class CheckError(Exception):
 
 def add_arguments(parser):
     """The options of check-gpu (shared by the CLI and `python -m mpitrain.tools.check_gpu`)."""
-    from mpitrain.argtypes import nonnegative_int, positive_int
-    parser.add_argument("--wheels", metavar="DIR", default=os.environ.get("WHEELS") or None,
+    from mpitrain.argtypes import nonnegative_int, path, positive_int
+    parser.add_argument("--wheels", type=path, metavar="DIR",
+                        default=os.environ.get("WHEELS") or None,
                         help="install from this folder of wheels first, without network "
                              "(default: $WHEELS)")
-    parser.add_argument("--out", metavar="FILE",
+    parser.add_argument("--out", type=path, metavar="FILE",
                         help="the JSON report (default: gpu-check-<time>.json here)")
     parser.add_argument("--skip", nargs="+", choices=STEPS, default=[], metavar="STEP",
                         help=f"steps to leave out: {', '.join(STEPS)}")
@@ -154,7 +157,7 @@ def add_arguments(parser):
     parser.add_argument("--budget", type=nonnegative_int, metavar="SECONDS",
                         help="stop starting steps once this many seconds have passed, and "
                              "stop a step's commands there (default: no limit)")
-    parser.add_argument("--out-dir", metavar="DIR",
+    parser.add_argument("--out-dir", type=path, metavar="DIR",
                         help="write the report (DIR/report.json) and each step's output "
                              "(DIR/STEP.log) there as each step ends")
     parser.add_argument("--dry-run", action="store_true",
@@ -165,6 +168,7 @@ def add_arguments(parser):
 def run(args):
     """The whole check; returns the exit status."""
     try:
+        check_outputs(args)
         wheels = _wheel_files(args.wheels) if args.wheels else None
         problem = None if args.dry_run else preflight()
         if problem:
@@ -186,6 +190,21 @@ def run(args):
     print(summary(report))
     print(f"gpu-check: report written to {out}")
     return 0 if report["passed"] else 1
+
+
+def check_outputs(args):
+    """Refuse, before any step, a --out or --out-dir the report cannot be written to: the
+    check would run its steps and then fail to save what they measured."""
+    problem = None
+    if args.out_dir:
+        problem = (f"--out-dir {args.out_dir} is a file; give a directory for the report and "
+                   f"the steps' logs" if os.path.isfile(args.out_dir) else
+                   output_problem(os.path.join(args.out_dir, "report.json")))
+    if args.out and not problem:
+        problem = output_problem(args.out)
+        problem = problem and f"--out {problem}"
+    if problem:
+        raise CheckError(problem)
 
 
 def _save(report, out):
@@ -728,7 +747,13 @@ def summary(report):
             continue
         state = "PASS" if s.get("passed", True) else "FAIL"
         lines.append(f"{state}  {name}{_detail(name, s)}")
-    lines.append(f"gpu-check: {'all passed' if report['passed'] else 'FAILED'}")
+    ran = [s for s in report["steps"].values()
+           if not s.get("skipped") and not s.get("dry_run")]   # a dry run's environment
+    if not ran:
+        lines.append("gpu-check: nothing ran: every step was skipped (--skip, or out of "
+                     "time under --budget)")
+    else:
+        lines.append(f"gpu-check: {'all passed' if report['passed'] else 'FAILED'}")
     return "\n".join(lines)
 
 

@@ -39,7 +39,8 @@ def _evaluate(comm, path, data, batch_size, workers, device, image_size, data_di
     from mpitrain.nets import build_model
 
     from .. import checkpoint
-    from ..checks import ConfigError, check_batch, crop_fraction, describe_file
+    from ..checks import (ConfigError, check_batch, check_image_size, crop_fraction,
+                          describe_file)
     from ..train import average_buffers, evaluate
     info = None
     if comm.rank == 0:
@@ -77,13 +78,18 @@ def _evaluate(comm, path, data, batch_size, workers, device, image_size, data_di
     except backend.DeviceError as e:
         raise EvalError(str(e)) from None
     model = build_model(cfg["model"], num_classes=classes, seed=0)
+    size_px = image_size or cfg.get("image_size") or stored_size
+    try:                # as train refuses it: the feature maps would vanish in a layer
+        check_image_size(model, cfg["model"], size_px, data=None if image_size else
+                         path if cfg.get("image_size") else data)
+    except ConfigError as e:
+        raise EvalError(str(e)) from None
     try:
         checkpoint.restore(path, model, comm)
     except checkpoint.CheckpointError as e:
         raise EvalError(str(e)) from None
     average_buffers(model, comm)
     crop = crop_fraction(cfg)
-    size_px = image_size or cfg.get("image_size") or stored_size
     # the normalisation the model was trained with (a checkpoint without it: the file's)
     normalise = {key: cfg[key] for key in ("mean", "std", "pixel_max") if key in cfg} \
         if "mean" in cfg and "std" in cfg else None

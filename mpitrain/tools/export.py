@@ -271,11 +271,29 @@ def format_of(fmt, out):
     return fmt or named
 
 
-def check_output(fmt, out):
-    """Refuse an unknown format, and an OUT that cannot be written (files.output_problem)."""
+def check_output(fmt, out, checkpoint=None):
+    """Refuse an unknown format, and an OUT that cannot or must not be written
+    (check_out)."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    check_out(out, checkpoint)
+
+
+def check_out(out, checkpoint=None):
+    """Refuse an OUT that cannot be written (files.output_problem: a directory, a path
+    through a file, no write permission), and one whose file holds what an export must not
+    replace: the checkpoint being exported, or any other HDF5 file (a checkpoint or a data
+    set, which the rename over OUT would destroy)."""
     problem = output_problem(out)
+    if problem is None and os.path.isfile(out):
+        import h5py
+        if checkpoint is not None and os.path.exists(checkpoint) \
+                and os.path.samefile(out, checkpoint):
+            problem = (f"{out} is the checkpoint being exported, which the export would "
+                       f"overwrite: name a new file for it")
+        elif h5py.is_hdf5(out):
+            problem = (f"{out} is an HDF5 file (a checkpoint or a data file), which the "
+                       f"export would overwrite: name a new file for it")
     if problem:
         raise ExportError(problem)
 
@@ -294,7 +312,7 @@ def export(path, fmt, out, data=None):
     """Write checkpoint `path`'s model to `out` in format `fmt` ("safetensors" or "onnx");
     `data` stands in for a training file that is not where the checkpoint's config says.
     Returns {"out", "format", "model", "parameters", "metadata"}."""
-    check_output(fmt, out)
+    check_output(fmt, out, path)
     try:
         read_config(path)               # a missing or unreadable checkpoint, before the package
         check_package(fmt)
@@ -318,10 +336,12 @@ def export(path, fmt, out, data=None):
 def run(args):
     """The `export` command: errors exit with status 2 and the message, as argparse's."""
     try:
+        check_out(args.out, args.checkpoint)     # first: a directory names no format
         args.format = format_of(args.format, args.out)
         result = export(args.checkpoint, args.format, args.out, args.data)
     except ExportError as e:
         args.command_parser.error(str(e))
     size, classes = result["metadata"]["image_size"], result["metadata"]["num_classes"]
-    print(f"{result['out']}: {result['model']}, {result['parameters']:,} parameters "
-          f"({classes} classes), input {size}x{size}, as {args.format}")
+    print(f"{args.checkpoint} -> {result['out']}: {result['model']}, "
+          f"{result['parameters']:,} parameters ({classes} classes), input {size}x{size}, "
+          f"as {args.format}")

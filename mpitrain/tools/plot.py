@@ -16,7 +16,6 @@ import math
 import os
 
 from ..files import output_problem, write_atomic
-from ..metrics import read_metrics
 
 
 # phases of a step record that overlap the others: drawn as lines, not stacked
@@ -63,8 +62,8 @@ def plot_run(run_dir, out=None):
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise PlotError(f"{path} does not exist: RUN_DIR must be a training run's --run-dir")
+    records = read_records(path)
     plt = pyplot()
-    records = read_metrics(path)
     steps = [r for r in records if r.get("kind") == "step"]
     evals = [r for r in records if r.get("kind") == "eval"]
     if not steps:
@@ -74,7 +73,7 @@ def plot_run(run_dir, out=None):
                if os.path.isfile(out) else output_problem(os.path.join(out, "loss.png")))
     if problem:
         raise PlotError(problem)
-    per_epoch = _steps_per_epoch(steps)
+    per_epoch = steps_per_epoch(steps, evals, run_dir)
     x = [r["global_step"] / per_epoch for r in steps]
     written = []
 
@@ -113,10 +112,10 @@ def plot_run(run_dir, out=None):
                 "null in these records (an older run with --cuda-graph)"
                 if any("top1" in r for r in steps)
                 else "not in this metrics.jsonl (an older run)"))
-        ex = [r["epoch"] for r in evals]
         for key in ("top1", "top5"):
-            if evals and key in evals[0]:
-                ax.plot(ex, [100 * r[key] for r in evals], marker="o", label=f"val {key}")
+            scored = [(r["epoch"], 100 * r[key]) for r in evals if r.get(key) is not None]
+            if scored:
+                ax.plot(*zip(*scored), marker="o", label=f"val {key}")
         ax.set_ylim(0, 100)
     figure("accuracy.png", "training and validation accuracy", "accuracy (%)", accuracy)
 
@@ -155,12 +154,100 @@ def missing(ax, text):
             fontsize="small", color="dimgray")
 
 
-def _steps_per_epoch(steps):
-    """From the records themselves: global_step = (epoch - 1) * steps_per_epoch + step."""
+# what plot reads of a record, by its kind: whole numbers for the x axis, numbers (or null:
+# not measured, not finite) for the curves; a record lacking one of `REQUIRED` is refused
+WHOLE, NUMBER, PHASES = "a whole number", "a number or null", "an object of phase times"
+FIELDS = {"step": {"epoch": WHOLE, "step": WHOLE, "global_step": WHOLE, "loss": NUMBER,
+                   "lr": NUMBER, "images_per_s": NUMBER, "top1": NUMBER,
+                   "loss_scale": NUMBER, "time": PHASES},
+          "eval": {"epoch": WHOLE, "global_step": WHOLE, "loss": NUMBER, "top1": NUMBER,
+                   "top5": NUMBER}}
+REQUIRED = {"step": ("epoch", "step", "global_step", "loss", "lr", "images_per_s"),
+            "eval": ("epoch",)}
+
+
+def read_records(path):
+    """The records of metrics.jsonl `path`, each checked for what plot reads of it (a file
+    edited or written by something else would end in a traceback): PlotError naming the
+    file and line of one that is not a JSON object or has a field of the wrong kind. A
+    line that is not JSON is passed over, as metrics.read_metrics does (a torn last line)."""
+    records = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            problem = record_problem(record)
+            if problem:
+                raise PlotError(f"{path}, line {number}: {problem}; it is not a record a "
+                                f"training run writes: remove or mend that line")
+            records.append(record)
+    return records
+
+
+def record_problem(record):
+    """What is wrong with one metrics record for plot, or None."""
+    if not isinstance(record, dict):
+        return f"{type(record).__name__} where a JSON object was expected"
+    kind = record.get("kind")
+    fields = FIELDS.get(kind) if isinstance(kind, str) else None
+    if fields is None:              # another kind (fusion): plot reads nothing of it
+        return None
+    record_of = f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} record"
+    for key in REQUIRED[kind]:
+        if key not in record:
+            return f"{record_of} without {key!r}"
+    for key, want in fields.items():
+        if key in record and not _is(record[key], want):
+            return f"{key!r} of {record_of} is {record[key]!r}, not {want}"
+    return None
+
+
+def _is(value, want):
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if want == WHOLE:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if want == PHASES:
+        return isinstance(value, dict) and all(map(number, value.values()))
+    return value is None or number(value)
+
+
+def steps_per_epoch(steps, evals=(), run_dir=None):
+    """The x axis' unit, in steps. From the records where they say it: global_step =
+    (epoch - 1) * steps_per_epoch + step of a step record past the first epoch, or
+    epoch * steps_per_epoch of an evaluation's. A run stopped in its first epoch has
+    neither: then its training images over its global batch (run_dir's config.json names
+    the file and the batch, the loader drops a last partial batch), and where that file
+    is not found, the last step logged (an epoch as long as the steps seen)."""
     for r in steps:
-        if r["epoch"] > 1:
+        if r["epoch"] > 1 and r["global_step"] > r["step"]:
             return (r["global_step"] - r["step"]) / (r["epoch"] - 1)
-    return max(r["step"] for r in steps)
+    for r in evals:
+        if r.get("global_step", 0) > 0 and r["epoch"] > 0:
+            return r["global_step"] / r["epoch"]
+    seen = max(1, max(r["step"] for r in steps))
+    whole = run_dir and _steps_of_data(run_dir)
+    return whole if whole and whole >= seen else seen
+
+
+def _steps_of_data(run_dir):
+    """Steps per epoch of the run in run_dir from its config.json: its training file's
+    images // its global batch; None where that cannot be read. The file's path is as the
+    run was given it, found from where the run started (its checkpoints record that)."""
+    from ..checkpoint import CheckpointError, checkpoints, read_config
+    from ..checks import describe_file, run_data_files
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            saved = json.load(f)
+        made = checkpoints(run_dir)
+        if made:
+            saved.setdefault("start_dir", read_config(made[-1]).get("start_dir"))
+        images = describe_file(run_data_files(saved)[0])[0]
+        return images // saved["batch_size"] or None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError):
+        return None
 
 
 def plot_batch_study(rows, path, title, chance):

@@ -27,7 +27,8 @@ file of 8-bit images stores those units; a 16-bit pixel file stores its own
 (the digits: p = 64 x, 0..1024 for scikit-learn's values 0..16). So an 8-bit
 image is scaled to the file's white level (its largest stored value: 1024 for
 the digits) and a 16-bit greyscale PNG is taken in the file's stored units as
-it is (the pixels of a record of that file, written out, come back exactly).
+it is (the pixels of a record of that file, written out, come back exactly); for a
+file of 8-bit images it is rounded to 8 bits, as the loader reads it (augment.to_rgb).
 
 Exported files carry this preprocessing as metadata (`Preprocessing.metadata`), and
 `Preprocessing.from_metadata` rebuilds it from them, so that an exported model's
@@ -77,8 +78,8 @@ def read_config(path):
     """The training config stored in checkpoint `path` (a quick read of its attributes),
     or PredictError saying why the file cannot be used."""
     if not os.path.isfile(path):
-        raise PredictError(f"checkpoint {path} does not exist" if not os.path.exists(path)
-                           else f"checkpoint {path} is not a file")
+        raise PredictError((f"checkpoint {path} does not exist" if not os.path.exists(path)
+                            else f"checkpoint {path} is not a file") + f"; {checkpoint.ANOTHER}")
     try:
         return checkpoint.read_config(path)
     except checkpoint.CheckpointError as e:
@@ -152,18 +153,17 @@ class Preprocessing:
         moved into the image's units, since (k p - mean) / std = (p - mean/k) / (std/k)
         for an image whose pixel p stands for k p in the file's units."""
         from mpitrain.datasets.augment import Augment
-        if bits == 8:
-            k = self.white / 255        # 8-bit full intensity is the file's white level
-        elif self.bits == 16:
-            k = 1.0                     # a 16-bit image is in a 16-bit file's own units
-        else:
-            k = 255 / 65535             # a 16-bit image for a file of 8-bit images
+        # 8-bit full intensity is the file's white level; a 16-bit image is in a 16-bit
+        # file's own units
+        k = self.white / 255 if bits == 8 else 1.0
         return Augment(self.image_size, np.asarray(self.mean) / k, np.asarray(self.std) / k,
                        train=False, crop_fraction=self.crop_fraction)
 
     def load(self, path, out):
         """Read image file `path` and write its normalised (size, size, 3) input into `out`."""
         record, bits = read_image(path)
+        if bits > self.bits:            # 16 bits for a file of 8-bit images: read as the
+            record, bits = np.fromfile(path, np.uint8), 8       # loader reads it (to_rgb)
         try:
             self.augment(bits)(record, out)
         except (OSError, ValueError) as e:
@@ -243,6 +243,9 @@ def preprocessing(cfg, data=None):
         return Preprocessing(size, crop, list(cfg["mean"]), list(cfg["std"]), white,
                              stored_bits(white),
                              names or [str(i) for i in range(classes)], "checkpoint")
+    if data is not None and not os.path.exists(data):
+        raise PredictError(f"--data {data} does not exist; give the run's training file, or "
+                           f"its validation file (it carries the same mean and std)")
     path = data or training_file(cfg)
     if not path or not os.path.exists(path):
         raise PredictError(f"the normalisation (mean, std) is in the training data file, and "

@@ -100,7 +100,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpitrain.files import save_json, save_text
+from mpitrain.files import output_problem, save_json, save_text
 
 GBIT = 1e9 / 8                      # bytes per second in one Gbit/s
 IMAGENET_IMAGES = 1_281_167         # ImageNet-1k training images
@@ -395,6 +395,10 @@ def load_calibration(path):
     try:
         with open(path) as f:
             cal = json.load(f)
+    except UnicodeDecodeError:
+        raise ValueError(f"cannot read the calibration {path}: it is not text (a data file "
+                         f"or a checkpoint?); give the calibration.json that `simulate "
+                         f"--calibrate` wrote") from None
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read the calibration {path}: {e}") from None
     if not isinstance(cal, dict) or not {"compute", "links"} <= set(cal):
@@ -542,6 +546,11 @@ def calibrate(args):
     from mpitrain import launcher
     cores = launcher.cores()
     top = args.max_ranks
+    problem = (f"--out {args.out} is a file; give a directory for calibration.json and the "
+               f"benchmarks' output" if os.path.isfile(args.out) else
+               output_problem(os.path.join(args.out, "calibration.json")))
+    if problem:         # before minutes of benchmarks
+        raise ValueError(problem)
     os.makedirs(args.out, exist_ok=True)
     step_args = ["bench", "step", "--model", model, "--image-size", str(size), "--batch",
                  str(batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
