@@ -143,7 +143,8 @@ OPTIONS = (
     Option("epochs", 8, "passes over the training data", MODEL, positive_int, metavar="N"),
     Option("batch_size", 32, "GLOBAL batch size, split evenly over the ranks (it must divide "
            "by their number)", MODEL, positive_int, metavar="N"),
-    Option("seed", 0, "seeds the weights, the validation split and the data order", MODEL,
+    Option("seed", 0, "seeds the weights and the data order (a named data set's validation "
+           "split is drawn once, with seed 0, when it is converted)", MODEL,
            nonnegative_int, metavar="N"),
     Option("device", "auto", "where the steps run (auto: a GPU when CuPy sees one)", MODEL,
            choices=DEVICES),
@@ -178,7 +179,9 @@ OPTIONS = (
            positive_float),
     Option("lars_eps", 1e-9, "LARS: the eps of the trust ratio", OPTIM, nonnegative_float),
     Option("schedule", "cosine", "decay after warm-up: cosine to 0, poly (power --poly-power) "
-           "to 0, step (x0.1 at each of --milestones), constant", OPTIM,
+           "to 0, step (x0.1 at each of --milestones), constant; each step takes the rate at "
+           "the epoch position it ends at (a cosine or poly run's last step at 0, a milestone "
+           "from the step that reaches it)", OPTIM,
            choices=("cosine", "poly", "step", "constant")),
     Option("poly_power", 2.0, "--schedule poly: lr = peak * (1 - t) ** P", OPTIM,
            positive_float, metavar="P"),

@@ -185,7 +185,9 @@ def train_step(model, optimizer, reducer, x, y, lr, label_smoothing=0.0, scaler=
     with n = global batch / ranks. Returns this rank's mean loss over its images.
     reducer: the mpitrain.comm.buckets.Reducer of model.arena; averaging its sum over the
     ranks gives the gradient of the loss averaged over the global batch, so the update
-    equals a single process's on the whole batch.
+    equals a single process's on the whole batch, for a network without BatchNorm or with
+    a BatchNorm group of all the ranks (--bn-group): by default each rank's BatchNorm
+    normalises its own images.
     scaler: a precision.LossScaler (None: no scaling, no overflow check). dlogits are
     multiplied by its scale before backward; a step whose summed gradient overflowed is
     skipped on every rank (scaler.skipped counts them), BatchNorm statistics included.
