@@ -849,6 +849,7 @@ def run_train(args, parser=None, argv=()):
     record_early()                               # before the imports and set-up: seconds
     from mpi4py import MPI
     from mpitrain.checks import ConfigError, refuse_options
+    from mpitrain.launcher import size_thread_pools
     from mpitrain.options import Config
     from_file = apply_config_file(args, parser, argv) if getattr(args, "config", None) else []
     options = {k: v for k, v in vars(args).items()
@@ -860,6 +861,7 @@ def run_train(args, parser=None, argv=()):
         refuse_options(Config(**options), MPI.COMM_WORLD.size)
     except ValueError as e:                      # a ConfigError, or Config's own refusal
         refuse(e)
+    size_thread_pools(MPI.COMM_WORLD)            # before Numba loads
     from mpitrain.precision import LossScaleError
     from mpitrain.train import TrainingError, describe_nonfinite, train
     try:

@@ -123,6 +123,43 @@ def cores():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
+# the variables by which a user sets the threads of a rank (launch.sh sets them too)
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                    "NUMBA_NUM_THREADS")
+POOLS = {}      # the ones size_thread_pools set, which are not the user's choice
+
+
+def thread_share(comm):
+    """The threads each rank runs: the cores it may run on (its affinity) divided by the
+    ranks of its host that may run on them too, so ranks a launcher pinned to cores of
+    their own keep all of theirs; None where the user chose through the environment. MPI
+    says who shares the host, however the job was launched (a launcher's own variables,
+    such as Slurm's tasks per node, may be unset). Collective over `comm` (an mpi4py
+    communicator, or mpitrain's)."""
+    import socket
+    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else list(range(os.cpu_count()))
+    host = socket.gethostname()
+    everyone = comm.allgather((host, mine))
+    if any(v in os.environ and os.environ[v] != POOLS.get(v) for v in THREAD_VARIABLES):
+        return None
+    sharing = sum(1 for h, cores in everyone if h == host and set(cores) & set(mine))
+    return max(1, len(mine) // sharing)
+
+
+def size_thread_pools(comm):
+    """Numba's and the OpenMP runtime's thread pools at this rank's share of its host's
+    cores (thread_share), through NUMBA_NUM_THREADS and OMP_NUM_THREADS, before either
+    loads: they size their pools once, at all the host's cores, and a pool larger than
+    the threads its rank runs keeps the rest waking at every parallel kernel and spinning
+    on the cores the host's other ranks need. Nothing where the user chose the threads,
+    or Numba is loaded already. Collective."""
+    share = thread_share(comm)
+    if share is not None and "numba" not in sys.modules:
+        POOLS.update(NUMBA_NUM_THREADS=str(share), OMP_NUM_THREADS=str(share))
+        os.environ.update(POOLS)
+
+
 # MPICH's ranks sleep while they wait for a message with this set to 1 (else they spin)
 HEAVY_YIELD = "MPIR_CVAR_ENABLE_HEAVY_YIELD"
 

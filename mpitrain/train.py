@@ -41,7 +41,6 @@ watchdog and the divergence watch in mpitrain.control.
 import contextlib
 import math
 import os
-import socket
 import sys
 import time
 from typing import NamedTuple
@@ -66,6 +65,7 @@ from .datasets.loader import Loader, pinned_for
 from .files import save_json
 from .graph import StepGraph, refusal
 from .kernels.gemm import blas_threads
+from .launcher import thread_share
 from .metrics import MetricsLog, StepProgress, Timeline, trace_path
 from .nets import build_model, describe_parameters
 from .nets.losses import accuracy_counts, nonfinite_rows, softmax_cross_entropy
@@ -90,10 +90,6 @@ class RunData(NamedTuple):
 
 NO_TIMELINE = Timeline.off()      # train_step's default: no timing
 
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
-                    "NUMBA_NUM_THREADS")
-
-
 def sharing(cfg):
     """How ranks share a GPU, for the start line ("" for a device per rank)."""
     k = cfg.ranks_per_gpu
@@ -109,20 +105,12 @@ def epochs(n, kind=""):
 
 
 def limit_threads(comm):
-    """Share a host's cores among its ranks, for BLAS, OpenMP and Numba: each rank gets
-    the cores it may run on (its affinity) divided by the ranks of its host that may
-    run on them too, so ranks a launcher pinned to cores of their own keep all of
-    theirs. Unless the user chose a thread count through the environment. MPI says
-    who shares the host, however the job was launched (a launcher's own variables,
-    such as Slurm's tasks per node, may be unset). Collective."""
-    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-        else list(range(os.cpu_count()))
-    host = socket.gethostname()
-    everyone = comm.allgather((host, mine))
-    if any(v in os.environ for v in THREAD_VARIABLES):
-        return
-    sharing = sum(1 for h, cores in everyone if h == host and set(cores) & set(mine))
-    set_threads(max(1, len(mine) // sharing))
+    """Share a host's cores among its ranks, for BLAS, OpenMP and Numba: each rank runs
+    its share (launcher.thread_share), unless the user chose a thread count through the
+    environment. Collective."""
+    share = thread_share(comm)
+    if share is not None:
+        set_threads(share)
 
 
 def set_threads(threads):

@@ -512,7 +512,7 @@ def _bench(argv, ranks, out_dir, name, threads=None, copies=1):
     count (else each rank gets its share of the cores, as in training). copies > 1: that
     many independent processes at once, their results in a list."""
     from mpitrain.launcher import find_mpiexec, job_environment, launch_options, mpiexec_family
-    from mpitrain.train import THREAD_VARIABLES
+    from mpitrain.launcher import THREAD_VARIABLES
     cmd = [sys.executable, "-m", "mpitrain", *argv, "--json"]
     family = None
     if ranks > 1:

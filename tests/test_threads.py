@@ -1,0 +1,43 @@
+"""Each rank's thread pools at its share of the host's cores under a plain mpiexec (no
+thread variables set, as launch.sh would): Numba and the OpenMP runtime size their pools
+once, when they load, and a pool larger than the threads a rank runs kept the rest waking
+at every parallel kernel and spinning on the other ranks' cores."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from launcher import command, environment
+from mpitrain.launcher import THREAD_VARIABLES, cores
+
+pytestmark = pytest.mark.launches
+
+POOLS = """
+import json, os, sys
+from mpi4py import MPI
+from mpitrain.launcher import size_thread_pools
+size_thread_pools(MPI.COMM_WORLD)
+import numba
+print(json.dumps([MPI.COMM_WORLD.rank, numba.config.NUMBA_NUM_THREADS,
+                  os.environ.get("OMP_NUM_THREADS")]), flush=True)
+"""
+
+
+def pools(ranks, **chosen):
+    """[rank, Numba's pool, OMP_NUM_THREADS] of each rank of a `ranks`-rank job started
+    with none of the thread variables but `chosen`."""
+    env = {k: v for k, v in environment(ranks).items() if k not in THREAD_VARIABLES}
+    r = subprocess.run(command(ranks, sys.executable, "-c", POOLS), capture_output=True,
+                       text=True, timeout=120, env={**env, **chosen})
+    assert r.returncode == 0, r.stdout + r.stderr
+    return sorted(json.loads(line) for line in r.stdout.splitlines() if line.startswith("["))
+
+
+def test_each_ranks_pools_are_its_share_of_the_hosts_cores():
+    share = max(1, cores() // 2)
+    assert pools(2) == [[0, share, str(share)], [1, share, str(share)]]
+
+
+def test_a_thread_count_the_user_chose_is_left_alone():
+    assert pools(2, NUMBA_NUM_THREADS="1") == [[0, 1, None], [1, 1, None]]
