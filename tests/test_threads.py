@@ -19,8 +19,10 @@ from mpi4py import MPI
 from mpitrain.launcher import size_thread_pools
 size_thread_pools(MPI.COMM_WORLD)
 import numba
-print(json.dumps([MPI.COMM_WORLD.rank, numba.config.NUMBA_NUM_THREADS,
-                  os.environ.get("OMP_NUM_THREADS")]), flush=True)
+mine = [MPI.COMM_WORLD.rank, numba.config.NUMBA_NUM_THREADS, os.environ.get("OMP_NUM_THREADS")]
+every = MPI.COMM_WORLD.gather(mine, root=0)
+if MPI.COMM_WORLD.rank == 0:
+    print("pools " + json.dumps(every), flush=True)
 """
 
 
@@ -31,7 +33,8 @@ def pools(ranks, **chosen):
     r = subprocess.run(command(ranks, sys.executable, "-c", POOLS), capture_output=True,
                        text=True, timeout=120, env={**env, **chosen})
     assert r.returncode == 0, r.stdout + r.stderr
-    return sorted(json.loads(line) for line in r.stdout.splitlines() if line.startswith("["))
+    (line,) = [line for line in r.stdout.splitlines() if line.startswith("pools ")]
+    return json.loads(line[len("pools "):])
 
 
 def test_each_ranks_pools_are_its_share_of_the_hosts_cores():

@@ -17,9 +17,9 @@ ratios (_median_rounds).
 `--device gpu` runs the same on a GPU (CuPy, cuDNN), the device synchronised
 before every clock read; `--precision fp16` takes the training path's mixed
 precision (fp16 compute, fp32 master weights, dynamic loss scale with its
-overflow check). On a GPU the PyTorch side runs there too, with the twin in
-channels_last (NHWC, as mpitrain) and, for fp16, automatic mixed precision
-(torch.autocast + GradScaler), on the same batch.
+overflow check). On a GPU the PyTorch side runs there too, on the same batch, with
+cudnn.benchmark on and, for fp16, automatic mixed precision (torch.autocast +
+GradScaler); on either device its twin is in channels_last (NHWC, as mpitrain).
 
 OpenBLAS reads OPENBLAS_CORETYPE when it loads. Where a machine forces an older
 core type, `--native-openblas` re-runs the command without it (and without
@@ -206,9 +206,11 @@ def gpu_profile(step, x, y, steps, whole_step):
 
 def time_torch(model, x, y, steps, warmup, threads, lr=0.01, momentum=0.9, weight_decay=1e-4,
                device="cpu", precision="fp32"):
-    """The same steps in PyTorch. On a GPU: the twin in channels_last and, for fp16,
-    torch.autocast with a GradScaler (PyTorch's own mixed precision). On the CPU, for
-    fp16, torch.autocast to bfloat16 (PyTorch's CPU mixed precision: its CPU kernels
+    """The same steps in PyTorch, the twin in channels_last (NHWC, as mpitrain's layers, in
+    which PyTorch's CPU step too runs faster than in NCHW). On a GPU: cudnn.benchmark on (its
+    convolutions timed and the fastest kept, as mpitrain times its cuDNN plans) and, for
+    fp16, torch.autocast with a GradScaler (PyTorch's own mixed precision). On the CPU,
+    for fp16, torch.autocast to bfloat16 (PyTorch's CPU mixed precision: its CPU kernels
     have no fast float16; bfloat16 keeps float32's range and needs no loss scale)."""
     import contextlib
 
@@ -217,7 +219,8 @@ def time_torch(model, x, y, steps, warmup, threads, lr=0.01, momentum=0.9, weigh
     torch.set_num_threads(threads)
     gpu = device != "cpu"
     where = "cuda" if gpu else "cpu"
-    layout = torch.channels_last if gpu else torch.contiguous_format
+    layout = torch.channels_last
+    torch.backends.cudnn.benchmark = gpu
     amp = gpu and precision == "fp16"
     cpu_amp = not gpu and precision == "fp16"
     tmodel = to_torch(model).to(where, memory_format=layout).train()
@@ -257,12 +260,13 @@ def time_torch(model, x, y, steps, warmup, threads, lr=0.01, momentum=0.9, weigh
         if i >= warmup:
             for name, t in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
                 phases[name].append(t)
-    out = {"version": torch.__version__, "threads": torch.get_num_threads()}
+    out = {"version": torch.__version__, "threads": torch.get_num_threads(),
+           "memory_format": "channels_last"}
     if cpu_amp:
         out["precision"] = "autocast bfloat16"
     if gpu:
         out.update(device=torch.cuda.get_device_name(), precision="amp fp16" if amp else "fp32",
-                   memory_format="channels_last")
+                   cudnn_benchmark=True)
     return {**out, **_summary(len(y), phases, first_loss)}
 
 
@@ -577,14 +581,17 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
         runs["default_threshold"] = ParallelSteps(
             model, (comm, DEFAULT_THRESHOLD, algorithm, wire, trained == "overlap"), world,
             precision=precision)
-    one = new_model(model_name, num_classes, seed, precision) if world.rank == 0 else None
+    # one step object for all its steps: its loss scale goes on from step to step (a fresh
+    # one each step would overflow at 2^16 and skip every update)
+    one = OneStep(new_model(model_name, num_classes, seed, precision), precision) \
+        if world.rank == 0 else None
     one_threads = min(threads * comm.host_size, os.cpu_count())    # no more than the cores
     one_times, one_ran = [], one_threads
     for i in range(warmup + steps):
         if world.rank == 0:      # one rank with the threads of all its node's ranks
             set_threads(one_threads)
             one_ran = numba.get_num_threads()    # fewer where NUMBA_NUM_THREADS caps the pool
-            t = time_ours(one, x, y, 1, 0, precision, gflops=False)["step_ms"]
+            t = one_step_ms(one, x, y)
             set_threads(threads)
             if i >= warmup:
                 one_times.append(t)
@@ -621,6 +628,15 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
         result["saved_ms"] = result["no_overlap"]["step_ms"] - o["step_ms"]
     comm.free()
     return result
+
+
+def one_step_ms(step, x, y):
+    """The milliseconds of one training step of OneStep `step` on (x, y)."""
+    t0 = _clock()
+    step.forward(x, y)
+    step.backward()
+    step.update()
+    return 1e3 * (_clock() - t0)
 
 
 def hidden_fraction(wait_ms, allreduce_ms):
@@ -662,7 +678,9 @@ def format_parallel(r):
         lines.append(f"{r['ranks']} ranks, {label}: {t['images_per_s']:.1f} images/s, step "
                      f"{t['step_ms']:.1f} ms (forward+loss {t['forward_ms']:.1f}, backward "
                      f"{t['backward_ms']:.1f}, comm wait {t['comm_wait_ms']:.1f} of "
-                     f"{t['comm_total_ms']:.1f} all-reduce, update {t['update_ms']:.1f}); "
+                     f"{t['comm_total_ms']:.1f} all-reduce on rank 0 ({t['allreduce_ms']:.1f} "
+                     f"the collectives' own, the rest waiting for other ranks), update "
+                     f"{t['update_ms']:.1f}); "
                      f"scaling efficiency {t['efficiency']:.2f} (vs 1 rank x "
                      f"{r['one_rank']['threads']} threads)")
     lines.append(f"overlap: {r['hidden_fraction']:.0%} of the all-reduce time ran behind "
