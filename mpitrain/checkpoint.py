@@ -36,6 +36,8 @@ import re
 
 import numpy as np
 
+from .files import fsync
+
 
 FORMAT_VERSION = 1
 INCOMPLETE = "incomplete (its write was cut short)"
@@ -155,7 +157,7 @@ def write(path, state, before_rename=None):
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    _fsync(directory)               # the rename itself survives a crash
+    fsync(directory)                # the rename itself survives a crash
     return path
 
 
@@ -191,14 +193,6 @@ def file_image(state):
         f.attrs["complete"] = True
         f.flush()
         return f.id.get_file_image()
-
-
-def _fsync(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read(path):

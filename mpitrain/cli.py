@@ -927,6 +927,8 @@ def saved_none(run_dir):
 
 def run_eval(args):
     from mpi4py import MPI
+    from mpitrain.launcher import size_thread_pools
+    size_thread_pools(MPI.COMM_WORLD)            # before Numba loads
     from mpitrain.tools.evaluate import EvalError, evaluate_checkpoint
     from mpitrain.train import describe_nonfinite
     args.checkpoint = checkpoint_in(args, MPI.COMM_WORLD)

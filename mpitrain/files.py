@@ -6,24 +6,34 @@ import os
 
 
 def write_atomic(out, write):
-    """Run write(tmp) for a temporary path beside `out`, fsync it and rename it over `out`;
-    on any failure remove the temporary file and leave `out` as it was (a full disk leaves
-    the old file or none, never a truncated one). `out`'s directory is made where missing.
-    An error of the system on the temporary file, or on no file, is raised naming `out`."""
+    """Run write(tmp) for a temporary path beside `out`, fsync it, rename it over `out` and
+    fsync the directory (the rename itself survives a crash); on any failure remove the
+    temporary file and leave `out` as it was (a full disk leaves the old file or none,
+    never a truncated one). `out`'s directory is made where missing. An error of the
+    system on the temporary file, or on no file, is raised naming `out`."""
     directory = os.path.dirname(os.path.abspath(out))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(out)}.tmp-{os.getpid()}")
     try:
         write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        fsync(tmp)
         os.replace(tmp, out)
+        fsync(directory)
     except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
         if isinstance(e, OSError) and e.errno is not None and e.filename in (tmp, None):
             e.filename = out        # the file the user named, not the one just removed
         raise
+
+
+def fsync(path):
+    """Flush the file or directory `path` to its storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_text(out, text):

@@ -41,7 +41,8 @@ def _evaluate(comm, path, data, batch_size, workers, device, image_size, data_di
     from .. import checkpoint
     from ..checks import (ConfigError, check_batch, check_image_size, crop_fraction,
                           describe_file)
-    from ..train import average_buffers, evaluate
+    from ..train import average_buffers, evaluate, limit_threads
+    limit_threads(comm)                 # the host's cores shared among its ranks, as train's
     info = None
     if comm.rank == 0:
         try:
