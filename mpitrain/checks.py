@@ -483,7 +483,7 @@ def prepare_run_dir(cfg, comm):
     written and take its lock (config.RunLock) before anything is written into it, and
     refuse a directory that another live job holds, or that holds an earlier run when
     this one does not --resume. Returns (run directory, the lock on rank 0, else None)."""
-    from .config import RunDirInUse, RunLock, default_run_dir
+    from .config import RUNS, RunDirInUse, RunLock, default_run_dir
     # through a link (runs/latest): the directory it names now, as rank 0 sees it, which a
     # later run that points the link elsewhere does not move under this one
     cfg.run_dir, cfg.resume = comm.bcast(
@@ -495,24 +495,30 @@ def prepare_run_dir(cfg, comm):
         cfg.run_dir = resume if os.path.isdir(resume) else os.path.dirname(os.path.abspath(resume))
     if cfg.run_dir is None and resume == "auto":
         raise ConfigError("--resume auto needs --run-dir: the directory of the run to continue")
-    run_dir = cfg.run_dir = cfg.run_dir or default_run_dir(comm)
-    problem = lock = None
+    run_dir, problem, lock = cfg.run_dir, None, None
     if comm.rank == 0:
         try:
-            made = not os.path.isdir(run_dir)
-            os.makedirs(run_dir, exist_ok=True)
+            if run_dir is None:
+                run_dir, made = default_run_dir(), True
+            else:
+                made = not os.path.isdir(run_dir)
+                os.makedirs(run_dir, exist_ok=True)
             if not os.access(run_dir, os.W_OK | os.X_OK):
                 problem = f"--run-dir {run_dir} is not writable; choose another directory"
             else:
                 lock = RunLock(run_dir, made=made)
                 problem = None if resume else earlier_run(run_dir)
         except FileExistsError:
-            problem = f"--run-dir {run_dir} is a file, not a directory; choose another name"
+            problem = (f"--run-dir {run_dir} is a file, not a directory; choose another name"
+                       if run_dir else f"{RUNS} is a file, not a directory (runs go to "
+                       f"{RUNS}/<timestamp>): move it, or give a --run-dir")
         except RunDirInUse as e:
             problem = str(e)
         except OSError as e:
-            problem = f"--run-dir {run_dir} cannot be created ({e.strerror}); choose another"
-    problem = comm.bcast(problem, root=0)
+            where = f"--run-dir {run_dir}" if run_dir else f"{RUNS}/<timestamp>"
+            problem = f"{where} cannot be created ({e.strerror}); give a --run-dir elsewhere"
+    run_dir, problem = comm.bcast((run_dir, problem), root=0)
+    cfg.run_dir = run_dir
     if problem:
         if lock:
             lock.release()

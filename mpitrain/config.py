@@ -68,17 +68,20 @@ def check_unique_keys(path, mapping):
         seen[name] = (key.value, line)
 
 
-def default_run_dir(comm):
-    """runs/<timestamp> (-2, -3, ... if taken) chosen by rank 0 and broadcast over the
-    Communicator `comm`, so every rank agrees."""
-    name = None
-    if comm.rank == 0:
-        name = stem = os.path.join(RUNS, time.strftime("%Y%m%d-%H%M%S"))
-        n = 1
-        while os.path.exists(name):
+def default_run_dir():
+    """Make and return runs/<timestamp> (-2, -3, ... if taken). os.mkdir claims a name or
+    fails, so two jobs started in the same second (a Slurm array) get two directories.
+    Rank 0 calls it; OSError when runs/ cannot be written."""
+    os.makedirs(RUNS, exist_ok=True)
+    name = stem = os.path.join(RUNS, time.strftime("%Y%m%d-%H%M%S"))
+    n = 1
+    while True:
+        try:
+            os.mkdir(name)
+            return name
+        except FileExistsError:
             n += 1
             name = f"{stem}-{n}"
-    return comm.bcast(name, root=0)
 
 
 class RunDirInUse(RuntimeError):

@@ -55,6 +55,33 @@ def test_a_lock_refuses_while_its_holder_lives_and_not_after_it_is_killed(tmp_pa
     assert not os.path.exists(tmp_path / RunLock.NAME)
 
 
+def test_two_jobs_started_in_the_same_second_get_two_run_directories(tmp_path, monkeypatch):
+    """A Slurm array starts its jobs together: each claims its own runs/<timestamp>, where
+    both once chose the same name and the second was refused as "in use"."""
+    import time
+    from types import SimpleNamespace
+    from mpitrain.checks import prepare_run_dir
+    from mpitrain.comm.topology import Communicator
+    from mpitrain.config import default_run_dir
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(time, "strftime", lambda *_: "20261129-120000")
+    # two processes may both choose before either makes its directory: choosing makes it
+    chosen = [default_run_dir() for _ in range(2)]
+    assert chosen == ["runs/20261129-120000", "runs/20261129-120000-2"]
+    assert all(os.path.isdir(d) for d in chosen)
+    for d in chosen:
+        os.rmdir(d)
+    comm = Communicator()
+    jobs = [SimpleNamespace(run_dir=None, resume=None) for _ in range(3)]
+    held = [prepare_run_dir(cfg, comm) for cfg in jobs]
+    assert [d for d, _ in held] == [os.path.join("runs", "20261129-120000" + tail)
+                                    for tail in ("", "-2", "-3")]
+    assert [cfg.run_dir for cfg in jobs] == [d for d, _ in held]
+    for _, lock in held:        # each holds its own lock; refused runs leave nothing
+        lock.release()
+    assert os.listdir(tmp_path / "runs") == []
+
+
 @pytest.mark.launches
 def test_a_second_job_into_a_live_run_directory_is_refused(digits, tmp_path):
     run_dir = tmp_path / "run"
