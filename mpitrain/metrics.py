@@ -137,12 +137,16 @@ class Timeline:
         """Show forward and backward of each layer `net` runs in turn in the trace, category
         "layers", named as in `model` (the fast network's conv1, layer1, ..., fc; the plain
         layers' conv1, layer1.0, ..., their own ReLU by its type), through the network's
-        layer_span hook (nets/module.py)."""
+        run_layer hook (nets/module.py)."""
+        from mpitrain.nets.module import run_layer
         names = {id(m): name[:-1] for name, m in model.named_modules() if name}
+        if net is not model:        # the plain layers, by the fast layers they stand for
+            names.update((id(plain), names[id(fast)]) for fast, plain in net.pairs if fast)
 
-        def layer_span(phase, layer):
-            return self.span(f"{phase} {names.get(id(layer), type(layer).__name__)}", "layers")
-        net.layer_span = layer_span
+        def traced_run_layer(layer, phase, *args, **options):
+            with self.span(f"{phase} {names.get(id(layer), type(layer).__name__)}", "layers"):
+                return run_layer(layer, phase, *args, **options)
+        net.run_layer = traced_run_layer
 
     @classmethod
     def off(cls):

@@ -66,15 +66,13 @@ class AlexNet(Module):
     def forward(self, x, train=True):
         check_input(x, 3, self.dtype)
         for stage in self.stages:
-            with self.layer_span("forward", stage):
-                x = stage.forward(x, train)
+            x = self.run_layer(stage, "forward", x, train)
         return x
 
     def backward(self, dy):
         # reverse registration order: the arena's order, so buckets complete in sequence
         for stage in reversed(self.stages):
-            with self.layer_span("backward", stage):
-                dy = stage.backward(dy)
+            dy = self.run_layer(stage, "backward", dy)
         return dy
 
 

@@ -11,24 +11,24 @@ assignment order, which gives torchvision's state_dict names
 (`layer1.0.conv1.weight`). `Module.bind()` on the top-level network lays every
 parameter into one arena (mpitrain.arena) and initialises it from the seed.
 """
-import contextlib
-
 import numpy as np
 
 from mpitrain.arena import Arena, Buffer, BufferArena, Param
 from mpitrain.backend import array_module
 
 
-def untimed(phase, layer):
-    """A network's layer_span by default: nothing (a timeline sets its own)."""
-    return contextlib.nullcontext()
+def run_layer(layer, phase, *args, **options):
+    """A container's run_layer by default: layer.forward(*args, **options), or backward."""
+    return getattr(layer, phase)(*args, **options)
 
 
 class Module:
-    # the hook through which a network runs each of its top-level layers:
-    # `with self.layer_span("forward", layer): ...`; mpitrain.metrics.Timeline.trace_layers
-    # sets it to draw them in the trace
-    layer_span = staticmethod(untimed)
+    # the hook through which a container runs each of its layers:
+    # `y = self.run_layer(layer, "forward", x, train)`. A tool that watches layers sets its
+    # own on the containers it watches: mpitrain.metrics.Timeline.trace_layers on a network,
+    # to draw its top-level layers in the trace; bench layers' profile and inspect on every
+    # module, to time or measure each layer.
+    run_layer = staticmethod(run_layer)
 
     def __setattr__(self, name, value):
         if isinstance(value, (Module, Param, Buffer)):
@@ -111,12 +111,12 @@ class Sequential(Module):
 
     def forward(self, x, train=True):
         for layer in self.layers:
-            x = layer.forward(x, train)
+            x = self.run_layer(layer, "forward", x, train)
         return x
 
     def backward(self, dy):
         for layer in reversed(self.layers):
-            dy = layer.backward(dy)
+            dy = self.run_layer(layer, "backward", dy)
         return dy
 
 

@@ -28,7 +28,7 @@ from .alexnet import AlexNet as FastAlexNet
 from .batchnorm import BatchNorm2d as FastBatchNorm2d
 from .conv import Conv2d as FastConv2d
 from .linear import Flatten as FastFlatten, Linear as FastLinear
-from .module import Sequential as FastSequential, untimed
+from .module import Sequential as FastSequential, run_layer
 from .pool import (AdaptiveAvgPool2d as FastAdaptiveAvgPool2d, AvgPool2d as FastAvgPool2d,
                    GlobalAvgPool2d as FastGlobalAvgPool2d, MaxPool2d as FastMaxPool2d)
 from .resnet import BasicBlock, Bottleneck, ResNet
@@ -455,18 +455,16 @@ class PlainNetwork:
             raise TypeError(f"the plain twins of {type(model).__name__} do not compute the "
                             f"gradients of its parameters in arena order")
 
-    layer_span = staticmethod(untimed)     # the fast networks' hook (nets/module.py)
+    run_layer = staticmethod(run_layer)     # the fast networks' hook (nets/module.py)
 
     def forward(self, x, train=True):
-        for fast, layer in self.pairs:
-            with self.layer_span("forward", fast or layer):
-                x = layer.forward(x, train)
+        for _, layer in self.pairs:
+            x = self.run_layer(layer, "forward", x, train)
         return x
 
     def backward(self, dy):
-        for (fast, layer), grads in zip(reversed(self.pairs), reversed(self.grads)):
-            with self.layer_span("backward", fast or layer):
-                dy = layer.backward(dy)
+        for (_, layer), grads in zip(reversed(self.pairs), reversed(self.grads)):
+            dy = self.run_layer(layer, "backward", dy)
             for param, plain, name in grads:
                 param.grad[...] = getattr(plain, name)
                 param.grad_ready()

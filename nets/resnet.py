@@ -38,21 +38,23 @@ class _Block(Module):
     def forward(self, x, train=True):
         y = x
         for layer in self.main[:-1]:
-            y = layer.forward(y, train)
-        shortcut = x if self.downsample is None else self.downsample.forward(x, train)
+            y = self.run_layer(layer, "forward", y, train)
+        shortcut = (x if self.downsample is None else
+                    self.run_layer(self.downsample, "forward", x, train))
         # the last BN adds the shortcut and clamps, in its one pass over the block's output
-        y = self.main[-1].forward(y, train, residual=shortcut)
+        y = self.run_layer(self.main[-1], "forward", y, train, residual=shortcut)
         self.y = y if train else None   # (N, H, W, C); its positive entries are the ReLU mask
         return y
 
     def backward(self, dy):
         y, self.y = self.y, None
         g = elementwise.relu_grad(dy, y)
-        dshortcut = g if self.downsample is None else self.downsample.backward(g)
+        dshortcut = g if self.downsample is None else self.run_layer(self.downsample,
+                                                                      "backward", g)
         for layer in reversed(self.main[1:]):
-            g = layer.backward(g)
+            g = self.run_layer(layer, "backward", g)
         # the first layer adds its dx into the shortcut's (read by now, if it is g itself)
-        return self.main[0].backward(g, add_to=dshortcut)
+        return self.run_layer(self.main[0], "backward", g, add_to=dshortcut)
 
 
 class BasicBlock(_Block):
@@ -137,14 +139,12 @@ class ResNet(Module):
     def forward(self, x, train=True):
         check_input(x, 3, self.dtype)
         for layer in self.sequence:
-            with self.layer_span("forward", layer):
-                x = layer.forward(x, train)
+            x = self.run_layer(layer, "forward", x, train)
         return x
 
     def backward(self, dy):
         for layer in reversed(self.sequence):
-            with self.layer_span("backward", layer):
-                dy = layer.backward(dy)
+            dy = self.run_layer(layer, "backward", dy)
         return dy
 
 

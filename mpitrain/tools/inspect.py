@@ -1,9 +1,9 @@
 """`python -m mpitrain inspect`: what a network is made of, layer by layer.
 
-One forward pass of a zero batch of one image in eval mode, with each leaf
-layer's `forward` wrapped on the instance, records every leaf's input and
+One forward pass of a zero batch of one image in eval mode, watched through the
+containers' run_layer hook (nets/module.py), records every leaf layer's input and
 output shape; each leaf then reports its parameters and forward multiply-adds
-(`Module.macs`). The wrapping lives only here and only on the inspected model.
+(`Module.macs`). The hook is set only here and only on the inspected model.
 
 A model's size depends on its number of classes (the last layer's outputs), so the
 totals say both (mpitrain.nets.describe_parameters, as train prints them). With --data,
@@ -14,6 +14,7 @@ import os
 import numpy as np
 
 from mpitrain.nets import build_model, describe_parameters
+from mpitrain.nets.module import run_layer
 
 DEFAULT_CLASSES = 1000      # inspect without --data or --num-classes: ImageNet's
 
@@ -25,24 +26,18 @@ def layer_table(model_name, image_size=224, num_classes=1000, size_from=None):
     from mpitrain.checks import check_image_size
     model = build_model(model_name, num_classes=num_classes)
     check_image_size(model, model_name, image_size, data=size_from)
-    rows = []
-    for name, m in model.named_modules():
-        if not m.children():
-            _record_forward(m, name.rstrip("."), rows)
+    rows, names = [], {id(m): name.rstrip(".") for name, m in model.named_modules()}
+
+    def recording_run_layer(layer, phase, x, *args, **options):
+        y = run_layer(layer, phase, x, *args, **options)
+        if not layer.children():
+            rows.append((names[id(layer)], type(layer).__name__, tuple(y.shape[1:]),
+                         layer.num_params(), int(layer.macs(x.shape, y.shape))))
+        return y
+    for _, m in model.named_modules():
+        m.run_layer = recording_run_layer
     model.forward(np.zeros((1, image_size, image_size, 3), model.dtype), train=False)
     return rows, model
-
-
-def _record_forward(module, name, rows):
-    forward = module.forward
-
-    def recording_forward(x, train=True, **options):     # options: BatchNorm's residual
-        y = forward(x, train, **options)
-        rows.append((name, type(module).__name__, tuple(y.shape[1:]), module.num_params(),
-                     int(module.macs(x.shape, y.shape))))
-        return y
-
-    module.forward = recording_forward
 
 
 def report(model_name, image_size=224, num_classes=1000, classes_from=None, size_from=None):

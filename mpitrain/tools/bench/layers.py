@@ -24,6 +24,8 @@ is the work's time, and the tests check the accounting there.
 import collections
 import time
 
+from mpitrain.nets.module import run_layer
+
 # Bytes a layer's passes must move, as multiples of (its argument's bytes, its result's
 # bytes) per phase; in backward the argument is dy and the result dx. BatchNorm forward:
 # the statistics read x, the affine pass reads x (and the residual, counted once where
@@ -79,14 +81,15 @@ class EventClock:
 
 
 class Recorder:
-    """Brackets every module of `model` with clock marks while in a `with` block.
+    """Brackets every layer of `model` with clock marks while in a `with` block.
 
-    The marks go around each module's own forward and backward methods, set on the
-    instance for the block's duration and removed at its end (the model's classes are
-    not touched). `intervals` collects, per call: (module, phase, start, end, io), start
-    and end as (sequence number, mark), io: (argument bytes, result bytes, the shapes of
-    the module's last forward input and output, residual bytes, products: a layer's
-    backward computes dW and, unless its input needs no gradient (dx None), dx)."""
+    The marks go around each call a container makes to one of its layers, through the
+    containers' run_layer hook (nets/module.py), set on the model's modules for the
+    block's duration and removed at its end. `intervals` collects, per call: (module,
+    phase, start, end, io), start and end as (sequence number, mark), io: (argument bytes,
+    result bytes, the shapes of the module's last forward input and output, residual
+    bytes, products: a layer's backward computes dW and, unless its input needs no
+    gradient (dx None), dx)."""
 
     def __init__(self, model, clock):
         self.clock, self.intervals, self.count, self.shapes = clock, [], 0, {}
@@ -98,27 +101,23 @@ class Recorder:
 
     def __enter__(self):
         for m in self.modules:
-            for phase in ("forward", "backward"):
-                setattr(m, phase, self._bracket(m, phase, getattr(m, phase)))
+            m.run_layer = self.bracketed
         return self
 
     def __exit__(self, *exc):
         for m in self.modules:
-            for phase in ("forward", "backward"):
-                del m.__dict__[phase]
+            del m.run_layer             # the class's own again
         return False
 
-    def _bracket(self, module, phase, method):
-        def bracketed(x, *args, **options):
-            start = self.mark()
-            y = method(x, *args, **options)
-            if phase == "forward":
-                self.shapes[module] = (x.shape, y.shape)
-            io = (_bytes(x), _bytes(y), *self.shapes.get(module, (None, None)),
-                  _bytes(options.get("residual")), 1 if phase == "forward" else 1 + (y is not None))
-            self.intervals.append((module, phase, start, self.mark(), io))
-            return y
-        return bracketed
+    def bracketed(self, module, phase, x, *args, **options):
+        start = self.mark()
+        y = run_layer(module, phase, x, *args, **options)
+        if phase == "forward":
+            self.shapes[module] = (x.shape, y.shape)
+        io = (_bytes(x), _bytes(y), *self.shapes.get(module, (None, None)),
+              _bytes(options.get("residual")), 1 if phase == "forward" else 1 + (y is not None))
+        self.intervals.append((module, phase, start, self.mark(), io))
+        return y
 
 
 def _bytes(a):
