@@ -304,13 +304,13 @@ def test_step_comparison_finds_no_difference_between_two_cpu_runs(precision):
     assert result["loss"]["cpu"] == result["loss"]["gpu"]
 
 
-def dry_run(out, *options):
+def dry_run(out, *options, status=0):
     """check-gpu --dry-run writing into `out`, with `options`: its finished process (exit
-    status 0) and its report's steps."""
+    status `status`) and its report's steps."""
     r = subprocess.run([sys.executable, "-m", "mpitrain.tools.check_gpu", "--dry-run",
                         "--out-dir", str(out), *options], capture_output=True, text=True,
                        timeout=120)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == status, r.stderr
     return r, json.loads((out / "report.json").read_text())["steps"]
 
 
@@ -477,7 +477,8 @@ def test_check_gpu_skips_the_shared_and_data_steps_when_asked(tmp_path):
 
 
 def test_check_gpu_starts_no_step_past_its_budget(tmp_path):
-    r, steps = dry_run(tmp_path / "check", "--budget", "0", "--skip", "tests")
+    r, steps = dry_run(tmp_path / "check", "--budget", "0", "--skip", "tests",
+                       status=1)               # nothing ran: not a pass
     assert steps["tests"] == {"skipped": True}
     for name in ("bench resnet50 fp16 graph", "shared hybrid", "shared topk", "data convert",
                  "data step gpu"):

@@ -134,8 +134,9 @@ def test_check_gpu_refuses_outputs_it_cannot_write_before_any_step(tmp_path):
 
 
 def test_check_gpu_says_that_nothing_ran_when_every_step_was_skipped(tmp_path):
-    """--budget 0 skips every step: "all passed" said of a check that checked nothing."""
+    """--budget 0 skips every step: "all passed", status 0, said of a check that checked
+    nothing."""
     r = check_gpu("--budget", "0", "--out-dir", "check", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr
     assert "gpu-check: nothing ran: every step was skipped (--skip, or out of time under " \
            "--budget)\n" in r.stdout and "all passed" not in r.stdout, r.stdout
