@@ -102,10 +102,17 @@ def max_pool_forward_generic(x, k, stride, pad=0):
     xp = array_module(x)
     N, Ho, Wo, C = _geometry(x.shape, k, stride, pad)
     W = x.shape[2]
+    H = x.shape[1]
     xpad = xp.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)), constant_values=-np.inf)
     taps = xp.stack(_taps(xpad, k, stride, Ho, Wo))      # (k*k, N, Ho, Wo, C)
-    tap = taps.argmax(axis=0)                             # first maximum (or first NaN)
     y = taps.max(axis=0)
+    t = xp.arange(k * k).reshape(-1, 1, 1, 1, 1)
+    row = xp.arange(Ho).reshape(1, 1, Ho, 1, 1) * stride - pad + t // k
+    col = xp.arange(Wo).reshape(1, 1, 1, Wo, 1) * stride - pad + t % k
+    inside = (row >= 0) & (row < H) & (col >= 0) & (col < W)    # (k*k, 1, Ho, Wo, 1)
+    # the first tap inside the image that is the maximum or NaN: a window of -inf keeps
+    # its argmax off the padding, as the kernels do
+    tap = (((taps == y) | xp.isnan(taps)) & inside).argmax(axis=0)
     ih = xp.arange(Ho).reshape(1, Ho, 1, 1) * stride - pad + tap // k
     iw = xp.arange(Wo).reshape(1, 1, Wo, 1) * stride - pad + tap % k
     return y, (ih * W + iw).astype(np.int32)

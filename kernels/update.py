@@ -85,7 +85,10 @@ where a body compiled by hand for each target would have to name a callee
 compiled for that target; the NumPy references and the CUDA simulator run
 them as Python. The CPU loops (whole chunks per thread,
 LANES partial sums in the reductions) still vectorise: LLVM inlines the
-bodies. The CUDA kernels run one block per piece, or one thread per segment.
+bodies. The CUDA kernels run one block per piece, or one thread per segment. The
+non-finite check is the exception: one short loop per target (a vectorised
+sum of x * 0 on the CPU, `isfinite` per element on CUDA), as its test is a
+single comparison.
 """
 import math
 

@@ -15,8 +15,8 @@ Summed over the input channels, the 16 elementwise products are 16 GEMMs, one pe
 position k = 4 xi + nu of the 4x4 tile:
 
     V[k] (T, C) = (B^T d B)[xi, nu] of every tile      input_tiles
-    U[k] (C, O) = (G g G^T)[xi, nu] of every filter    filter_tiles
-    M[k] (T, O) = V[k] @ U[k]                          (the caller's GEMMs)
+    U[:, k] (O, C) = (G g G^T)[xi, nu] of every filter filter_tiles: U (O, 16, C)
+    M[k] (T, O) = V[k] @ U[:, k]^T                     (the caller's GEMMs)
     y           = A^T M A of every tile                output_tiles
 
 16 C O multiply-adds per 2x2 output pixels instead of the direct form's 36 C O, for
@@ -25,8 +25,8 @@ transforms that read and write each tile once (im2col writes every pixel 9 times
 Backward runs the same linear maps transposed:
 
     dM          = A dy A^T of every tile               output_tiles_grad
-    dU[k]       = V[k]^T @ dM[k],  dW = G^T dU G       filter_tiles_grad
-    dV[k]       = dM[k] @ U[k]^T,  dx = B dV B^T       input_tiles_grad
+    dU[:, k]    = dM[k]^T @ V[k],  dW = G^T dU G       filter_tiles_grad
+    dV[k]       = dM[k] @ U[:, k], dx = B dV B^T       input_tiles_grad
                   summed over the tiles that overlap
 
 The tiles read a zero-padded copy of x (`padded`), so no transform checks bounds,

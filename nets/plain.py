@@ -181,8 +181,8 @@ class MaxPool2d:
 
     Backward routes dy to the window's argmax, the first maximum in row-major window
     order among the taps inside x (a tie goes to the upper, then the left, element, and
-    a NaN, above every number, to the first NaN, as in nets/pool.py's kernels and
-    PyTorch); the others get 0. A window of -inf values keeps its gradient: the padding,
+    a NaN, above every number, to the first NaN, as in nets/pool.py's kernels; PyTorch's
+    takes the last); the others get 0. A window of -inf values keeps its gradient: the padding,
     -inf too, never takes it.
     """
 

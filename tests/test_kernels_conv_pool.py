@@ -166,6 +166,30 @@ def test_max_pool_takes_the_first_nan(dtype):
         np.testing.assert_array_equal(arg, arg_ref)
 
 
+@pytest.mark.parametrize("k,s,p", [(3, 2, 1), (3, 1, 1), (2, 2, 0)])
+def test_a_max_pool_window_of_minus_infinity_takes_its_first_pixel_as_pytorch(k, s, p):
+    """A window whose pixels are all -inf has its argmax on the first of them, as the
+    kernels and PyTorch take it; the generic version's once lay in the padding, so its
+    gradient went nowhere (or to another window's pixel)."""
+    torch = pytest.importorskip("torch")
+    x = np.full((1, 3, 3, 2), -np.inf, np.float64)
+    x[0, 2, 2, 0] = 1.0
+    x[0, 1, 0, 1] = np.nan
+    y, arg = pool.max_pool_forward(x, k, s, p)
+    y_ref, arg_ref = pool.max_pool_forward_generic(x, k, s, p)
+    np.testing.assert_array_equal(y, y_ref)
+    np.testing.assert_array_equal(arg, arg_ref)
+    dy = rand(y.shape, np.float64, seed=5)
+    dx_ref = pool.max_pool_backward_generic(dy, arg_ref, x.shape, k, s, p)
+    xt = torch.tensor(x[..., :1].transpose(0, 3, 1, 2), requires_grad=True)  # NaN-free
+    torch.nn.functional.max_pool2d(xt, k, s, p).backward(
+        torch.tensor(dy[..., :1].transpose(0, 3, 1, 2)))
+    # the sums of overlapping windows' gradients may differ in their order: to rounding
+    np.testing.assert_allclose(dx_ref[..., 0], xt.grad.numpy()[:, 0], rtol=1e-14, atol=0)
+    np.testing.assert_allclose(pool.max_pool_backward(dy, arg, x.shape, k, s, p), dx_ref,
+                               rtol=1e-14, atol=0)
+
+
 def test_pool_rejects_padding_over_half_the_kernel():
     with pytest.raises(ValueError, match="padding"):
         pool.max_pool_forward(np.zeros((1, 4, 4, 1)), 2, 2, 2)

@@ -58,6 +58,8 @@ def run_both(fast, x, train=True, dy_seed=7, pairs=None, rtol=RTOL):
     dx_plain = dy.copy()
     for _, p in reversed(pairs):
         dx_plain = p.backward(dx_plain)
+    assert (dx is None) == (dx_plain is None), \
+        f"dx: fast {type(dx).__name__}, plain {type(dx_plain).__name__}"
     if dx is not None:
         close(dx, dx_plain, "dx", rtol)
     grads = parameter_pairs(pairs)
