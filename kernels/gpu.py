@@ -78,6 +78,11 @@ def source():
         return f"#define ROW_THREADS {ROW_THREADS}\n#define FOLD {FOLD}\n" + f.read()
 
 
+# --fmad=false: a * b + c rounded twice, as the CPU's kernels round it, so that the
+# elementwise passes keep the CPU's bits (NVRTC contracts such expressions into FMAs)
+OPTIONS = ("--std=c++17", "--fmad=false")
+
+
 def _kernel(name, dtype=None, acc=None, pack=1):
     """The compiled kernel `name` for activations of `dtype` (T and A; `pack`: V, for the
     templates that take it), or for the arithmetic dtype `acc` alone (A); the module
@@ -85,7 +90,7 @@ def _kernel(name, dtype=None, acc=None, pack=1):
     global _module
     import cupy
     if _module is None:
-        _module = cupy.RawModule(code=source(), options=("--std=c++17",),
+        _module = cupy.RawModule(code=source(), options=OPTIONS,
                                  name_expressions=name_expressions())
     if dtype is not None:
         T, A, _ = _TYPES[np.dtype(dtype)]

@@ -185,16 +185,19 @@ class EmulatedModule:
 
     def __init__(self, code, options=(), name_expressions=()):
         self.names = list(name_expressions)
-        key = hashlib.sha1((code + "|".join(self.names)).encode()).hexdigest()[:16]
+        key = hashlib.sha1((code + "|".join(self.names + list(options))).encode()).hexdigest()
         if key not in self._built:
-            self._built[key] = self._build(code, key)
+            self._built[key] = self._build(code, options)
         self.lib = self._built[key]
         # kernels that call __syncthreads run their threads as fibers that meet there
         bodies = re.split(r"__global__ void ", code)[1:]
         self.synced = {b.split("(")[0] for b in bodies
                        if "__syncthreads" in b.split("__global__")[0]}
 
-    def _build(self, code, key):
+    def _build(self, code, options):
+        """The host library. Multiply-adds are contracted into FMAs as NVRTC contracts them
+        unless the options say --fmad=false, so that the bits the tests compare are the
+        device's (where the host has FMA instructions)."""
         import tempfile
         folder = tempfile.mkdtemp(prefix="emulated_kernels_")
         wrappers = "".join(
@@ -204,8 +207,11 @@ class EmulatedModule:
         src = f"{folder}/k.cpp"
         with open(src, "w") as f:
             f.write(EMULATION + code + LAUNCHER + wrappers)
-        run = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", src,
-                              "-o", f"{folder}/k.so"], capture_output=True, text=True, timeout=600)
+        fma = ["-mfma"] if " fma " in open("/proc/cpuinfo").read().replace("\n", " ") else []
+        contract = "-ffp-contract=off" if "--fmad=false" in options else "-ffp-contract=fast"
+        run = subprocess.run(["g++", "-std=c++20", "-O2", *fma, contract, "-shared", "-fPIC",
+                              src, "-o", f"{folder}/k.so"], capture_output=True, text=True,
+                             timeout=600)
         assert run.returncode == 0, run.stderr[-4000:]
         return ctypes.CDLL(f"{folder}/k.so")
 
