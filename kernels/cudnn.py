@@ -345,16 +345,21 @@ def load_plans(path=None):
 
 def save_plan(key, name, path=None):
     """Add key -> plan name (or channel count) to the cache file, replacing the file
-    whole (a reader never sees half of it; a concurrent writer's entry may be lost, and
-    is tuned again)."""
+    whole (a reader never sees half of it). Every rank of every node may share the file:
+    a writer holds PATH.lock (flock) from its read to its rename, so that each adds its
+    entry to the others'."""
+    import fcntl
     path = PLAN_CACHE if path is None else path
     if not path:
         return
     from mpitrain.files import save_json
-    plans = load_plans(path)
-    plans[key] = name
     try:
-        save_json(path, plans)                      # its directory made where missing
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(f"{path}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            plans = load_plans(path)
+            plans[key] = name
+            save_json(path, plans)
     except OSError:                 # a read-only home: the choice stays in this process
         pass
 

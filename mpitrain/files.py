@@ -3,6 +3,7 @@ images, cuDNN's plan cache) goes through. Standard library only, so that any mod
 the kernels' too, may use it."""
 import json
 import os
+import secrets
 
 
 def write_atomic(out, write):
@@ -10,10 +11,13 @@ def write_atomic(out, write):
     fsync the directory (the rename itself survives a crash); on any failure remove the
     temporary file and leave `out` as it was (a full disk leaves the old file or none,
     never a truncated one). `out`'s directory is made where missing. An error of the
-    system on the temporary file, or on no file, is raised naming `out`."""
+    system on the temporary file, or on no file, is raised naming `out`. The temporary
+    name is the process's and random: writers on other hosts (the same pid) or threads
+    of one process never share it."""
     directory = os.path.dirname(os.path.abspath(out))
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(out)}.tmp-{os.getpid()}")
+    tmp = os.path.join(directory, f".{os.path.basename(out)}.tmp-{os.getpid()}-"
+                                  f"{secrets.token_hex(4)}")
     try:
         write(tmp)
         fsync(tmp)

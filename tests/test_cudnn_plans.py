@@ -45,7 +45,7 @@ def test_chosen_plans_are_kept_in_one_file_replaced_whole(tmp_path):
     cudnn.save_plan("b", "eng7", path)
     assert cudnn.load_plans(path) == {"a": "eng0_k2=1", "b": "eng7"}
     assert json.loads(open(path).read()) == {"a": "eng0_k2=1", "b": "eng7"}
-    assert os.listdir(tmp_path / "sub") == ["plans.json"]         # no temporary file left
+    assert sorted(os.listdir(tmp_path / "sub")) == ["plans.json", "plans.json.lock"]  # no .tmp
     with open(path, "w") as f:
         f.write('{"a": ')                                          # a torn file: tuned again
     assert cudnn.load_plans(path) == {}
@@ -53,6 +53,29 @@ def test_chosen_plans_are_kept_in_one_file_replaced_whole(tmp_path):
     assert cudnn.load_plans(path) == {"c": "eng1"}
     cudnn.save_plan("d", "eng1", "")                               # "": memory only
     assert cudnn.load_plans("") == {}
+
+
+def test_writers_at_once_each_add_their_plans_to_the_others(tmp_path):
+    """Every rank of a job may tune and save at the same time into the one file: two
+    processes and two threads of each, 60 plans apiece, leave all 240 (a writer once kept
+    only its own reading's entries, and writers of the same pid, as on two hosts or in
+    two threads, removed each other's temporary file)."""
+    import subprocess
+    import sys
+    path = str(tmp_path / "plans.json")
+    code = ("import sys, threading\n"
+            "from mpitrain.kernels import cudnn\n"
+            "def save(t):\n"
+            "    for i in range(60):\n"
+            "        cudnn.save_plan(f'{sys.argv[2]}-{t}-{i}', 'eng0', sys.argv[1])\n"
+            "threads = [threading.Thread(target=save, args=(t,)) for t in range(2)]\n"
+            "[t.start() for t in threads]; [t.join() for t in threads]\n")
+    writers = [subprocess.Popen([sys.executable, "-c", code, path, str(w)],
+                                stderr=subprocess.PIPE, text=True) for w in range(2)]
+    assert [w.wait(timeout=120) for w in writers] == [0, 0], [w.stderr.read() for w in writers]
+    assert sorted(cudnn.load_plans(path)) == sorted(f"{w}-{t}-{i}" for w in range(2)
+                                                    for t in range(2) for i in range(60))
+    assert sorted(os.listdir(tmp_path)) == ["plans.json", "plans.json.lock"]
 
 
 def test_a_matrix_is_described_as_it_lies_in_memory_transposed_views_too():
