@@ -78,6 +78,7 @@ PY=$VENV/bin/python
 STAMP=$VENV/.mpitrain-installed     # hash of what was installed (setup.py, pyproject.toml,
                                     # the version, kind)
 RECORD=$VENV/.mpitrain-mpi          # the venv's MPI: kind=, impl=, mpiexec=, library=
+NP_GIVEN=${NP:+1}
 NP=${NP:-2}
 # a count of ranks: anything else reached mpirun as a bash error, or as 1 rank
 [[ $NP =~ ^[0-9]{1,9}$ ]] && (( 10#$NP >= 1 )) || die "NP=$NP: the number of MPI ranks" \
@@ -327,6 +328,11 @@ check_emulated_hosts() {   # hosts, ranks
         "needs root); run as root, or unset HOSTS"
 }
 
+# a host file's line with a count of slots, as the venv's MPI reads it
+slots_format() {
+    if [[ $MPI_IMPL == openmpi ]]; then echo '"host slots=N"'; else echo '"host:N"'; fi
+}
+
 # mpiexec and its options for $1 ranks, on this host or on $2 emulated hosts (prints one
 # word per line). Ranks that outnumber this machine's cores yield the core while they
 # wait for a message, rather than spin on it: MPICH's with ENABLE_HEAVY_YIELD (they sleep
@@ -393,16 +399,19 @@ srun_mpi() {
 # Open MPI's mpirun forwards neither (it kills the job, and reports 1): its ranks on this
 # host, its children, get them straight; the first rank to see one stops every rank.
 # SIGUSR1 both forward.
+# The launcher gets SIGTERM from the kernel if this shell dies (kill -9): it passes it to
+# the ranks, wherever they run, which checkpoint and end; the ranks' own watch of this
+# shell (MPITRAIN_LAUNCHER_PID) sees only ranks on this host.
 run_forwarding() {   # command...
-    local pid rc ints=0
+    local pid rc ints=0 sent=""
     set -m
-    "$@" </dev/null &
+    "${ON_OUR_DEATH[@]}" "$@" </dev/null &
     pid=$!
     set +m
-    trap 'ints=$((ints + 1)); pass_on INT "$pid" "$ints"' INT
-    trap 'pass_on TERM "$pid" 1' TERM
-    trap 'pass_on TERM "$pid" 1' HUP
-    trap 'kill -USR1 "$pid" 2>/dev/null || true' USR1
+    trap 'ints=$((ints + 1)); sent=INT; pass_on INT "$pid" "$ints"' INT
+    trap 'sent=TERM; pass_on TERM "$pid" 1' TERM
+    trap 'sent=HUP; pass_on TERM "$pid" 1' HUP
+    trap 'sent=USR1; kill -USR1 "$pid" 2>/dev/null || true' USR1
     while :; do
         rc=0
         wait "$pid" || rc=$?
@@ -410,13 +419,24 @@ run_forwarding() {   # command...
     done
     trap - INT TERM HUP USR1
     if (( ints >= 2 )) && (( rc == 0 || rc == 255 )); then rc=130; fi
+    # Open MPI's mpirun, --quiet, says nothing of a rank that a signal killed (kill -9, the
+    # kernel's out-of-memory killer, a crash)
+    if [[ $MPI_IMPL == openmpi && -z $sent ]] && (( rc > 128 && rc < 160 )); then
+        echo "launch.sh: a rank was killed by SIG$(kill -l $((rc - 128))) (mpirun's status" \
+            "$rc): the job ended there; with SIGKILL, look for the out-of-memory killer" \
+            "in the system's log (dmesg)" >&2
+    fi
     return "$rc"
 }
+ON_OUR_DEATH=()
+if setpriv --help 2>/dev/null | grep -q -- --pdeathsig; then
+    ON_OUR_DEATH=(setpriv --pdeathsig TERM)
+fi
 
 pass_on() {   # signal, launcher pid, how many of it so far
     local ranks
     if [[ $MPI_IMPL == openmpi ]] && (( $3 <= 2 )); then
-        ranks=$(ps -o pid= --ppid "$2" 2>/dev/null || true)
+        ranks=$(ranks_below "$2")
         if [[ -n "$ranks" ]]; then
             # shellcheck disable=SC2086
             kill -"$1" $ranks 2>/dev/null || true
@@ -426,12 +446,34 @@ pass_on() {   # signal, launcher pid, how many of it so far
     kill -"$1" "$2" 2>/dev/null || true           # a third Ctrl-C: mpirun kills the job
 }
 
+# The pids of mpitrain's processes among the descendants of $1: mpirun's ranks, its
+# children on this host, or on emulated hosts its daemon's, under the agent's shell (which
+# would absorb a SIGINT)
+ranks_below() {   # pid
+    ps -e -o pid=,ppid=,args= 2>/dev/null | awk -v root="$1" '
+        { pid[NR] = $1; ppid[NR] = $2; $1 = $2 = ""; args[NR] = $0 }
+        END {
+            below[root] = 1
+            do {
+                more = 0
+                for (i = 1; i <= NR; i++)
+                    if ((ppid[i] in below) && !(pid[i] in below)) { below[pid[i]] = 1; more = 1 }
+            } while (more)
+            for (i = 1; i <= NR; i++)
+                if (pid[i] != root && (pid[i] in below) && args[i] ~ / -m mpitrain /) print pid[i]
+        }' || true
+}
+
 # `python -m mpitrain ARGS...` as an MPI job: srun inside a Slurm allocation, else the
 # venv's mpiexec with NP ranks
 run_mpi() {
     if [[ -n "${SLURM_JOB_ID:-}" ]]; then
         [[ -z "${HOSTS:-}" ]] || die "HOSTS=$HOSTS emulates hosts on one machine; inside a" \
             "Slurm allocation srun starts the ranks on its nodes: unset HOSTS"
+        [[ -z "${HOSTFILE:-}" ]] || die "HOSTFILE=$HOSTFILE names hosts for mpirun; inside a" \
+            "Slurm allocation srun starts the ranks on its nodes: unset HOSTFILE"
+        [[ -z $NP_GIVEN ]] || [[ $NP == "${SLURM_NTASKS:-$NP}" ]] || echo "launch.sh: NP=$NP" \
+            "is not used inside a Slurm allocation: srun starts its ${SLURM_NTASKS} tasks" >&2
         # exec: srun takes this shell's place, so a signal to the batch shell
         # (--signal=B:USR1@N) reaches srun, which forwards it to every task. Threads:
         # the program shares each host's cores among its ranks itself.
@@ -443,14 +485,17 @@ run_mpi() {
     local words
     [[ -z "${HOSTS:-}" ]] || check_emulated_hosts "$HOSTS" "$NP"
     [[ -z "${HOSTFILE:-}" || -f "$HOSTFILE" ]] || die "HOSTFILE=$HOSTFILE: no such file" \
-        "(mpirun --hostfile reads one host a line, \"host\" or \"host:slots\"); unset" \
+        "(mpirun --hostfile reads one host a line, \"host\" or $(slots_format)); unset" \
         "HOSTFILE to run on this machine"
     mapfile -t words < <(mpiexec_words "$NP" "${HOSTS:-}")
     # the ranks end the job when this shell is gone (kill -9 of it reaches no rank: the
     # launcher runs in a process group of its own)
     export MPITRAIN_LAUNCHER_PID=$$ MPITRAIN_LAUNCHER_HOST=$HOSTNAME
     # shellcheck disable=SC2046
-    run_forwarding env $(thread_env "$NP") "${words[@]}" "$PY" -m mpitrain "$@"
+    # across real hosts the ranks share each host's cores among themselves (the program
+    # counts them), as under srun; this host's count would be wrong there
+    run_forwarding env $([[ -n "${HOSTFILE:-}" ]] || thread_env "$NP") "${words[@]}" \
+        "$PY" -m mpitrain "$@"
 }
 
 # python -m mpitrain's commands. Those that are MPI jobs (a command and its first word)

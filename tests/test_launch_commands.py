@@ -20,8 +20,9 @@ from test_gemm_kernels import cpu_maker
 from test_openmpi import ROOT, calls, fake_venv, stand_in
 
 
-def launch(tmp_path, impl, *args, **extra):
-    """`launch.sh ARGS` with a venv whose recorded mpiexec is a stand-in; (result, log)."""
+def launch(tmp_path, impl, *args, then="", **extra):
+    """`launch.sh ARGS` with a venv whose recorded mpiexec is a stand-in (running the shell
+    code `then` after it records its call); (result, log)."""
     venv = fake_venv(tmp_path, impl)
     python = venv / "bin" / "python"               # this Python with its site-packages
     python.unlink()
@@ -29,7 +30,7 @@ def launch(tmp_path, impl, *args, **extra):
     python.chmod(0o755)
     log = tmp_path / "calls"
     log.mkdir(exist_ok=True)
-    stand_in(venv / "bin", "mpiexec", log / "mpiexec")
+    stand_in(venv / "bin", "mpiexec", log / "mpiexec", then)
     (venv / ".mpitrain-mpi").write_text(f"kind=system\nimpl={impl}\n"
                                         f"mpiexec={venv}/bin/mpiexec\nlibrary=test\n")
     env = {k: v for k, v in outside_environment().items()
@@ -51,20 +52,40 @@ def test_mpi_commands_run_under_the_recorded_mpi(tmp_path, impl, options, args):
         calls(log, "mpiexec"), calls(log, "mpiexec")
 
 
-@pytest.mark.parametrize("impl, options", [("mpich", ""), ("openmpi", "--quiet --bind-to none ")])
-def test_a_hostfile_is_passed_to_mpirun_and_a_missing_one_refused(tmp_path, impl, options):
+@pytest.mark.parametrize("impl, options, slots", [("mpich", "", "host:N"),
+                                                   ("openmpi", "--quiet --bind-to none ",
+                                                    "host slots=N")])
+def test_a_hostfile_is_passed_to_mpirun_and_a_missing_one_refused(tmp_path, impl, options,
+                                                                  slots):
+    """The ranks on the file's hosts get no thread counts of this host's cores: they share
+    their own host's (the program counts them), where this host's share was given to
+    all; a missing file's refusal shows the venv's MPI's format of a line with slots."""
     hosts = tmp_path / "hosts"
     hosts.write_text("nodeA:2\n")
     r, log, venv = launch(tmp_path, impl, "train", HOSTFILE=str(hosts))
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"args={options}--hostfile {hosts} -np 2 {venv}/bin/python -m mpitrain train\n" \
-        in calls(log, "mpiexec"), calls(log, "mpiexec")
+        "threads=unset\n" in calls(log, "mpiexec"), calls(log, "mpiexec")
+    r, log, venv = launch(tmp_path / "here", impl, "train")
+    assert "threads=unset" not in calls(log, "mpiexec"), calls(log, "mpiexec")
     missing = tmp_path / "nothere"
     r, log, _ = launch(tmp_path / "again", impl, "train", HOSTFILE=str(missing))
     assert r.returncode == 2 and r.stderr == (
         f"launch.sh: HOSTFILE={missing}: no such file (mpirun --hostfile reads one host a "
-        f"line, \"host\" or \"host:slots\"); unset HOSTFILE to run on this machine\n"), r.stderr
+        f"line, \"host\" or \"{slots}\"); unset HOSTFILE to run on this machine\n"), r.stderr
     assert calls(log, "mpiexec") == ""
+
+
+@pytest.mark.parametrize("impl", ["mpich", "openmpi"])
+def test_a_rank_killed_by_a_signal_is_named_under_open_mpis_quiet_mpirun(tmp_path, impl):
+    """mpirun --quiet said nothing of a rank that a signal killed (MPICH's mpiexec says
+    it itself); a signal launch.sh passed on is not such a death."""
+    r, _, _ = launch(tmp_path, impl, "train", then="exit 137")
+    assert r.returncode == 137, r.stdout + r.stderr
+    notice = ("launch.sh: a rank was killed by SIGKILL (mpirun's status 137): the job ended "
+              "there; with SIGKILL, look for the out-of-memory killer in the system's log "
+              "(dmesg)\n")
+    assert r.stderr == (notice if impl == "openmpi" else ""), r.stderr
 
 
 @pytest.mark.parametrize("impl, crowded", [("mpich", "-genv MPIR_CVAR_ENABLE_HEAVY_YIELD 1 "),

@@ -182,3 +182,48 @@ def test_launch_sh_trains_on_emulated_hosts(digits, tmp_path):
         r = subprocess.run(args, env={**env, **extra}, capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 2 and error in r.stderr and not r.stdout, r.stdout + r.stderr
+
+
+def launched_on_2_hosts(digits, tmp_path, name):
+    """HOSTS=2 NP=2 ./launch.sh train in the background (a rank on nodeA and on nodeB,
+    SIGINT at its default, as from a shell), once its ranks are past their first steps."""
+    require_set_up_venv()
+    launcher.require_emulated_hosts()
+    env = {k: v for k, v in launcher.environment().items()    # as a user's shell has it
+           if not k.startswith("MPITRAIN_") and not k.endswith("_NUM_THREADS")}
+    env.update(MPITRAIN_VENV=sys.prefix, HOSTS="2", NP="2")
+    run_dir = tmp_path / name
+    job = BackgroundJob([str(ROOT / "launch.sh"), *JOB, "--data-dir", str(digits),
+                         "--run-dir", str(run_dir)], run_dir, tmp_path / f"{name}.log", 2, env)
+    try:
+        board = job.running()
+    except BaseException:
+        job.cleanup()
+        raise
+    return job, [b["pid"] for b in board.values()]
+
+
+def test_ctrl_c_and_kill_9_of_launch_sh_end_a_job_on_emulated_hosts(digits, tmp_path):
+    """No rank runs on launch.sh's host, so the ranks' watch of it cannot see it die, and
+    Open MPI's ranks there are its daemon's children, not mpirun's: Ctrl-C still
+    checkpoints and returns 130 (Open MPI trained on), and kill -9 of launch.sh still ends
+    the job (both MPIs trained on as orphans)."""
+    from test_openmpi import wait_until_gone
+    job, _ = launched_on_2_hosts(digits, tmp_path, "int")
+    try:
+        job.proc.send_signal(signal.SIGINT)
+        status, took, out = job.finish(timeout=60)
+    finally:
+        job.cleanup()
+    assert status == 130 and took < 30, out
+    found = re.findall(r"SIGINT: stopped at epoch \d+, step \d+; checkpoint ([^;\s]+);", out)
+    assert len(found) == 1 and os.path.exists(found[0]), out
+
+    job, ranks = launched_on_2_hosts(digits, tmp_path, "kill")
+    try:
+        job.proc.send_signal(signal.SIGKILL)
+        job.proc.wait()
+        took = wait_until_gone(ranks, timeout=40)
+    finally:
+        job.cleanup()
+    assert took < 30 and "final validation accuracy" not in job.output(), job.output()

@@ -121,6 +121,28 @@ def test_srun_flags_choose_the_type(tmp_path):
     assert "args=--kill-on-bad-exit=1 --mpi=pmix --exclusive " in calls(log, "srun")
 
 
+def test_inside_an_allocation_a_hostfile_is_refused_and_another_np_said_unused(tmp_path):
+    """srun starts the allocation's tasks on its nodes: a HOSTFILE is refused (status 2)
+    as HOSTS is, and an NP other than its count of tasks is said to be unused, where both
+    were passed over in silence."""
+    venv = fake_venv(tmp_path, "mpich")
+    env, log = in_a_job(tmp_path, venv, HOSTFILE=str(tmp_path / "hosts"), SLURM_NTASKS="2")
+    r = subprocess.run([str(ROOT / "launch.sh"), "train"], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr == (
+        f"launch.sh: HOSTFILE={tmp_path / 'hosts'} names hosts for mpirun; inside a Slurm "
+        f"allocation srun starts the ranks on its nodes: unset HOSTFILE\n"), r.stderr
+    assert calls(log, "srun") == ""
+    for np_, said in (("3", "launch.sh: NP=3 is not used inside a Slurm allocation: srun "
+                            "starts its 2 tasks\n"), ("2", "")):
+        (tmp_path / np_).mkdir()
+        env, log = in_a_job(tmp_path / np_, venv, NP=np_, SLURM_NTASKS="2")
+        r = subprocess.run([str(ROOT / "launch.sh"), "train"], env=env, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stderr == said, r.stderr
+        assert "args=--kill-on-bad-exit=1 " in calls(log, "srun")
+
+
 def test_a_batch_job_never_installs(tmp_path):
     missing = tmp_path / "nothing"
     env, log = in_a_job(tmp_path, missing)
@@ -264,16 +286,18 @@ def wait_until_gone(pids, timeout):
 @pytest.mark.launches
 def test_kill_9_of_launch_sh_ends_the_job(launched):
     """SIGKILL reaches launch.sh alone (its launcher has a process group of its own): the
-    ranks see it gone and end the job within seconds, instead of training on as orphans."""
+    kernel sends the launcher SIGTERM, which it passes on, and the ranks watch launch.sh
+    too; the job ends within seconds, instead of training on as orphans."""
     job = launched()
     board = job.running()
     job.proc.send_signal(signal.SIGKILL)
     job.proc.wait()
     took = wait_until_gone([b["pid"] for b in board.values()], timeout=30)
-    assert took < 15, job.output()
-    assert (f"the launching process (pid {job.proc.pid}, MPITRAIN_LAUNCHER_PID) is gone"
-            in job.output())
-    assert "final validation accuracy" not in job.output()
+    out = job.output()
+    assert took < 15, out
+    assert (re.search(r"SIGTERM: stopped at epoch \d+, step \d+; checkpoint ", out) or
+            f"the launching process (pid {job.proc.pid}, MPITRAIN_LAUNCHER_PID) is gone" in out)
+    assert "final validation accuracy" not in out
 
 
 def test_the_launcher_watch_sees_its_process_end_even_unreaped():
