@@ -23,7 +23,7 @@ from .activation import Dropout, ReLU
 from .batchnorm import BatchNorm2d
 from .conv import Conv2d
 from .linear import Flatten, Linear
-from .module import Module, Sequential, check_input
+from .module import Module, Sequential, check_backward, check_input
 from .pool import AdaptiveAvgPool2d, MaxPool2d
 
 # (out_channels, kernel, stride, padding, max-pool after) of the five convolutions
@@ -65,11 +65,13 @@ class AlexNet(Module):
 
     def forward(self, x, train=True):
         check_input(x, 3, self.dtype)
+        self.backward_ready = train
         for stage in self.stages:
             x = self.run_layer(stage, "forward", x, train)
         return x
 
     def backward(self, dy):
+        check_backward(self)
         # reverse registration order: the arena's order, so buckets complete in sequence
         for stage in reversed(self.stages):
             dy = self.run_layer(stage, "backward", dy)

@@ -29,6 +29,7 @@ class Module:
     # to draw its top-level layers in the trace; bench layers' profile and inspect on every
     # module, to time or measure each layer.
     run_layer = staticmethod(run_layer)
+    backward_ready = False          # a network's: check_backward
 
     def __setattr__(self, name, value):
         if isinstance(value, (Module, Param, Buffer)):
@@ -134,6 +135,18 @@ def uniform(bound):
 
 def constant(value):
     return lambda rng, shape: np.full(shape, value)
+
+
+def check_backward(net):
+    """Refuse a network's backward with no forward(x, train=True) of its own just before
+    it: an eval forward caches nothing, and a backward consumes its forward's cache (the
+    layers would fail deep inside a kernel). The network's forward sets
+    `net.backward_ready = train`."""
+    if not net.backward_ready:
+        raise RuntimeError(f"{type(net).__name__}.backward needs a forward(x, train=True) "
+                           f"just before it (the last forward was in eval mode, or its "
+                           f"backward has run): call forward(x, train=True) first")
+    net.backward_ready = False
 
 
 def check_input(x, channels, dtype):

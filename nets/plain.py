@@ -28,7 +28,7 @@ from .alexnet import AlexNet as FastAlexNet
 from .batchnorm import BatchNorm2d as FastBatchNorm2d
 from .conv import Conv2d as FastConv2d
 from .linear import Flatten as FastFlatten, Linear as FastLinear
-from .module import Sequential as FastSequential, run_layer
+from .module import Sequential as FastSequential, check_backward, run_layer
 from .pool import (AdaptiveAvgPool2d as FastAdaptiveAvgPool2d, AvgPool2d as FastAvgPool2d,
                    GlobalAvgPool2d as FastGlobalAvgPool2d, MaxPool2d as FastMaxPool2d)
 from .resnet import BasicBlock, Bottleneck, ResNet
@@ -456,13 +456,16 @@ class PlainNetwork:
                             f"gradients of its parameters in arena order")
 
     run_layer = staticmethod(run_layer)     # the fast networks' hook (nets/module.py)
+    backward_ready = False
 
     def forward(self, x, train=True):
+        self.backward_ready = train
         for _, layer in self.pairs:
             x = self.run_layer(layer, "forward", x, train)
         return x
 
     def backward(self, dy):
+        check_backward(self)
         for (_, layer), grads in zip(reversed(self.pairs), reversed(self.grads)):
             dy = self.run_layer(layer, "backward", dy)
             for param, plain, name in grads:

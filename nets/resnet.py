@@ -23,7 +23,7 @@ from mpitrain.kernels import elementwise
 from .batchnorm import BatchNorm2d
 from .conv import Conv2d
 from .linear import Linear
-from .module import Module, Sequential, check_input
+from .module import Module, Sequential, check_backward, check_input
 from .pool import GlobalAvgPool2d, MaxPool2d
 
 
@@ -138,11 +138,13 @@ class ResNet(Module):
 
     def forward(self, x, train=True):
         check_input(x, 3, self.dtype)
+        self.backward_ready = train
         for layer in self.sequence:
             x = self.run_layer(layer, "forward", x, train)
         return x
 
     def backward(self, dy):
+        check_backward(self)
         for layer in reversed(self.sequence):
             dy = self.run_layer(layer, "backward", dy)
         return dy

@@ -191,6 +191,27 @@ def test_bad_input_names_what_is_expected():
         build_model("resnet_small", num_classes=1)
 
 
+@pytest.mark.parametrize("name, size", [("resnet_small", 32), ("alexnet_bn", 64), ("plain", 32)])
+def test_a_backward_without_its_training_forward_is_refused_by_name(name, size):
+    """After an eval forward, or a second time after one training forward, backward has no
+    cache: it failed inside a Numba kernel's typing (the fast layers) or took the eval
+    forward's values (the plain layers)."""
+    from mpitrain.nets.plain import PlainNetwork
+    model = build_model("resnet_small" if name == "plain" else name, num_classes=10)
+    net = PlainNetwork(model) if name == "plain" else model
+    x = np.zeros((2, size, size, 3), np.float32)
+    for forward in (lambda: net.forward(x, train=False),
+                    lambda: net.backward(np.ones_like(net.forward(x, train=True)))):
+        forward()
+        with pytest.raises(RuntimeError, match=r"needs a forward\(x, train=True\) just "
+                                               r"before it .* call forward\(x, train=True\)"):
+            net.backward(np.ones((2, 10), np.float32))
+    model.arena.grad[...] = np.nan
+    net.forward(x, train=True)
+    net.backward(np.ones((2, 10), np.float32))       # each parameter's gradient written
+    assert all(np.isfinite(p.grad).all() for _, p in model.named_params())
+
+
 # ----- PyTorch twins -----
 # (batch, image size). ResNets at 32x32 reach 1x1 in layer4, so batch 4 gives BN
 # four values per channel there; AlexNet at 64x64 ends its features at 1x1 and the
