@@ -24,6 +24,11 @@ File layout (no pickle anywhere; format_version 1):
                        images, summed since the last log line),
                        complete = True (written last)
 
+Every numeric array is stored in chunks with HDF5's Fletcher-32 checksum, which HDF5
+checks on every read: a file changed after its write (a flipped bit on a disk or in a
+copy) is refused as corrupt, never loaded as other weights. Files without the
+checksums read as before.
+
 Writing: the file is built in memory, and its bytes are written to a temporary file
 `.NAME.tmp` in the same directory, flushed and fsync'ed, then renamed over NAME with
 os.replace (atomic on POSIX), and the directory is fsync'ed. A crash at any point leaves the previous checkpoints as they
@@ -165,14 +170,14 @@ def file_image(state):
     """The bytes of the checkpoint file of `state`, in the layout above."""
     import h5py
     with h5py.File("checkpoint", "w", driver="core", backing_store=False) as f:
-        f["master"] = state["master"]
-        f["momentum"] = state["momentum"]
-        f["buffers"] = state["buffers"]
+        put(f, "master", state["master"])
+        put(f, "momentum", state["momentum"])
+        put(f, "buffers", state["buffers"])
         if state.get("residual") is not None:
-            f["residual"] = state["residual"]
+            put(f, "residual", state["residual"])
         text = h5py.string_dtype()
         f["params/name"] = np.array(state["names"], dtype=object).astype(text)
-        f["params/offset"] = np.asarray(state["offsets"], np.int64)
+        put(f, "params/offset", np.asarray(state["offsets"], np.int64))
         f["params/shape"] = json.dumps(state["shapes"])
         f["buffer_names"] = np.array(state["buffer_names"], dtype=object).astype(text) \
             if state["buffer_names"] else np.zeros(0, text)
@@ -180,7 +185,7 @@ def file_image(state):
         group = f.create_group("optimizer")
         for key, value in state["optimizer"].items():
             if isinstance(value, np.ndarray):
-                group[key] = value
+                put(group, key, value)
             else:
                 group.attrs[key] = value
         for key in ("epoch", "step", "global_step", "world_size"):
@@ -193,6 +198,16 @@ def file_image(state):
         f.attrs["complete"] = True
         f.flush()
         return f.id.get_file_image()
+
+
+def put(group, name, array):
+    """group[name] = array, in chunks with a Fletcher-32 checksum where it has elements
+    (HDF5 cannot chunk an empty array)."""
+    array = np.asarray(array)
+    if array.size:
+        group.create_dataset(name, data=array, chunks=True, fletcher32=True)
+    else:
+        group[name] = array
 
 
 def read(path):
@@ -259,6 +274,11 @@ def unreadable(path, e):
         why = "not an HDF5 file (an exported model?)"
     elif "truncated file" in str(e):        # HDF5's words for a file cut short
         why = f"{INCOMPLETE}: {e}"
+    elif "filter returned failure" in str(e) or "checksum" in str(e):
+        # the Fletcher-32 check of a read, the one filter of a checkpoint's arrays
+        why = (f"corrupt: its data no longer match their checksums (the file changed "
+               f"after it was written; move it aside, and its run directory gives the "
+               f"checkpoint before it): {e}")
     else:
         why = str(e)
     return CheckpointError(f"cannot read checkpoint {path}: {why}; {ANOTHER}")

@@ -121,6 +121,33 @@ def test_write_read_restore_round_trip(tmp_path):
         stored["master"], np.concatenate([p.master.ravel() for p in model.arena.params]))
 
 
+def test_a_checkpoint_changed_after_its_write_is_refused_as_corrupt(tmp_path):
+    """One byte of the weights flipped (a disk's or a copy's error) loaded silently as other
+    weights; each array's checksum now refuses it, naming the file."""
+    import h5py
+    path = checkpoint.write(str(tmp_path / "checkpoint-000000009.h5"), state_of(tiny_model()))
+    with h5py.File(path, "r") as f:
+        arrays = []
+        f.visititems(lambda name, item: arrays.append(item) if isinstance(item, h5py.Dataset)
+                     and item.dtype.kind in "fiu" and item.size else None)
+        assert {a.name for a in arrays} >= {"/master", "/momentum", "/params/offset"}
+        assert all(a.fletcher32 for a in arrays), [a.name for a in arrays if not a.fletcher32]
+        dataset = f["master"]
+        where = (dataset.id.get_chunk_info(0).byte_offset if dataset.chunks else
+                 dataset.id.get_offset()) + 5
+    with open(path, "r+b") as f:
+        f.seek(where)
+        byte = f.read(1)
+        f.seek(where)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(checkpoint.CheckpointError, match=rf"cannot read checkpoint {path}: "
+                                                         r"corrupt: its data no longer match "
+                                                         r"their checksums"):
+        checkpoint.read(path)
+    with pytest.raises(checkpoint.CheckpointError, match="corrupt"):
+        checkpoint.restore(path, tiny_model(), solo())
+
+
 def test_mismatched_classes_are_named(tmp_path):
     path = checkpoint.write(str(tmp_path / "checkpoint-000000009.h5"), state_of(tiny_model(3)))
     with pytest.raises(checkpoint.CheckpointError, match=r"parameter 2\.bias has shape \(3,\) in "
