@@ -129,11 +129,11 @@ class Loader:
     total time the consumer has waited for data (with workers=0: spent loading
     it), `last_wait` that of the last batch. Call `close()` (or use `with`) to
     stop the workers. normalise: the model's normalisation {mean, std, pixel_max}, used
-    in place of the file's own (in_units_of). `pinned=True` allocates the ring in page-locked host memory (CuPy), so
-    the trainer can copy it to the GPU asynchronously; such a copy reads the slot when the
-    GPU reaches it, so a worker refills a handed-back slot only after the event the
-    consumer recorded at its hand-back. decode="gpu": the ring is on the current GPU and
-    the workers decode there (see the module docstring).
+    in place of the file's own (in_units_of). `pinned=True` allocates the ring in
+    page-locked host memory (CuPy), so the trainer can copy it to the GPU asynchronously;
+    such a copy reads the slot when the GPU reaches it, so a worker refills a handed-back
+    slot only after the event the consumer recorded at its hand-back. decode="gpu": the
+    ring is on the current GPU and the workers decode there (see the module docstring).
     """
 
     def __init__(self, path, global_batch, rank=0, size=1, train=True, image_size=224,

@@ -186,7 +186,8 @@ def astype(a, dtype):
     if a.dtype == dtype:
         return a
     pair = (a.dtype, dtype)
-    if array_module(a) is not np or pair not in ((np.float32, np.float16), (np.float16, np.float32)):
+    if array_module(a) is not np or pair not in ((np.float32, np.float16),
+                                                 (np.float16, np.float32)):
         return a.astype(dtype)
     if not a.flags.c_contiguous and a.flags.f_contiguous:
         return astype(a.T, dtype).T

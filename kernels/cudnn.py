@@ -535,7 +535,8 @@ def conv_forward(x, w, stride, pad):
     import cupy
     N, H, W, _ = x.shape
     O, kh, kw, _ = w.shape
-    y = cupy.empty((N, (H + 2 * pad - kh) // stride + 1, (W + 2 * pad - kw) // stride + 1, O), x.dtype)
+    y = cupy.empty((N, (H + 2 * pad - kh) // stride + 1, (W + 2 * pad - kw) // stride + 1, O),
+                   x.dtype)
     return _run("fprop", cupy.ascontiguousarray(x), cupy.ascontiguousarray(w), y, stride, pad)
 
 

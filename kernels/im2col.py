@@ -23,7 +23,8 @@ def conv_output_size(size, k, stride, pad):
     """Output length of a k-wide window sliding with `stride` over `size` + 2*pad elements."""
     out = (size + 2 * pad - k) // stride + 1
     if out < 1:
-        raise ValueError(f"a {k}-wide window with padding {pad} does not fit an input of size {size}")
+        raise ValueError(f"a {k}-wide window with padding {pad} does not fit an input of "
+                         f"size {size}")
     return out
 
 

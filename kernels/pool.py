@@ -93,7 +93,8 @@ def avg_pool_backward(dy, x_shape, k, stride, pad=0):
 
 # ----- generic versions (CuPy, and the reference for the Cython kernels) -----
 def _taps(x, k, stride, Ho, Wo):
-    """The k*k strided views x[:, i + s*oh, j + s*ow, :] of an already padded x, tap order (i, j)."""
+    """The k*k strided views x[:, i + s*oh, j + s*ow, :] of an already padded x, tap order
+    (i, j)."""
     return [x[:, _window(i, Ho, stride), _window(j, Wo, stride), :]
             for i in range(k) for j in range(k)]
 

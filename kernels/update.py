@@ -39,7 +39,8 @@
 3. The fused SGD / LARS update, one pass over the arena. For every element i
    of segment s (decay_s, lars_s from the segment table):
 
-       g      = grad_i * inv_scale                  unscale and average (inv_scale = 1 / (loss scale * ranks))
+       g      = grad_i * inv_scale                  unscale and average
+                                                    (inv_scale = 1 / (loss scale * ranks))
        g     += wd_s * w_i                          wd_s = weight_decay where decay_s, else 0
        v_i    = m * v_i + lr * local_lr_s * g
        w_i   -= v_i                                 (Nesterov: w_i -= m * v_i + lr * local_lr_s * g)

@@ -31,8 +31,9 @@ checksums read as before.
 
 Writing: the file is built in memory, and its bytes are written to a temporary file
 `.NAME.tmp` in the same directory, flushed and fsync'ed, then renamed over NAME with
-os.replace (atomic on POSIX), and the directory is fsync'ed. A crash at any point leaves the previous checkpoints as they
-were; a stray `.tmp` is ignored by `latest()` and removed by the next `prune()`.
+os.replace (atomic on POSIX), and the directory is fsync'ed. A crash at any point leaves
+the previous checkpoints as they were; a stray `.tmp` is ignored by `latest()` and removed
+by the next `prune()`.
 """
 import glob
 import json

@@ -337,7 +337,8 @@ def augment_options(cfg):
     fraction = cfg.crop_fraction
     if not (len(scale) == 2 and 0 < scale[0] <= scale[1] <= 1):
         raise ConfigError(f"--crop-scale MIN MAX takes the crop's share of the image's area, "
-                          f"0 < MIN <= MAX <= 1 (for example 0.08 1), got {' '.join(map(str, scale))}")
+                          f"0 < MIN <= MAX <= 1 (for example 0.08 1), got "
+                          f"{' '.join(map(str, scale))}")
     if not (len(ratio) == 2 and 0 < ratio[0] <= ratio[1]):
         raise ConfigError(f"--crop-ratio MIN MAX takes the crop's width / height, 0 < MIN <= MAX "
                           f"(for example 0.75 1.333), got {' '.join(map(str, ratio))}")
@@ -435,7 +436,8 @@ def describe_data(train_file, val_file, image_size, batch, workers, prefetch, dt
     have = available_memory()
     if have is not None and need > have:
         raise ConfigError(f"{train_file}: {size}x{size} images in batches of {batch} need "
-                          f"{need / 2**30:.1f} GiB of buffers, more than the {have / 2**30:.1f} GiB "
+                          f"{need / 2**30:.1f} GiB of buffers, more than the "
+                          f"{have / 2**30:.1f} GiB "
                           f"of memory available: give a smaller --image-size or --batch-size "
                           f"(or check the file: it declares images of {stored or 'encoded'})")
     return num_train, names, size, normalise
@@ -628,8 +630,8 @@ def check_resume(cfg, path, saved, data=None):
     for key, flag in RESUME_KEEPS.items():
         if saved.get(key, getattr(cfg, key)) != getattr(cfg, key):
             raise ConfigError(f"{path} was trained with {flag} {saved[key]}, this run asks for "
-                              f"{getattr(cfg, key)}: a resumed run keeps it; pass {flag} {saved[key]}, "
-                              f"or start a new run in another --run-dir")
+                              f"{getattr(cfg, key)}: a resumed run keeps it; pass {flag} "
+                              f"{saved[key]}, or start a new run in another --run-dir")
     was = {key: BY_NAME[key].convert(saved[key]) for key in RESUME_RECIPE if key in saved}
     differ = [key for key, value in was.items() if value != getattr(cfg, key)]
     if differ:

@@ -234,7 +234,8 @@ def add_convert(commands):
                         help="store JPEGs downscaled so that the short side is N pixels")
     folder.add_argument("--seed", type=nonnegative_int, default=0, help="order on disk, split")
     folder.set_defaults(command_parser=folder)
-    digits = sources.add_parser("digits", help="the bundled digits -> DST_DIR/digits_{train,val}.h5")
+    digits = sources.add_parser(
+        "digits", help="the bundled digits -> DST_DIR/digits_{train,val}.h5")
     add_dst_dir(digits)
     digits.set_defaults(command_parser=digits)
     fashion = sources.add_parser(

@@ -266,8 +266,8 @@ def _cudnn_versions():
     try:
         from mpitrain.kernels import cudnn as probe
         r = probe.report()
-        return {"cudnn_reason": r["reason"], "cudnn": r["cudnn"], "cudnn_frontend": r["cudnn_frontend"],
-                "cudnn_fp16_reason": r["float16_reason"]}
+        return {"cudnn_reason": r["reason"], "cudnn": r["cudnn"],
+                "cudnn_frontend": r["cudnn_frontend"], "cudnn_fp16_reason": r["float16_reason"]}
     except Exception as e:              # the probe itself failed: say so
         return {"cudnn_reason": f"the cuDNN probe failed ({type(e).__name__}: {e})"}
 

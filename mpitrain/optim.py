@@ -10,7 +10,8 @@ writes the updated master weights into the working copy (fp16 under mixed
 precision), so the layers see the new weights without a separate cast.
 
     SGD    v = m v + lr (g + wd w);  w -= v          (Nesterov: w -= m v + lr (g + wd w))
-    LARS   the same with lr * local_lr per parameter, local_lr = eta ||w|| / (||g|| + wd ||w|| + eps)
+    LARS   the same with lr * local_lr per parameter,
+           local_lr = eta ||w|| / (||g|| + wd ||w|| + eps)
     LAMB   Adam's moments with a per-parameter trust ratio ||w|| / ||r||
     Neumann  m = mu m - lr d;  w += mu m - lr d;  d = g + c (w - v), v the weights' moving average
     NLCG   d = beta d - P g;  w += lr d;  P Adam's diagonal preconditioner, beta Fletcher-Reeves

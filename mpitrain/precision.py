@@ -103,7 +103,8 @@ class LossScaler:
 
     def load_state_dict(self, state):
         if bool(state["dynamic"]) != self.dynamic:
-            raise ValueError(f"the saved loss scaler is {'dynamic' if state['dynamic'] else 'static'}, "
+            raise ValueError(f"the saved loss scaler is "
+                             f"{'dynamic' if state['dynamic'] else 'static'}, "
                              f"this one is {'dynamic' if self.dynamic else 'static'}")
         self.scale = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])

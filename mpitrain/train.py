@@ -191,7 +191,8 @@ def train_step(model, optimizer, reducer, x, y, lr, label_smoothing=0.0, scaler=
     saved_stats = model.buffer_arena.data.copy() if scaler.check else None
     # under loss scaling an overflow is expected now and then: it is found and the step
     # skipped below, so NumPy's warnings about it would only be noise
-    quiet = np.errstate(over="ignore", invalid="ignore") if scaler.check else contextlib.nullcontext()
+    quiet = (np.errstate(over="ignore", invalid="ignore") if scaler.check
+             else contextlib.nullcontext())
     with quiet:
         with timeline.span("forward", "forward"):
             if graph is None:
@@ -575,7 +576,8 @@ class Run:
         self.signals = StopSignals(comm, grace=cfg.stop_grace, launcher=launcher)
         self.heartbeats = Heartbeats(os.path.join(self.run_dir, "heartbeat"), comm)
         self.position = "start"
-        timeline.listener = lambda phase: self.heartbeats.post(f"in '{phase}' after {self.position}")
+        timeline.listener = lambda phase: self.heartbeats.post(
+            f"in '{phase}' after {self.position}")
         if cfg.collective_timeout:
             self.watchdog = Watchdog(cfg.collective_timeout, comm, self.heartbeats,
                                      activity=timeline.activity)
@@ -585,7 +587,8 @@ class Run:
         """Restore the run from checkpoint `path` (None: start afresh)."""
         if path is None:
             if self.cfg.resume:
-                self.say(f"no checkpoint in {self.run_dir}: starting from the beginning", flush=True)
+                self.say(f"no checkpoint in {self.run_dir}: starting from the beginning",
+                         flush=True)
             return
         try:
             meta = checkpoint.restore(path, self.model, self.comm, self.optimizer, self.scaler)
@@ -893,8 +896,8 @@ class Run:
 
 
 def train(comm=None, log=print, **options):
-    """Train with `options` (mpitrain.options: each checked as its flag is) on `comm` (an mpi4py communicator,
-    MPI.COMM_WORLD by default).
+    """Train with `options` (mpitrain.options: each checked as its flag is) on `comm` (an mpi4py
+    communicator, MPI.COMM_WORLD by default).
 
     Returns a dict with the final validation accuracy ("top1", "top5") and loss
     ("val_loss"), the mean training loss since the last progress line ("loss"), the

@@ -84,7 +84,8 @@ class Dropout(Module):
             return gpu.dropout(x, self.key, self.p)
         xp = array_module(x)
         keep = self.rng.random(x.shape, dtype=np.float32) >= self.p
-        self.mask = xp.asarray(keep.astype(x.dtype) * x.dtype.type(1 / (1 - self.p)))  # x.shape, 0 or 1/(1-p)
+        # x.shape, 0 or 1/(1-p)
+        self.mask = xp.asarray(keep.astype(x.dtype) * x.dtype.type(1 / (1 - self.p)))
         return x * self.mask
 
     def backward(self, dy):

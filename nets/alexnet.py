@@ -8,7 +8,8 @@ torchvision's layout, with its module names (`features.0.weight`,
                 conv 3x3 p1 384, ReLU, conv 3x3 p1 256, ReLU, conv 3x3 p1 256, ReLU, max-pool 3/2
     avgpool     adaptive average pool to 6x6 (the identity at 224x224 input)
     flatten     (N, 6, 6, 256) -> (N, 9216) in (H, W, C) order
-    classifier  Dropout, Linear 9216->4096, ReLU, Dropout, Linear 4096->4096, ReLU, Linear 4096->classes
+    classifier  Dropout, Linear 9216->4096, ReLU, Dropout, Linear 4096->4096, ReLU,
+                Linear 4096->classes
 
 61,100,840 parameters at 1000 classes.
 

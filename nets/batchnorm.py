@@ -82,7 +82,8 @@ class BatchNorm2d(Module):
         xp = array_module(x)
         C = self.num_features
         if x.ndim != 4 or x.shape[3] != C:
-            raise ValueError(f"BatchNorm2d({C}) expects an NHWC batch (N, H, W, {C}), got shape {x.shape}")
+            raise ValueError(f"BatchNorm2d({C}) expects an NHWC batch (N, H, W, {C}), got shape "
+                             f"{x.shape}")
         if residual is not None and (self.relu or residual.shape != x.shape
                                      or residual.dtype != x.dtype):
             raise ValueError(f"BatchNorm2d({C}): a residual needs a layer without relu and "
@@ -135,7 +136,8 @@ class BatchNorm2d(Module):
     def backward(self, dy):
         C, kernels = self.num_features, self.kernels
         dy2 = array_module(dy).ascontiguousarray(dy, dtype=self.x.dtype).reshape(-1, C)  # (M, C)
-        local = kernels.batchnorm_sums(self.x, dy2, self.mean, self.affine)   # (2, C): sum dy, sum dy (x - mean)
+        # (2, C): sum dy, sum dy (x - mean)
+        local = kernels.batchnorm_sums(self.x, dy2, self.mean, self.affine)
         group, count = local, dy2.shape[0]
         if self.train and self.group is not None:             # dx sees the whole group's statistics
             group, count = self.group.sum(local.reshape(-1)).reshape(2, C), count * self.group.size

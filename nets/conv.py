@@ -2,7 +2,8 @@
 
 With k x k kernels, stride s, zero padding p, Ho = (H + 2p - k) // s + 1:
 
-    forward   y[n, oh, ow, o] = b[o] + sum_{i, j, c} W[o, i, j, c] * x[n, oh*s - p + i, ow*s - p + j, c]
+    forward   y[n, oh, ow, o] = b[o] + sum_{i, j, c} W[o, i, j, c]
+                                       * x[n, oh*s - p + i, ow*s - p + j, c]
               as a GEMM: y = col @ W.reshape(O, k*k*C).T, col = im2col(x)  (N*Ho*Wo, k*k*C)
     backward  dW = dy^T @ col,  db = sum over rows of dy,  dx = col2im(dy @ W.reshape(O, k*k*C))
 

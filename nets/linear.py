@@ -21,7 +21,8 @@ class Linear(Module):
         self.out_features = out_features
         bound = 1.0 / np.sqrt(in_features)
         self.weight = Param((out_features, in_features), uniform(bound))
-        self.bias = Param((out_features,), uniform(bound), decay=False, lars=False) if bias else None
+        self.bias = (Param((out_features,), uniform(bound), decay=False, lars=False)
+                     if bias else None)
 
     def forward(self, x, train=True):
         if x.ndim != 2 or x.shape[1] != self.in_features:

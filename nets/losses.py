@@ -78,16 +78,19 @@ def _check(xp, logits, labels):
     labels back to check them would cost a copy every step; the loader has checked
     every label of its file against the number of classes)."""
     if getattr(logits, "ndim", None) != 2 or logits.shape[0] == 0:
-        raise ValueError(f"logits must be 2-D (N, classes) with N > 0, got shape {getattr(logits, 'shape', None)}")
+        raise ValueError(f"logits must be 2-D (N, classes) with N > 0, got shape "
+                         f"{getattr(logits, 'shape', None)}")
     N, K = logits.shape
     labels = xp.asarray(labels)
     if labels.shape != (N,):
-        raise ValueError(f"labels must be 1-D with one entry per row of logits ({N}), got shape {labels.shape}")
+        raise ValueError(f"labels must be 1-D with one entry per row of logits ({N}), got shape "
+                         f"{labels.shape}")
     if labels.dtype.kind not in "iu":
         raise ValueError(f"labels must be integers, got dtype {labels.dtype}")
     if xp is not np:
         return N, K, labels
     lo, hi = int(labels.min()), int(labels.max())
     if lo < 0 or hi >= K:
-        raise ValueError(f"labels must lie in [0, {K}) (there are {K} classes), got values from {lo} to {hi}")
+        raise ValueError(f"labels must lie in [0, {K}) (there are {K} classes), got values from "
+                         f"{lo} to {hi}")
     return N, K, labels

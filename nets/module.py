@@ -155,5 +155,6 @@ def check_input(x, channels, dtype):
         raise ValueError(f"expected an NHWC batch of shape (N, H, W, {channels}), "
                          f"got shape {getattr(x, 'shape', type(x).__name__)}")
     if x.dtype != dtype:
-        raise TypeError(f"expected input of dtype {np.dtype(dtype).name} (the model's working dtype), "
+        raise TypeError(f"expected input of dtype {np.dtype(dtype).name} "
+                        f"(the model's working dtype), "
                         f"got {x.dtype}; convert with x.astype(np.{np.dtype(dtype).name})")

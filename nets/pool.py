@@ -25,7 +25,8 @@ class MaxPool2d(Module):
         return y
 
     def backward(self, dy):
-        dx = pool.max_pool_backward(dy, self.argmax, self.x_shape, self.k, self.stride, self.padding)
+        dx = pool.max_pool_backward(dy, self.argmax, self.x_shape, self.k, self.stride,
+                                    self.padding)
         self.argmax = None
         return dx
 
@@ -54,7 +55,8 @@ def _sum_dtype(dtype):
 
 
 def adaptive_bins(n_in, n_out, xp=np, dtype=np.float64):
-    """A (n_out, n_in): row o averages x[start:end], start = floor(o*In/Out), end = ceil((o+1)*In/Out).
+    """A (n_out, n_in): row o averages x[start:end], start = floor(o*In/Out),
+    end = ceil((o+1)*In/Out).
 
     PyTorch's adaptive bins; they overlap when In is not a multiple of Out, and
     repeat inputs when Out > In.
@@ -76,7 +78,8 @@ class AdaptiveAvgPool2d(Module):
     """
 
     def __init__(self, output_size):
-        self.output_size = (output_size, output_size) if np.isscalar(output_size) else tuple(output_size)
+        self.output_size = ((output_size, output_size) if np.isscalar(output_size)
+                            else tuple(output_size))
 
     def forward(self, x, train=True):
         N, H, W, C = x.shape
@@ -102,7 +105,8 @@ class AdaptiveAvgPool2d(Module):
 
 
 class GlobalAvgPool2d(Module):
-    """(N, H, W, C) -> (N, C): y[n, c] = mean over h, w of x[n, h, w, c]; dx = dy[n, c] / (H*W) everywhere."""
+    """(N, H, W, C) -> (N, C): y[n, c] = mean over h, w of x[n, h, w, c]; dx = dy[n, c] / (H*W)
+    everywhere."""
 
     def forward(self, x, train=True):
         self.x_shape = x.shape

@@ -23,8 +23,9 @@ can disagree in the last bit. The MPI standard requires that "all processes
 participating in these operations receive identical results" (the standard's
 all-reduce section), but that is a promise of the library, not something
 mpitrain can see, so mpitrain relies on it in exactly one place, the
-Allreduce; every other phase (shm's node phases included) either reduces each element on one rank only
-(Reduce, Reduce_scatter) or copies bits (Bcast, Allgatherv). MPICH keeps
+Allreduce; every other phase (shm's node phases included) either reduces each
+element on one rank only (Reduce, Reduce_scatter) or copies bits (Bcast,
+Allgatherv). MPICH keeps
 the promise: its all-reduce algorithms either reduce each element once and
 distribute it (reduce-scatter + all-gather, ring, tree) or have each pair of
 ranks add the same two operands (recursive doubling: a + b == b + a bitwise);

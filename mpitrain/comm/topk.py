@@ -43,7 +43,8 @@ class TopK:
         if not 0 < density <= 1:
             raise ValueError(f"the top-k density must be in (0, 1], got {density}")
         if arena.grad.dtype != np.float32:
-            raise ValueError(f"top-k sparsification needs float32 gradients, got {arena.grad.dtype}")
+            raise ValueError(f"top-k sparsification needs float32 gradients, got "
+                             f"{arena.grad.dtype}")
         self.density = float(density)
         self.bounds = bounds
         self.k = [min(b - a, max(1, math.ceil(density * (b - a)))) for a, b in bounds]

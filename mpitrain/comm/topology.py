@@ -126,7 +126,8 @@ class Communicator:
         """
         if buf.ndim != 1 or not buf.flags.c_contiguous:
             raise ValueError(f"all-reduce needs a contiguous 1-D array, got shape {buf.shape} "
-                             f"(contiguous: {buf.flags.c_contiguous}); pass a flat slice of the arena")
+                             f"(contiguous: {buf.flags.c_contiguous}); pass a flat slice of "
+                             f"the arena")
         if algorithm not in algorithms.ALGORITHMS:
             raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; "
                              f"choose one of {', '.join(algorithms.ALGORITHMS)}")
@@ -303,7 +304,7 @@ class Communicator:
             return mine
         nbytes = n * dtype.itemsize
         win = MPI.Win.Allocate_shared(nbytes + ALIGN_BYTES, 1, comm=self.node_comm)
-        win.Lock_all(MPI.MODE_NOCHECK)      # one passive epoch for the window's life: Win.Sync works
+        win.Lock_all(MPI.MODE_NOCHECK)    # one passive epoch for the window's life: Win.Sync works
         views = []
         for q in range(self.local_size):
             raw = np.frombuffer(win.Shared_query(q)[0], np.uint8)

@@ -539,7 +539,8 @@ def _command_step(argv, timeout, env=None):
         r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                            env=env)
     except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+        out = ((e.stdout or b"").decode(errors="replace")
+               + (e.stderr or b"").decode(errors="replace"))
         return {"passed": False, "output_tail": out[-4000:], "output": out,
                 "failures": [f"{' '.join(argv[:6])} ... ran past {timeout:.0f} s"]}
     out = {"passed": not r.returncode, "stdout": r.stdout,
@@ -639,7 +640,8 @@ def compare_step(precision, model_name="resnet_small", image_size=32, batch=32, 
         """max relative difference of each quantity (of the worst gradient), and per gradient"""
         per_param = {name: _relative(a["grads"][name], g) for name, g in b["grads"].items()}
         worst = max(per_param, key=per_param.get)
-        return {"logits": _relative(a["logits"], b["logits"]), "loss": _relative(a["loss"], b["loss"]),
+        return {"logits": _relative(a["logits"], b["logits"]),
+                "loss": _relative(a["loss"], b["loss"]),
                 "grad": per_param[worst], "update": _relative(a["update"], b["update"]),
                 "master": _relative(a["master"], b["master"])}, per_param, worst
 
@@ -765,11 +767,12 @@ def ran(report):
 def _detail(name, s):
     if name == "environment" and "report" in s:
         r = s["report"]
+        fp16 = "" if r.get("cudnn_fp16_reason") is None else f"; fp16: {r['cudnn_fp16_reason']}"
         return (f": {r.get('gpu')}, CuPy {r.get('cupy')}, CUDA {r.get('cuda_runtime')} "
                 f"(driver {r.get('cuda_driver')}), NCCL {r.get('nccl')}, cuDNN {r.get('cudnn')} "
                 f"(frontend {r.get('cudnn_frontend')}"
                 f"{'' if r.get('cudnn_reason') is None else '; not used: ' + r['cudnn_reason']}"
-                f"{'' if r.get('cudnn_fp16_reason') is None else '; fp16: ' + r['cudnn_fp16_reason']}), "
+                f"{fp16}), "
                 f"MPI {s.get('mpi')}, torch {s.get('torch')}, --decode gpu: {s.get('gpu_decode')}")
     if name == "tests" and "counts" in s:
         c = s["counts"]

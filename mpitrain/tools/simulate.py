@@ -456,8 +456,8 @@ def _header(r):
             f"of >= {r['threshold']:,} bytes, {r['comm_dtype']} on the wire, "
             f"{'overlapped with' if r['overlap'] else 'after'} backward",
             f"device {r['device']}: {r['device_name']}{cal}; {r['ranks_per_node']} ranks per "
-            f"node, network {r['network_gbps']:g} Gbit/s per node ({r['across']} across nodes); batch {r['batch_per_rank']} "
-            f"per rank"]
+            f"node, network {r['network_gbps']:g} Gbit/s per node ({r['across']} across nodes); "
+            f"batch {r['batch_per_rank']} per rank"]
 
 
 def format_table(r):
@@ -467,9 +467,11 @@ def format_table(r):
         f"backward {first['backward'] * 1e3:.1f} ms, update {first['update'] * 1e3:.1f} ms",
         "",
         f"{'algorithm':<13} {'comm ms':>10} {'exposed ms':>10} {'step ms':>10} "
-        f"{'images/s':>12} {'efficiency':>10} {format(r['epochs'], 'g') + ' epochs min':>14}  picks"]
+        f"{'images/s':>12} {'efficiency':>10} "
+        f"{format(r['epochs'], 'g') + ' epochs min':>14}  picks"]
     for row in r["rows"]:
-        lines.append(f"{row['algorithm']:<13} {row['comm'] * 1e3:>10.2f} {row['exposed'] * 1e3:>10.2f} "
+        lines.append(f"{row['algorithm']:<13} {row['comm'] * 1e3:>10.2f} "
+                     f"{row['exposed'] * 1e3:>10.2f} "
                      f"{row['step'] * 1e3:>10.2f} {row['images_per_s']:>12,.0f} "
                      f"{row['efficiency']:>10.3f} {row['epochs_minutes']:>14.1f}  "
                      f"{','.join(row['chosen'])}")
@@ -649,7 +651,8 @@ def compare(work, cal, one, comm, step, batch):
         pred = predict(work, Cluster(device, p, p, net, cal), "hybrid", batch, overlap=False)
         lines.append(f"{p:>5} {pred['step'] * 1e3:>10.1f} {meas_step:>10.1f} "
                      f"{_off(pred['step'] * 1e3, meas_step):>6} {pred['comm'] * 1e3:>16.1f} "
-                     f"{meas_comm:>8.1f} {_off(pred['comm'] * 1e3, meas_comm) if p > 1 else '':>6}  "
+                     f"{meas_comm:>8.1f} "
+                     f"{_off(pred['comm'] * 1e3, meas_comm) if p > 1 else '':>6}  "
                      f"{','.join(pred['chosen']) if p > 1 else ''}")
     return "\n".join(lines)
 

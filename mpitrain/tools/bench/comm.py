@@ -137,12 +137,14 @@ def run(model="resnet50", algorithms=("flat", "hierarchical", "2d", "shm", "hybr
         used = {a: [] for a in algorithms}
 
         def step(a):
-            return lambda: [used[a].append(comm.allreduce(buf[s], a, wire_dtype=wire_dtype)) for s in parts]
+            return lambda: [used[a].append(comm.allreduce(buf[s], a, wire_dtype=wire_dtype))
+                            for s in parts]
         steps = {a: step(a) for a in algorithms}
         steps.update(extra or {})
         nbytes = n * np.dtype(np.float16 if wire.startswith("fp16") else np.float32).itemsize
         for name, (med, low) in _time(comm, steps, repeats).items():
-            rows.append(dict(algorithm=name, mode=mode, wire=wire, bytes=int(nbytes), calls=len(parts),
+            rows.append(dict(algorithm=name, mode=mode, wire=wire, bytes=int(nbytes),
+                             calls=len(parts),
                              ms=round(med * 1e3, 3), min_ms=round(low * 1e3, 3),
                              busbw_GBps=round(2 * (p - 1) / p * nbytes / med / 1e9, 3),
                              ran=sorted(set(used.get(name, [name])))))
@@ -155,9 +157,11 @@ def run(model="resnet50", algorithms=("flat", "hierarchical", "2d", "shm", "hybr
         for mode, parts in modes:
             extra = {}
             # MPICH's own half type (MPIX_C_FLOAT16), against the user-defined fp16 sum
-            if wire == "fp16" and mode in ("whole", "fused 4 MiB") and MPI.FLOAT16_T != MPI.DATATYPE_NULL:
+            if (wire == "fp16" and mode in ("whole", "fused 4 MiB")
+                    and MPI.FLOAT16_T != MPI.DATATYPE_NULL):
                 extra["flat, MPI.FLOAT16_T"] = lambda parts=parts: [
-                    comm.world.Allreduce(MPI.IN_PLACE, [buf[s], MPI.FLOAT16_T], op=MPI.SUM) for s in parts]
+                    comm.world.Allreduce(MPI.IN_PLACE, [buf[s], MPI.FLOAT16_T], op=MPI.SUM)
+                    for s in parts]
             measure(mode, wire, buf, parts, extra)
     if set(wires) == {"fp32", "fp16"}:
         # what training pays for fp16 on the wire from an fp32 arena: cast, sum, cast back
@@ -228,29 +232,33 @@ def sparse_rows(comm, model, densities, repeats, threshold=4 * MiB):
 
 
 def format_table(r):
-    lines = [f"all-reduce of {r['model']} gradients: {r['values']:,} values in {r['tensors']} tensors "
-             f"({r['source']})", r["topology"]]
+    lines = [f"all-reduce of {r['model']} gradients: {r['values']:,} values in {r['tensors']} "
+             f"tensors ({r['source']})", r["topology"]]
     if sum(r["node_sizes"]) == 1:
         lines.append("one rank: nothing is sent, so these times are each algorithm's local "
                      "work; time the all-reduce under mpirun (./launch.sh bench comm: NP ranks)")
     lines += [f"ms: median of {r['repeats']} (and minimum), slowest rank; "
               f"busbw = 2(p-1)/p * bytes / median time",
               "",
-              f"{'algorithm':<28} {'mode':<13} {'wire':<9} {'calls':>5} {'ms':>9} {'min ms':>9} {'busbw GB/s':>10}  ran"]
+              f"{'algorithm':<28} {'mode':<13} {'wire':<9} {'calls':>5} {'ms':>9} {'min ms':>9} "
+              f"{'busbw GB/s':>10}  ran"]
     for row in r["rows"]:
         lines.append(f"{row['algorithm']:<28} {row['mode']:<13} {row['wire']:<9} {row['calls']:>5} "
-                     f"{row['ms']:>9.2f} {row['min_ms']:>9.2f} {row['busbw_GBps']:>10.2f}  {','.join(row['ran'])}")
+                     f"{row['ms']:>9.2f} {row['min_ms']:>9.2f} {row['busbw_GBps']:>10.2f}  "
+                     f"{','.join(row['ran'])}")
     if r["sweep"]:
         lines += ["", "single buffer, minimum ms:",
                   f"{'wire':<5} {'bytes':>10} {'flat':>9} {'hierarchical':>13} {'2d':>9} {'shm':>9}"
                   f"  hybrid picks"]
         for e in r["sweep"]:
-            lines.append(f"{e['wire']:<5} {e['bytes']:>10} {e['flat']:>9.3f} {e['hierarchical']:>13.3f} "
+            lines.append(f"{e['wire']:<5} {e['bytes']:>10} {e['flat']:>9.3f} "
+                         f"{e['hierarchical']:>13.3f} "
                          f"{e['2d']:>9.3f} {e['shm']:>9.3f}  {e['hybrid']}")
     if r["topk"]:
         dense = r["topk"][0]
-        lines += ["", f"dense against top-k over the buckets of {r['model']} (4 MiB, after backward; "
-                  f"bytes: what one rank sends per step, dense: the buffer it contributes)",
+        lines += ["", f"dense against top-k over the buckets of {r['model']} (4 MiB, "
+                  f"after backward; bytes: what one rank sends per step, dense: the buffer "
+                  f"it contributes)",
                   f"{'compress':<12} {'buckets':>7} {'bytes':>12} {'x dense':>8} {'ms':>9} "
                   f"{'min ms':>9} {'select ms':>10}"]
         for row in r["topk"]:

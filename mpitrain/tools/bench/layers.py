@@ -277,5 +277,6 @@ def format_profile(p):
     elif k:
         lines.append(f"  kernels per step: {k['launches']} launches, {k['ms']:.1f} ms of kernel "
                      f"time (CUPTI, through PyTorch's profiler); the longest:")
-        lines += [f"    {r['ms']:8.2f} ms {r['calls']:4d}x  {r['name'][:100]}" for r in k["longest"]]
+        lines += [f"    {r['ms']:8.2f} ms {r['calls']:4d}x  {r['name'][:100]}"
+                  for r in k["longest"]]
     return lines

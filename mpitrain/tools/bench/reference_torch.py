@@ -97,7 +97,8 @@ class ResNet(nn.Module):
         self.relu = nn.ReLU()
         self.maxpool = nn.Identity() if small_stem else nn.MaxPool2d(3, 2, 1)
         for i, (planes, blocks) in enumerate(zip(widths, layers)):
-            setattr(self, f"layer{i + 1}", self._make_stage(block, planes, blocks, 1 if i == 0 else 2))
+            setattr(self, f"layer{i + 1}",
+                    self._make_stage(block, planes, blocks, 1 if i == 0 else 2))
         self.stages = len(layers)
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.fc = nn.Linear(widths[-1] * block.expansion, num_classes)
@@ -133,7 +134,8 @@ def twin(model):
 
 def to_torch(model, dtype=torch.float32):
     """A torch twin of `model` holding its master weights and BN running statistics."""
-    with torch.device("meta"):                   # skip torch's own initialisation: all is overwritten
+    # skip torch's own initialisation: all is overwritten
+    with torch.device("meta"):
         tmodel = twin(model).to(dtype)
     tmodel = tmodel.to_empty(device="cpu")
     state = {name: torch.from_numpy(a) for name, a in torch_state_dict(model).items()}

@@ -622,7 +622,8 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
         result["one_rank"] = {"threads": one_ran, "wanted_threads": one_threads,
                               "images_per_s": 1e3 * batch / step, "step_ms": step}
         for key in runs:
-            result[key]["efficiency"] = result[key]["images_per_s"] / result["one_rank"]["images_per_s"]
+            result[key]["efficiency"] = (result[key]["images_per_s"]
+                                         / result["one_rank"]["images_per_s"])
         o = result["overlap"]
         result["hidden_fraction"] = hidden_fraction(o["comm_wait_ms"], o["comm_total_ms"])
         result["saved_ms"] = result["no_overlap"]["step_ms"] - o["step_ms"]
@@ -666,7 +667,8 @@ def format_parallel(r):
              f"of ~{r['fusion_threshold']:,} bytes, all-reduce {r['allreduce']}, "
              f"{r['comm_dtype']} on the wire",
              f"1 rank x {r['one_rank']['threads']} threads, batch {r['batch_per_rank']}: "
-             f"{r['one_rank']['images_per_s']:.1f} images/s, step {r['one_rank']['step_ms']:.1f} ms"]
+             f"{r['one_rank']['images_per_s']:.1f} images/s, step "
+             f"{r['one_rank']['step_ms']:.1f} ms"]
     one = r["one_rank"]
     if one["threads"] < one["wanted_threads"]:
         lines.append(f"warning: the one-rank baseline ran {one['threads']} thread(s), not the "
@@ -712,8 +714,8 @@ def format_parallel(r):
         mode = "overlapped" if a["compared"] == "overlap" else "--no-overlap"
         lines.append(f"{a['describe']}; {mode} step {a['chosen_ms']:.1f} ms at the choice "
                      f"({r['buckets']} bucket(s)) against {a['default_ms']:.1f} ms at the fixed "
-                     f"default {a['default_threshold']:,} bytes ({a['default_buckets']} bucket(s)): "
-                     f"{a['default_ms'] / a['chosen_ms']:.2f}x")
+                     f"default {a['default_threshold']:,} bytes ({a['default_buckets']} "
+                     f"bucket(s)): {a['default_ms'] / a['chosen_ms']:.2f}x")
     return "\n".join(lines)
 
 
@@ -735,7 +737,8 @@ def _reexec_without_openblas_forcing(argv, to_stderr):
 
 
 def main_step(args, argv):
-    """The `bench step` command: parse result of cli.build_parser, and the raw argv (for the re-run)."""
+    """The `bench step` command: parse result of cli.build_parser, and the raw argv (for the
+    re-run)."""
     from mpitrain.backend import DeviceError
     from mpitrain.checks import ConfigError
     if args.native_openblas and REEXEC_MARK not in os.environ \
@@ -802,7 +805,8 @@ def format_profile(p, top=12):
     total = p["profiled_step_ms"]
     lines = [f"profile ({total:.0f} ms per step under cProfile; ms per step by kind):"]
     lines += [f"  {kind:<28} {ms:8.1f}  {ms / total:5.1%}" for kind, ms in p["ms"].items()]
-    lines.append(f"  without cProfile ({p['step_ms']:.0f} ms per step): GEMMs {p['gemm_ms']:.0f} ms "
+    lines.append(f"  without cProfile ({p['step_ms']:.0f} ms per step): "
+                 f"GEMMs {p['gemm_ms']:.0f} ms "
                  f"at {p['gemm_gflops']:.0f} GFLOP/s on average, outside GEMMs "
                  f"{p['outside_gemm']:.0%} of the step")
     lines.append(f"  the {min(top, len(p['gemms']))} longest GEMM shapes (a @ b, calls per step, "
@@ -840,9 +844,9 @@ def format_result(r):
     forced = ", ".join(f"{k}={v}" for k, v in b["forced"].items()) or "none"
     rounds = (f"; each side's median round of {len(r['rounds'])}, taking turns at going first"
               if "rounds" in r else "")
-    lines = [f"bench step: {r['model']} at {r['image_size']}x{r['image_size']}, batch {r['batch']}, "
-             f"median of {r['steps']} steps after {r['warmup']} warm-up (one process, no "
-             f"all-reduce){rounds}",
+    lines = [f"bench step: {r['model']} at {r['image_size']}x{r['image_size']}, batch "
+             f"{r['batch']}, median of {r['steps']} steps after {r['warmup']} warm-up "
+             f"(one process, no all-reduce){rounds}",
              f"NumPy BLAS: {b['library']} {b.get('version') or ''} core type "
              f"{b.get('core_type') or '?'}; forced by environment: {forced}",
              f"the team's GEMMs: {b.get('gemm_library') or 'none: NumPy alone'}"
@@ -850,9 +854,10 @@ def format_result(r):
              threads_line(b)]
     if r.get("device", "cpu") != "cpu" or r.get("precision", "fp32") != "fp32":
         g = r.get("gpu", {})
+        cudnn = g.get("cudnn") if g.get("cudnn_reason") is None else \
+            f"not used: {g['cudnn_reason']}"
         where = (f"{r['device']} ({g.get('gpu')}, CuPy {g.get('cupy')}, CUDA "
-                 f"{g.get('cuda_runtime')}, cuDNN {g.get('cudnn') if g.get('cudnn_reason') is None else 'not used: ' + g['cudnn_reason']})"
-                 if "gpu" in r else r["device"])
+                 f"{g.get('cuda_runtime')}, cuDNN {cudnn})" if "gpu" in r else r["device"])
         lines.append(f"device {where}, precision {r['precision']}"
                      + ("" if r.get("cudnn_deterministic", True) else
                         ", cuDNN's non-deterministic plans allowed"))
