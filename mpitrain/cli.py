@@ -885,8 +885,8 @@ def run_train(args, parser=None, argv=()):
 def checkpoint_in(args, comm=None):
     """args.checkpoint, or where it names a run directory, that directory's newest complete
     checkpoint (chosen by rank 0 of `comm` when given, so that every rank takes the same),
-    saying on stderr which it takes, and which newer ones it passes over and why; a
-    directory without one is refused."""
+    saying on stderr which newer ones it passes over and why; a directory without one is
+    refused."""
     from mpitrain import checkpoint
     if not os.path.isdir(args.checkpoint):
         return args.checkpoint
@@ -903,9 +903,6 @@ def checkpoint_in(args, comm=None):
                "give a checkpoint file, or train (or --resume) the run to its first checkpoint")
         args.command_parser.error(f"run directory {args.checkpoint} holds no complete "
                                   f"checkpoint: {fix}")
-    if comm is None or comm.rank == 0:
-        sys.stderr.write(f"{args.command_parser.prog}: {args.checkpoint}: its newest complete "
-                         f"checkpoint, {os.path.basename(found)}\n")
     return found
 
 
@@ -975,7 +972,10 @@ def run_predict(args):
                                   "the ONNX file carries its own preprocessing: add "
                                   "--checkpoint, or drop --data")
     if args.checkpoint is not None:
-        args.checkpoint = checkpoint_in(args)
+        given, args.checkpoint = args.checkpoint, checkpoint_in(args)
+        if args.checkpoint != given:    # its text names no checkpoint, as eval's and export's do
+            sys.stderr.write(f"{args.command_parser.prog}: {given}: its newest complete "
+                             f"checkpoint, {os.path.basename(args.checkpoint)}\n")
     if args.onnx is not None:
         from mpitrain.tools.onnx_predict import run
     else:

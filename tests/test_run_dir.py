@@ -218,6 +218,10 @@ def test_eval_predict_and_export_take_a_run_directory(used, digits, tmp_path):
     r = quick("predict", "--checkpoint", str(run_dir), str(image), "--json")
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads(r.stdout)["checkpoint"] == checkpoint
+    r = quick("predict", "--checkpoint", str(run_dir), str(image))     # the text names it too
+    assert r.returncode == 0 and r.stdout.startswith(f"{image}\n"), r.stdout + r.stderr
+    assert r.stderr == (f"python -m mpitrain predict: {run_dir}: its newest complete "
+                        f"checkpoint, checkpoint-000000022.h5\n"), r.stderr
     r = quick("export", str(run_dir), str(tmp_path / "m.safetensors"))    # format: its name's
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.rstrip().endswith("as safetensors"), r.stdout
