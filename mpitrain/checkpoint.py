@@ -252,6 +252,12 @@ def read_global_step(path):
     return int(_attribute(path, "global_step"))
 
 
+def read_epoch(path):
+    """The epoch of the loader position a checkpoint resumes at (its epochs done, at a
+    step 0)."""
+    return int(_attribute(path, "epoch"))
+
+
 def _attribute(path, name):
     import h5py
     try:

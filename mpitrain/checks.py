@@ -62,7 +62,8 @@ def comm_options(cfg, world_size):
     """Refuse communication options that cannot work together (each value alone was
     checked by mpitrain.options.Config)."""
     if cfg.bn_group > world_size:
-        raise ConfigError(f"--bn-group {cfg.bn_group} exceeds the {world_size} rank(s)")
+        raise ConfigError(f"--bn-group {cfg.bn_group} exceeds the {world_size} rank(s): give "
+                          f"at most --bn-group {world_size}, or drop it")
     if cfg.bn_group > 1 and not has_batchnorm(cfg.model):
         raise ConfigError(f"--bn-group {cfg.bn_group} takes BatchNorm's statistics over groups "
                           f"of ranks, and {cfg.model} has no BatchNorm layer: drop --bn-group")
@@ -151,8 +152,9 @@ def check_milestones(cfg):
 
 
 def check_never_used(cfg):
-    """Refuse values that would do nothing: Nesterov momentum without momentum, and dense
-    sums for the whole run before top-k compression starts."""
+    """Refuse values that would do nothing: Nesterov momentum without momentum, dense
+    sums for the whole run before top-k compression starts, and Neumann's SGD burn-in (its
+    warm-up) for the whole run."""
     if cfg.nesterov and cfg.momentum == 0:
         raise ConfigError("--nesterov looks ahead along the momentum, and --momentum is 0: "
                           "drop --nesterov, or give --momentum above 0")
@@ -160,6 +162,11 @@ def check_never_used(cfg):
         raise ConfigError(f"--compress-warmup {cfg.compress_warmup} keeps the sums dense for "
                           f"the whole run of --epochs {cfg.epochs}, so top-k never starts: "
                           f"lower --compress-warmup, or drop --compress topk")
+    if cfg.optimizer == "neumann" and cfg.warmup_epochs >= cfg.epochs:
+        raise ConfigError(f"--optimizer neumann runs plain SGD through its warm-up, and "
+                          f"--warmup-epochs {cfg.warmup_epochs:g} covers the whole run of "
+                          f"--epochs {cfg.epochs}, so Neumann's update never runs: lower "
+                          f"--warmup-epochs, or raise --epochs")
 
 
 def check_topk_wire(compress, comm_dtype):
@@ -531,14 +538,18 @@ def prepare_run_dir(cfg, comm):
 def earlier_run(run_dir):
     """The refusal of a fresh run into `run_dir` when an earlier run's files are there
     (its metrics and checkpoints would mix with this run's), else None."""
+    saved = [os.path.basename(p) for p in checkpoint.checkpoints(run_dir)[-1:]]
     found = [name for name in ("config.json", "metrics.jsonl") if
-             os.path.exists(os.path.join(run_dir, name))] + \
-        [os.path.basename(p) for p in checkpoint.checkpoints(run_dir)[-1:]]
+             os.path.exists(os.path.join(run_dir, name))] + saved
     if not found:
         return None
+    elsewhere = "another --run-dir (without --run-dir each run gets a new runs/<timestamp>)"
+    if not saved:           # --resume auto would start afresh, over the earlier records
+        return (f"--run-dir {run_dir} holds an earlier run ({', '.join(found)}) with no "
+                f"checkpoint to continue from: start in {elsewhere}, or with --resume auto "
+                f"here, which replaces its records")
     return (f"--run-dir {run_dir} holds an earlier run ({', '.join(found)}): continue it with "
-            f"--resume auto, or start afresh in another --run-dir (without --run-dir each "
-            f"run gets a new runs/<timestamp>)")
+            f"--resume auto, or start afresh in {elsewhere}")
 
 
 def free_space(directory):
@@ -588,6 +599,7 @@ def find_resume(cfg, comm, say, data=None):
                 found = cfg.resume
             if found:
                 check_resume(cfg, found, checkpoint.read_config(found), data)
+                check_epochs_ahead(cfg, found)
             if found == cfg.resume:                 # a file named: the newest here?
                 check_no_newer(found, checkpoint.latest(cfg.run_dir), cfg.run_dir)
         except (ConfigError, checkpoint.CheckpointError) as e:
@@ -596,6 +608,15 @@ def find_resume(cfg, comm, say, data=None):
     if isinstance(found, ConfigError):
         raise found
     return found
+
+
+def check_epochs_ahead(cfg, path):
+    """Refuse --epochs short of the epochs the checkpoint has trained: the run would
+    report the model's accuracy as that of fewer epochs, and rewrite its config so."""
+    done = checkpoint.read_epoch(path)
+    if done > cfg.epochs:
+        raise ConfigError(f"--resume: {path} has trained {done} epochs, past --epochs "
+                          f"{cfg.epochs}: give --epochs {done} (nothing more to train) or more")
 
 
 def check_no_newer(path, newest, run_dir):

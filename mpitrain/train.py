@@ -557,6 +557,11 @@ class Run:
         if self.reducer.residual is not None and resume_from:
             checkpoint.restore_residual(resume_from, model.arena, self.reducer.residual, comm,
                                         self.say)
+        elif (resume_from and comm.rank == 0
+              and checkpoint.read_config(resume_from).get("compress") == "topk"):
+            self.say(f"warning: the top-k residuals of {resume_from} are dropped: this run "
+                     f"sums its gradients densely (it was written with --compress topk)",
+                     flush=True)
 
     def start_watching(self, launcher):
         """metrics.jsonl, the progress line, the stop signals, the heartbeats and the
@@ -901,8 +906,9 @@ def train(comm=None, log=print, **options):
 
     Returns a dict with the final validation accuracy ("top1", "top5") and loss
     ("val_loss"), the mean training loss since the last progress line ("loss"), the
-    number of steps and the seconds taken, the run directory, the last checkpoint, the
-    number of bad records skipped by all ranks, the validation images whose logits were
+    number of steps and the seconds taken, the run directory, the checkpoint of the final
+    model ("checkpoint"; None, and "older_checkpoint" the one it resumed from, when
+    --checkpoint-every 0 saved none), the number of bad records skipped by all ranks, the validation images whose logits were
     not finite in the last evaluation ("nonfinite", counted wrong; the command fails
     when there are any), and the stop signal's name ("stopped") when a signal ended the
     run early.
@@ -929,6 +935,12 @@ def train(comm=None, log=print, **options):
         if run is not None:
             run.close(collective=finished)
     result, scaler = run.result, run.scaler
+    end = run.train_data.state_dict()
+    if run.saved_step != end["epoch"] * run.steps + end["step"]:
+        # --checkpoint-every 0 after a resume: the checkpoint it resumed from is not the
+        # final model, which no file holds
+        result["older_checkpoint"] = result.pop("checkpoint", None)
+        result["checkpoint"] = None
     result.update(steps=run.steps * run.epochs, seconds=time.perf_counter() - run.start,
                   loss_scale=scaler.scale, skipped_steps=scaler.skipped,
                   skipped_records=run.skipped, val_images=len(run.val_data.labels))
@@ -959,7 +971,10 @@ def say_where(say, result):
     run_dir = result["run_dir"]
     uses = (f"; eval and predict take --checkpoint {run_dir}, export {run_dir}, for its "
             f"newest checkpoint" if result["checkpoint"] else "")
+    older = result.get("older_checkpoint")
     saved = (f"checkpoint {result['checkpoint']}" if result["checkpoint"] else
+             f"no checkpoint of the final model (--checkpoint-every 0): eval, predict and "
+             f"export of {run_dir} take {older}, from before this job's steps" if older else
              "no checkpoint (--checkpoint-every 0: nothing for eval, predict or export)")
     say(f"{saved}; metrics {os.path.join(run_dir, 'metrics.jsonl')}; plots: python -m "
         f"mpitrain plot {run_dir}{uses}", flush=True)

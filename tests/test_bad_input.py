@@ -357,6 +357,13 @@ def test_a_trace_that_cannot_be_written_is_refused_before_the_run(digits, tmp_pa
     (("--compress", "topk", "--compress-warmup", "2", "--epochs", "2"),
      "--compress-warmup 2 keeps the sums dense for the whole run of --epochs 2, so top-k "
      "never starts"),
+    # the default --epochs 8 and --warmup-epochs 1 leave it room; one epoch did not
+    (("--optimizer", "neumann", "--epochs", "1"),
+     "--optimizer neumann runs plain SGD through its warm-up, and --warmup-epochs 1 covers "
+     "the whole run of --epochs 1, so Neumann's update never runs: lower --warmup-epochs, "
+     "or raise --epochs"),
+    (("--bn-group", "2"), "--bn-group 2 exceeds the 1 rank(s): give at most --bn-group 1, "
+                          "or drop it"),
 ])
 def test_options_that_would_do_nothing_are_refused(options, message, digits, tmp_path):
     r = quick("train", "--data-dir", str(digits), *BATCH, *options,
@@ -405,6 +412,53 @@ def test_a_refused_resume_changes_nothing_in_the_run(one_epoch, digits, tmp_path
     flag, value = change
     refused(r, f"was trained with {flag}", f"this run asks for {value}: a resumed run keeps it")
     assert {p: p.read_bytes() for p in run_dir.iterdir()} == before
+
+
+def test_a_resume_that_saves_no_checkpoint_names_none_as_the_final_model(one_epoch, digits,
+                                                                      tmp_path):
+    """--checkpoint-every 0 after a resume: the run named the checkpoint it resumed from as
+    its own, and eval scored that older model; then --epochs short of the epochs a
+    checkpoint has trained is refused, where it reported them as fewer."""
+    run_dir, _ = copy_of(one_epoch, tmp_path)
+    resume = ("train", *BATCH, "--data-dir", str(digits), "--run-dir", str(run_dir),
+              "--resume", "auto")
+    r = quick(*resume, "--epochs", "2", "--checkpoint-every", "0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (f"no checkpoint of the final model (--checkpoint-every 0): eval, predict and "
+            f"export of {run_dir} take {run_dir}/checkpoint-000000022.h5, from before this "
+            f"job's steps; metrics ") in r.stdout, r.stdout
+    r = quick(*resume, "--epochs", "2")
+    assert r.returncode == 0 and f"checkpoint {run_dir}/checkpoint-000000044.h5; " in r.stdout
+    before = {p: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    refused(quick(*resume, "--epochs", "1"),
+            f"--resume: {run_dir}/checkpoint-000000044.h5 has trained 2 epochs, past --epochs "
+            f"1: give --epochs 2 (nothing more to train) or more")
+    assert {p: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+
+
+def test_a_fresh_run_into_a_directory_without_a_checkpoint_is_told_what_resume_would_do(
+        one_epoch, digits, tmp_path):
+    """An earlier run that saved no checkpoint: --resume auto starts afresh over its
+    records, which the refusal said nothing of when it offered it as continuing."""
+    run_dir, _ = copy_of(one_epoch, tmp_path)
+    (run_dir / "checkpoint-000000022.h5").unlink()
+    refused(quick("train", *BATCH, "--data-dir", str(digits), "--run-dir", str(run_dir)),
+            f"--run-dir {run_dir} holds an earlier run (config.json) with no checkpoint to "
+            f"continue from: start in another --run-dir (without --run-dir each run gets a "
+            f"new runs/<timestamp>), or with --resume auto here, which replaces its records")
+
+
+def test_a_top_k_run_resumed_without_top_k_says_its_residuals_are_dropped(digits, tmp_path):
+    """The other way round (residuals starting from zero) was said; this way was silent."""
+    run_dir = tmp_path / "run"
+    args = ("train", *BATCH, "--data-dir", str(digits), "--run-dir", str(run_dir))
+    r = quick(*args, "--epochs", "1", "--compress", "topk")
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = quick(*args, "--epochs", "2", "--resume", "auto")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (f"warning: the top-k residuals of {run_dir}/checkpoint-000000022.h5 are dropped: "
+            f"this run sums its gradients densely (it was written with --compress topk)"
+            in r.stdout), r.stdout
 
 
 def test_a_refused_resume_into_a_new_run_directory_leaves_none_behind(one_epoch, digits,
