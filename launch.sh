@@ -399,9 +399,10 @@ srun_mpi() {
 # Open MPI's mpirun forwards neither (it kills the job, and reports 1): its ranks on this
 # host, its children, get them straight; the first rank to see one stops every rank.
 # SIGUSR1 both forward.
-# The launcher gets SIGTERM from the kernel if this shell dies (kill -9): it passes it to
-# the ranks, wherever they run, which checkpoint and end; the ranks' own watch of this
-# shell (MPITRAIN_LAUNCHER_PID) sees only ranks on this host.
+# The launcher gets SIGUSR1 from the kernel if this shell dies (kill -9): both MPIs pass it
+# to the ranks, wherever they run, which checkpoint and end (Open MPI's mpirun would kill
+# them a second after a SIGTERM); the ranks' own watch of this shell
+# (MPITRAIN_LAUNCHER_PID) sees only ranks on this host.
 run_forwarding() {   # command...
     local pid rc ints=0 sent=""
     set -m
@@ -420,8 +421,9 @@ run_forwarding() {   # command...
     trap - INT TERM HUP USR1
     if (( ints >= 2 )) && (( rc == 0 || rc == 255 )); then rc=130; fi
     # Open MPI's mpirun, --quiet, says nothing of a rank that a signal killed (kill -9, the
-    # kernel's out-of-memory killer, a crash)
-    if [[ $MPI_IMPL == openmpi && -z $sent ]] && (( rc > 128 && rc < 160 )); then
+    # kernel's out-of-memory killer, a crash); 129, 130 and 143 are mpitrain's own ends
+    # (its launcher gone, a SIGINT or SIGTERM it stopped on, with a checkpoint)
+    if [[ $MPI_IMPL == openmpi && -z $sent ]] && (( rc > 130 && rc < 160 && rc != 143 )); then
         echo "launch.sh: a rank was killed by SIG$(kill -l $((rc - 128))) (mpirun's status" \
             "$rc): the job ended there; with SIGKILL, look for the out-of-memory killer" \
             "in the system's log (dmesg)" >&2
@@ -430,7 +432,7 @@ run_forwarding() {   # command...
 }
 ON_OUR_DEATH=()
 if setpriv --help 2>/dev/null | grep -q -- --pdeathsig; then
-    ON_OUR_DEATH=(setpriv --pdeathsig TERM)
+    ON_OUR_DEATH=(setpriv --pdeathsig USR1)
 fi
 
 pass_on() {   # signal, launcher pid, how many of it so far

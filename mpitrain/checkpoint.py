@@ -118,27 +118,28 @@ def collect(model, comm, epoch, step, global_step, config, optimizer=None, scale
 
 # bytes beside the arrays: the parameter table, the JSON attributes, HDF5's own structures
 HEADROOM = 256 << 10
+# at most this many elements in an array's chunk (a row's, in a table of one row per
+# rank), each chunk with its checksum and an index entry of about CHUNK_ENTRY bytes; a
+# row is cut into equal chunks, as its last is stored whole
+CHUNK = 1 << 16
+CHUNK_ENTRY = 64
 
 
 def expected_size(model, ranks, arena_arrays):
-    """Bytes a checkpoint of `model` written by `ranks` ranks takes, before one exists:
-    `arena_arrays` packed fp32 arrays of the parameters' size (master, momentum, the
-    optimizer's own, one top-k residual per rank), each rank's BatchNorm statistics,
-    and HEADROOM."""
+    """Bytes a checkpoint of `model` written by `ranks` ranks takes at most, before one
+    exists: `arena_arrays` packed fp32 arrays of the parameters' size (master, momentum,
+    the optimizer's own, one top-k residual per rank), each rank's BatchNorm statistics,
+    the chunks' index entries and padding, and HEADROOM."""
     params = sum(p.size for p in model.arena.params)
     buffers = sum(b.size for b in model.buffer_arena.buffers)
-    return 4 * (arena_arrays * params + ranks * buffers) + HEADROOM
+    data = 4 * (arena_arrays * params + ranks * buffers)
+    chunks = data // (4 * CHUNK) + arena_arrays + ranks      # at most, a row's cut up
+    return data + chunks * (CHUNK_ENTRY + 4) + HEADROOM      # + a last chunk's padding
 
 
-def state_size(state):
-    """Bytes the checkpoint of `state` (from collect) takes: its arrays and HEADROOM."""
-    arrays = [state[k] for k in ("master", "momentum", "buffers", "residual")]
-    arrays += list(state["optimizer"].values())
-    return sum(a.nbytes for a in arrays if isinstance(a, np.ndarray)) + HEADROOM
-
-
-def write(path, state, before_rename=None):
-    """Write `state` (from collect) to `path` atomically; returns path.
+def write(path, state, before_rename=None, image=None):
+    """Write `state` (from collect) to `path` atomically; returns path. image: the file's
+    bytes, file_image(state), where the caller has made them already.
 
     The HDF5 file is built in memory and its bytes written with plain writes: a file
     system that fills up then fails a write (an OSError, the temporary file removed),
@@ -150,7 +151,7 @@ def write(path, state, before_rename=None):
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp")
-    image = file_image(state)
+    image = file_image(state) if image is None else image
     try:
         with open(tmp, "wb") as f:
             f.write(image)
@@ -202,11 +203,15 @@ def file_image(state):
 
 
 def put(group, name, array):
-    """group[name] = array, in chunks with a Fletcher-32 checksum where it has elements
-    (HDF5 cannot chunk an empty array)."""
+    """group[name] = array, a vector or a table of one row per rank, in chunks of CHUNK
+    elements of a row with a Fletcher-32 checksum each, where it has elements (HDF5
+    cannot chunk an empty array)."""
     array = np.asarray(array)
-    if array.size:
-        group.create_dataset(name, data=array, chunks=True, fletcher32=True)
+    if array.size and array.ndim in (1, 2):
+        row = array.shape[-1]
+        piece = -(-row // -(-row // CHUNK))         # the row in equal chunks of <= CHUNK
+        group.create_dataset(name, data=array, chunks=(1,) * (array.ndim - 1) + (piece,),
+                             fletcher32=True)
     else:
         group[name] = array
 
@@ -252,10 +257,10 @@ def read_global_step(path):
     return int(_attribute(path, "global_step"))
 
 
-def read_epoch(path):
-    """The epoch of the loader position a checkpoint resumes at (its epochs done, at a
-    step 0)."""
-    return int(_attribute(path, "epoch"))
+def read_position(path):
+    """(epoch, step): the loader position a checkpoint resumes at, its whole epochs
+    done and the steps of the next."""
+    return int(_attribute(path, "epoch")), int(_attribute(path, "step"))
 
 
 def _attribute(path, name):

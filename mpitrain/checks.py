@@ -613,10 +613,13 @@ def find_resume(cfg, comm, say, data=None):
 def check_epochs_ahead(cfg, path):
     """Refuse --epochs short of the epochs the checkpoint has trained: the run would
     report the model's accuracy as that of fewer epochs, and rewrite its config so."""
-    done = checkpoint.read_epoch(path)
-    if done > cfg.epochs:
-        raise ConfigError(f"--resume: {path} has trained {done} epochs, past --epochs "
-                          f"{cfg.epochs}: give --epochs {done} (nothing more to train) or more")
+    done, steps = checkpoint.read_position(path)
+    if (done, steps) > (cfg.epochs, 0):
+        trained = f"{done} epochs" + (f" and {steps} steps" if steps else "")
+        least = (f"{done} (nothing more to train)" if not steps else
+                 f"{done + 1}, which finishes the epoch it stopped in,")
+        raise ConfigError(f"--resume: {path} has trained {trained}, past --epochs "
+                          f"{cfg.epochs}: give --epochs {least} or more")
 
 
 def check_no_newer(path, newest, run_dir):

@@ -818,7 +818,8 @@ class Run:
         (None, why) when the run directory's file system cannot hold it: checked before
         writing, and a write that fails leaves no part of the file behind."""
         path = os.path.join(self.run_dir, checkpoint.PATTERN.format(global_step=global_step))
-        need, have = checkpoint.state_size(state), free_space(self.run_dir)
+        image = checkpoint.file_image(state)
+        need, have = len(image), free_space(self.run_dir)
         full = (f"the file system of --run-dir {self.run_dir} cannot hold the checkpoint of "
                 f"step {global_step}")
         last = f"the last checkpoint is {self.result['checkpoint'] or 'none'}"
@@ -828,7 +829,7 @@ class Run:
                           f"older checkpoint-*.h5 there, and lower --keep-checkpoints) and "
                           f"continue with --resume auto")
         try:
-            checkpoint.write(path, state)
+            checkpoint.write(path, state, image=image)
         except OSError as e:
             return None, (f"{full} ({e.strerror or e}); nothing of it was left behind; {last}. "
                           f"Free space and continue with --resume auto")

@@ -985,7 +985,7 @@ def test_a_file_system_that_fills_up_stops_the_run_cleanly(small_fs, digits, ran
     saying so on every rank, and the first checkpoint, config.json and nothing else
     half-written remain."""
     from mpitrain import checkpoint
-    fs = small_fs(1400)
+    fs = small_fs(1100)
     args = ("train", "--data-dir", str(digits), *BATCH, "--epochs", "3", "--workers", "1",
             "--run-dir", str(fs / "run"))
     r = quick(*args, timeout=300) if ranks == 1 else run(ranks, *args, timeout=300)

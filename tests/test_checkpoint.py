@@ -148,6 +148,41 @@ def test_a_checkpoint_changed_after_its_write_is_refused_as_corrupt(tmp_path):
         checkpoint.restore(path, tiny_model(), solo())
 
 
+@pytest.mark.parametrize("ranks", [1, 16])
+def test_the_free_space_asked_for_a_checkpoint_covers_its_file(ranks):
+    """The estimate made before a run (checkpoint.expected_size) against the bytes of a real
+    checkpoint of resnet_small with a top-k residual and BatchNorm statistics per rank:
+    it must cover the chunks' index entries and padding, or a run that passed the check
+    at its start could fail at its first checkpoint (the arrays' own bytes and a fixed
+    headroom fell short for ResNet-50 at 64 ranks)."""
+    from mpitrain.nets import build_model
+    model = build_model("resnet_small", num_classes=10)
+    state = state_of(model)
+    state["buffers"] = np.tile(state["buffers"], (ranks, 1))
+    state["residual"] = np.ones((ranks, state["master"].size), np.float32)
+    size = len(checkpoint.file_image(state))
+    estimate = checkpoint.expected_size(model, ranks, 2 + ranks)      # master, momentum
+    assert size <= estimate <= size + checkpoint.HEADROOM, (size, estimate)
+
+
+def test_epochs_short_of_a_checkpoints_position_are_refused(tmp_path):
+    """--epochs below what a checkpoint has trained: on an epoch's end, and mid-epoch
+    (after a stop signal), where --epochs equal to its whole epochs passed."""
+    from types import SimpleNamespace
+    from mpitrain.checks import ConfigError, check_epochs_ahead
+    for epoch, step, refused, fine, least in ((2, 0, 1, 2, "2 (nothing more to train)"),
+                                              (1, 2, 1, 2, "2, which finishes the epoch it "
+                                                           "stopped in,")):
+        path = checkpoint.write(str(tmp_path / f"checkpoint-{epoch}{step}.h5"),
+                                state_of(tiny_model(), epoch=epoch, step=step))
+        trained = f"{epoch} epochs" + (f" and {step} steps" if step else "")
+        with pytest.raises(ConfigError, match=re.escape(f"has trained {trained}, past "
+                                                        f"--epochs {refused}: give --epochs "
+                                                        f"{least} or more")):
+            check_epochs_ahead(SimpleNamespace(epochs=refused), path)
+        check_epochs_ahead(SimpleNamespace(epochs=fine), path)
+
+
 def test_mismatched_classes_are_named(tmp_path):
     path = checkpoint.write(str(tmp_path / "checkpoint-000000009.h5"), state_of(tiny_model(3)))
     with pytest.raises(checkpoint.CheckpointError, match=r"parameter 2\.bias has shape \(3,\) in "

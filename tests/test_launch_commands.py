@@ -79,13 +79,17 @@ def test_a_hostfile_is_passed_to_mpirun_and_a_missing_one_refused(tmp_path, impl
 @pytest.mark.parametrize("impl", ["mpich", "openmpi"])
 def test_a_rank_killed_by_a_signal_is_named_under_open_mpis_quiet_mpirun(tmp_path, impl):
     """mpirun --quiet said nothing of a rank that a signal killed (MPICH's mpiexec says
-    it itself); a signal launch.sh passed on is not such a death."""
+    it itself); mpitrain's own ends after a stop signal sent to a rank (143, 130) or when
+    its launcher is gone (129) are no such death."""
     r, _, _ = launch(tmp_path, impl, "train", then="exit 137")
     assert r.returncode == 137, r.stdout + r.stderr
     notice = ("launch.sh: a rank was killed by SIGKILL (mpirun's status 137): the job ended "
               "there; with SIGKILL, look for the out-of-memory killer in the system's log "
               "(dmesg)\n")
     assert r.stderr == (notice if impl == "openmpi" else ""), r.stderr
+    for own in (143, 130, 129):
+        r, _, _ = launch(tmp_path / str(own), impl, "train", then=f"exit {own}")
+        assert r.returncode == own and r.stderr == "", r.stderr
 
 
 @pytest.mark.parametrize("impl, crowded", [("mpich", "-genv MPIR_CVAR_ENABLE_HEAVY_YIELD 1 "),

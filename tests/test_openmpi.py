@@ -286,7 +286,7 @@ def wait_until_gone(pids, timeout):
 @pytest.mark.launches
 def test_kill_9_of_launch_sh_ends_the_job(launched):
     """SIGKILL reaches launch.sh alone (its launcher has a process group of its own): the
-    kernel sends the launcher SIGTERM, which it passes on, and the ranks watch launch.sh
+    kernel sends the launcher SIGUSR1, which it passes on, and the ranks watch launch.sh
     too; the job ends within seconds, instead of training on as orphans."""
     job = launched()
     board = job.running()
@@ -295,7 +295,7 @@ def test_kill_9_of_launch_sh_ends_the_job(launched):
     took = wait_until_gone([b["pid"] for b in board.values()], timeout=30)
     out = job.output()
     assert took < 15, out
-    assert (re.search(r"SIGTERM: stopped at epoch \d+, step \d+; checkpoint ", out) or
+    assert (re.search(r"SIGUSR1: stopped at epoch \d+, step \d+; checkpoint ", out) or
             f"the launching process (pid {job.proc.pid}, MPITRAIN_LAUNCHER_PID) is gone" in out)
     assert "final validation accuracy" not in out
 
