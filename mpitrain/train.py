@@ -615,8 +615,11 @@ class Run:
         self.result["checkpoint"] = self.last_good = path
         self.saved_step = meta["global_step"]
         self.resumed = meta["epoch"], meta["step"]
-        self.say(f"resumed from {path}: epoch {meta['epoch'] + 1}, step {meta['step']} "
-                 f"(written by {meta['world_size']} rank(s))", flush=True)
+        where = (f"the end of its {epochs(meta['epoch'])}, nothing more to train"
+                 if meta["epoch"] >= self.epochs else
+                 f"epoch {meta['epoch'] + 1}, step {meta['step']}")
+        self.say(f"resumed from {path}: {where} (written by {meta['world_size']} rank(s))",
+                 flush=True)
 
     def beat(self, where):
         """A step boundary, an evaluation or a checkpoint is behind this rank."""
@@ -947,8 +950,9 @@ def train(comm=None, log=print, **options):
                   skipped_records=run.skipped, val_images=len(run.val_data.labels))
     top5 = f", {result['top5']:.2%} top-5" if "top5" in result else ""
     # a resumed run's seconds are this job's: from the position it resumed at
-    since = "" if run.resumed is None else \
-        f" since the resume at epoch {run.resumed[0] + 1}, step {run.resumed[1]}"
+    since = ("" if run.resumed is None else " since the resume at the run's end"
+             if run.resumed[0] >= run.epochs else
+             f" since the resume at epoch {run.resumed[0] + 1}, step {run.resumed[1]}")
     run.say(f"final validation accuracy: {result['top1']:.2%} top-1{top5} "
             f"({result['val_images']} images, {epochs(run.epochs)}, {result['seconds']:.1f} s"
             f"{since})"

@@ -429,6 +429,12 @@ def test_a_resume_that_saves_no_checkpoint_names_none_as_the_final_model(one_epo
             f"job's steps; metrics ") in r.stdout, r.stdout
     r = quick(*resume, "--epochs", "2")
     assert r.returncode == 0 and f"checkpoint {run_dir}/checkpoint-000000044.h5; " in r.stdout
+    r = quick(*resume, "--epochs", "2")     # at its end: said so, where "epoch 3" was
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (f"resumed from {run_dir}/checkpoint-000000044.h5: the end of its 2 epochs, "
+            f"nothing more to train (written by 1 rank(s))" in r.stdout), r.stdout
+    assert re.search(r"\(359 images, 2 epochs, [0-9.]+ s since the resume at the run's "
+                     r"end\)", r.stdout), r.stdout
     before = {p: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
     refused(quick(*resume, "--epochs", "1"),
             f"--resume: {run_dir}/checkpoint-000000044.h5 has trained 2 epochs, past --epochs "
