@@ -212,8 +212,11 @@ class EmulatedModule:
         run = subprocess.run(["g++", "-std=c++20", "-O2", *fma, contract, "-shared", "-fPIC",
                               src, "-o", f"{folder}/k.so"], capture_output=True, text=True,
                              timeout=600)
-        assert run.returncode == 0, run.stderr[-4000:]
-        return ctypes.CDLL(f"{folder}/k.so")
+        try:
+            assert run.returncode == 0, run.stderr[-4000:]
+            return ctypes.CDLL(f"{folder}/k.so")
+        finally:
+            shutil.rmtree(folder)   # a loaded library stays mapped without its file
 
     def get_function(self, name):
         launcher = getattr(self.lib, f"launch_{self.names.index(name)}")

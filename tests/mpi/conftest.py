@@ -44,6 +44,20 @@ def comm():
     c.free()
 
 
+@pytest.fixture
+def shared_dir():
+    """A directory every rank sees (made by rank 0), removed afterwards."""
+    import shutil
+
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    path = world.bcast(tempfile.mkdtemp(prefix="mpitrain-test-") if world.rank == 0 else None)
+    yield path
+    world.Barrier()
+    if world.rank == 0:
+        shutil.rmtree(path)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config):
     from mpi4py import MPI

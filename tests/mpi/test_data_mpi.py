@@ -6,8 +6,6 @@ compares and broadcasts what differs, so every rank passes or fails together.
 """
 import io
 import os
-import shutil
-import tempfile
 
 import h5py
 import numpy as np
@@ -20,16 +18,6 @@ from mpitrain.datasets import convert
 pytestmark = pytest.mark.mpi
 
 comm = MPI.COMM_WORLD
-
-
-@pytest.fixture
-def shared_dir():
-    """A directory every rank sees (made by rank 0), removed afterwards."""
-    path = comm.bcast(tempfile.mkdtemp(prefix="mpitrain-data-") if comm.rank == 0 else None)
-    yield path
-    comm.Barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path)
 
 
 def make_folder(root, n=23, classes=3):

@@ -3,7 +3,6 @@ exchange across real ranks, the residual through overflows, loss-scale changes a
 checkpoints, and density 1.0 against dense sums. Verdicts are agreed as in
 test_data_parallel (every rank asserts on every rank's)."""
 import os
-import tempfile
 
 import h5py
 import numpy as np
@@ -211,7 +210,7 @@ def test_density_one_takes_the_steps_of_dense_sums(comm):
     agree(check)
 
 
-def test_checkpoints_keep_each_ranks_residual(comm):
+def test_checkpoints_keep_each_ranks_residual(comm, shared_dir):
     """collect gathers every rank's residual; restore_residual gives each rank its own
     back bit for bit, and zeros with a warning when the rank count differs."""
     def check():
@@ -220,8 +219,7 @@ def test_checkpoints_keep_each_ranks_residual(comm):
         mine = a.zeros()
         fill(a, mine, np.random.default_rng(40 + WORLD.rank))
         state = checkpoint.collect(model, comm, 0, 1, 1, {}, residual=mine)
-        directory = comm.bcast(tempfile.mkdtemp() if WORLD.rank == 0 else None)
-        path = os.path.join(directory, "checkpoint-000000001.h5")
+        path = os.path.join(shared_dir, "checkpoint-000000001.h5")
         if WORLD.rank == 0:
             checkpoint.write(path, state)
         comm.barrier()
