@@ -2,8 +2,9 @@
 
 File layout (no pickle anywhere; format_version 1):
 
-    /master            (P,)  fp32 master weights: the parameters one after another, as
-                             the arena holds them but without its alignment padding
+    /master            (P,)  master weights (fp32; fp64 under --precision fp64): the
+                             parameters one after another, as the arena holds them but
+                             without its alignment padding
     /momentum          (P,)  the arena's momentum buffer, likewise (under --shard-update
                              gathered from every rank's shard: the same file either way)
     /buffers           (R, B) BatchNorm running statistics of each of the R ranks that

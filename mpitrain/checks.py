@@ -4,7 +4,8 @@ problem and the fix), with nothing written and no rank left waiting.
 
     options       (each value alone: mpitrain.options.Config) the global batch against
                   the ranks (check_batch), the communication options together
-                  (comm_options), what --layers plain cannot run (check_layers)
+                  (comm_options), what --layers plain and --precision fp64 cannot run
+                  (check_layers, check_fp64)
     MPI           the thread level the run's threads need (check_threads), a world the
                   size the launcher started (check_launch)
     data          the named data sets and files (resolve_data), both files readable, of
@@ -121,6 +122,7 @@ def refuse_options(cfg, world_size):
     command line checks before the run's imports (its answer in half a second, not two),
     and the run again (train() is called from Python too)."""
     check_layers(cfg)           # first: --layers plain refuses any --bn-group above 1
+    check_fp64(cfg)
     comm_options(cfg, world_size)
     check_options_used(cfg)
     check_milestones(cfg)
@@ -177,6 +179,19 @@ def check_topk_wire(compress, comm_dtype):
                           "escape the residual); drop --comm-dtype fp16")
 
 
+def check_fp64(cfg):
+    """Refuse what --precision fp64 cannot run: it computes on the CPU."""
+    if cfg.precision != "fp64":
+        return
+    for refused, option, why in (
+            (cfg.device == "gpu", "--device gpu", "the GPU's kernels and cuDNN plans are fp32 "
+             "and fp16 (--device auto runs fp64 on the CPU)"),
+            (cfg.compress == "topk", "--compress topk", "top-k's kernels take fp32 gradients")):
+        if refused:
+            raise ConfigError(f"--precision fp64 cannot run with {option}: {why}; drop "
+                              f"{option.split()[0]} or use --precision fp32")
+
+
 def check_layers(cfg):
     """Refuse what --layers plain cannot run: the plain layers (nets/plain.py) compute in
     NumPy in the master dtype on the CPU, one eager step at a time, and each rank's
@@ -184,8 +199,8 @@ def check_layers(cfg):
     if cfg.layers == "fast":
         return
     for refused, option, why in (
-            (cfg.precision != "fp32", f"--precision {cfg.precision}",
-             "the plain layers compute in fp32"),
+            (cfg.precision == "fp16", f"--precision {cfg.precision}",
+             "the plain layers compute in the master weights' dtype (fp32, or fp64)"),
             (cfg.device not in ("cpu", "auto"), f"--device {cfg.device}",
              "the plain layers are NumPy, on the CPU (--device auto runs them there)"),
             (cfg.decode != "cpu", f"--decode {cfg.decode}",

@@ -23,6 +23,7 @@ from typing import Callable, NamedTuple
 from .argtypes import (OnOff, density, finite_float, fraction, fusion_threshold, loss_scale,
                        metavar, nonnegative_float, nonnegative_int, path, positive_float,
                        positive_int, trace_file, workers)
+from .precision import DTYPES
 # nets.MODELS, optim.OPTIMIZERS and comm.ALGORITHMS, which are not imported here (the first
 # two bring Numba, so a refused option would wait a second for its answer; the third would
 # start MPI); a test holds them equal
@@ -188,8 +189,9 @@ OPTIONS = (
     Option("milestones", (), "epochs at which --schedule step multiplies lr by 0.1", OPTIM,
            positive_float, nargs="+", metavar="EPOCH"),
     Option("precision", "fp32", "fp16: fp16 activations and working weights, fp32 master "
-           "weights, BatchNorm statistics and loss (mixed precision)", OPTIM,
-           choices=("fp32", "fp16")),
+           "weights, BatchNorm statistics and loss (mixed precision); fp64: everything in "
+           "float64, on the CPU, to check a run against a float64 reference", OPTIM,
+           choices=tuple(DTYPES)),
     Option("loss_scale", None, "multiply the loss gradient by S (unscaled in the update), or "
            "'dynamic' (from 2^16, halved and the step skipped on an inf or NaN in the summed "
            "gradient, doubled after 2000 clean steps); default: dynamic where fp16 carries "
@@ -244,7 +246,8 @@ OPTIONS = (
            "it (--no-overlap); auto: during on a GPU, after on a CPU, where the ranks' cores "
            "have no idle time to hide the sum in", COMM, kind="on-off"),
     Option("comm_dtype", "fp32", "dtype of the gradients on the wire (fp16 halves the bytes; "
-           "each rank's gradient is divided by the ranks before the sum)", COMM,
+           "each rank's gradient is divided by the ranks before the sum; fp32 sends fp64 "
+           "under --precision fp64)", COMM,
            choices=("fp32", "fp16")),
     Option("compress", "none", "topk: each rank sends only the --density largest fraction of "
            "each gradient bucket (indices and values, all-gathered) and keeps the rest as a "

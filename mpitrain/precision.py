@@ -112,6 +112,13 @@ class LossScaler:
         self.skipped = int(state["skipped"])
 
 
+# --precision: (the dtype of master weights, gradients and optimizer state; the dtype
+# the layers compute in). fp64 is for checking a run against a float64 reference.
+DTYPES = {"fp32": ("float32", "float32"),
+          "fp16": ("float32", "float16"),
+          "fp64": ("float64", "float64")}
+
+
 def make_scaler(loss_scale, precision, comm_dtype="fp32"):
     """The trainer's scaler: loss_scale is a number, 'dynamic', or None for the default:
     'dynamic' where fp16 carries gradients (fp16 precision, or fp16 on the wire), else 1.
@@ -119,8 +126,8 @@ def make_scaler(loss_scale, precision, comm_dtype="fp32"):
     scale 1 the small ones fall into fp16's subnormals and lose their bits, and a large
     one overflows unseen. So fp16 in either place always checks for overflow; fp32 only
     when the scale is dynamic or not 1."""
-    if precision not in ("fp32", "fp16"):
-        raise ValueError(f"unknown precision {precision!r}; choose fp32 or fp16")
+    if precision not in DTYPES:
+        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(DTYPES)}")
     half = "fp16" in (precision, comm_dtype)
     if loss_scale is None:
         loss_scale = "dynamic" if half else 1.0

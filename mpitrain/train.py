@@ -72,7 +72,7 @@ from .nets.losses import accuracy_counts, nonfinite_rows, softmax_cross_entropy
 from .nets.plain import PlainNetwork
 from .optim import learning_rate, make_optimizer, scaled_lr
 from .options import DEFAULTS, Config
-from .precision import LossScaler, make_scaler
+from .precision import DTYPES, LossScaler, make_scaler
 from .shard import ShardedOptimizer, ShardedReducer
 
 
@@ -82,7 +82,6 @@ class RunData(NamedTuple):
     val_file: str
     transform: dict         # the loader's augmentation and crop options
     decode: str             # "cpu" or "gpu"
-    working: type | None    # the working dtype (np.float16 under fp16), None: the master's
     class_names: list
     image_size: int         # the square side the network takes
     normalise: dict         # the training file's {mean, std, pixel_max}
@@ -375,7 +374,8 @@ class Run:
         self.comm = comm = Communicator(mpi_comm, cfg.ranks_per_node)
         self.say = log if comm.rank == 0 else (lambda *a, **k: None)
         try:
-            backend.use_device("cpu" if cfg.layers == "plain" else cfg.device,
+            cpu_only = cfg.layers == "plain" or cfg.precision == "fp64"
+            backend.use_device("cpu" if cpu_only else cfg.device,
                                comm.host_rank, comm.host_size, cfg.ranks_per_gpu)
         except backend.DeviceError as e:
             raise ConfigError(str(e)) from None
@@ -386,14 +386,13 @@ class Run:
         cfg, size = self.cfg, self.comm.size
         train_file, val_file, transform = resolve_data(cfg, self.comm)
         check_validation_file(train_file, val_file)
-        working = np.float16 if cfg.precision == "fp16" else None
         num_train, class_names, image_size, normalise = describe_data(
             train_file, val_file, cfg.image_size, cfg.batch_size // size, cfg.workers,
-            cfg.prefetch, working or np.float32)
+            cfg.prefetch, DTYPES[cfg.precision][1])
         decode = check_decode(cfg, backend.device, (train_file, val_file))
         check_batch(cfg.batch_size, size, num_train)
-        return RunData(train_file, val_file, transform, decode, working, class_names,
-                       image_size, normalise)
+        return RunData(train_file, val_file, transform, decode, class_names, image_size,
+                       normalise)
 
     def build_model(self, data):
         """The model from the seed, and what the steps run forward and backward
@@ -401,9 +400,10 @@ class Run:
         model's arena and buffers."""
         cfg = self.cfg
         self.batch, self.epochs = cfg.batch_size, cfg.epochs
+        master, working = DTYPES[cfg.precision]
         self.model = model = build_model(cfg.model, num_classes=len(data.class_names),
-                                         seed=cfg.seed, rank=self.comm.rank,
-                                         working_dtype=data.working)
+                                         seed=cfg.seed, rank=self.comm.rank, dtype=master,
+                                         working_dtype=working)
         check_image_size(model, cfg.model, data.image_size,
                          data=None if cfg.image_size else data.train_file)
         self.net = model
@@ -533,9 +533,9 @@ class Run:
                    f"shard, all-gather")
         else:
             share_gradients(model.arena, comm, cfg.allreduce)
+            wire = np.float16 if cfg.comm_dtype == "fp16" else None   # None: the gradients'
             self.new_reducer = lambda threshold: Reducer(
-                model.arena, comm, threshold, cfg.allreduce,
-                np.float16 if cfg.comm_dtype == "fp16" else None, overlap, timeline,
+                model.arena, comm, threshold, cfg.allreduce, wire, overlap, timeline,
                 density=cfg.density if cfg.compress == "topk" else None,
                 dense_epochs=cfg.compress_warmup)
             tuner = self.tuner
@@ -547,7 +547,7 @@ class Run:
                       f"{tuner.candidates[0]:,} bytes first, {tuner.steps} steps each")
             how = (f"{describe_buckets(self.reducer.bounds, model.arena.grad.itemsize)} (each "
                    f"closed at {threshold:,} bytes{tuning}), all-reduce {cfg.allreduce}, "
-                   f"{cfg.comm_dtype} on the wire, "
+                   f"fp{8 * np.dtype(wire or model.arena.grad.dtype).itemsize} on the wire, "
                    f"{'overlapped with' if overlap else 'after'} backward")
         self.say(f"gradients: {how}" + (f"; BatchNorm statistics over groups of {cfg.bn_group} "
                                         f"rank(s)" if self.bn_group else ""), flush=True)

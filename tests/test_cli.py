@@ -41,6 +41,13 @@ def run(*args, timeout=120):
     (["bench", "step", "--compress", "topk", "--comm-dtype", "fp16"],
      "--compress topk sends its values in fp32 and cannot take --comm-dtype fp16"),
     (["bench", "step", "--density", "0"], "argument --density: 0 must be > 0.0"),
+    (["train", "--precision", "fp64", "--device", "gpu"],
+     "--precision fp64 cannot run with --device gpu: the GPU's kernels and cuDNN plans are "
+     "fp32 and fp16"),
+    (["train", "--precision", "fp64", "--compress", "topk"],
+     "--precision fp64 cannot run with --compress topk: top-k's kernels take fp32 gradients"),
+    (["train", "--layers", "plain", "--precision", "fp16"],
+     "--layers plain cannot run with --precision fp16"),
     (["bench", "comm", "--algorithms", "flat,ring"],
      "argument --algorithms: 'ring' is not one of flat, hierarchical, 2d, shm, hybrid"),
     (["bench", "comm", "--fusion-mib", "4,0"], "argument --fusion-mib: 0 must be >= 1"),
