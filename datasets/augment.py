@@ -12,9 +12,10 @@ Every transform is "take a box of the source image, resize it to size x size":
     normalise   out[h, w, c] = (pixel[h, w, c] - mean[c]) / std[c], in the output
                 dtype (mean, std in stored pixel units, as the file holds them)
 
-The resize is bilinear with Pillow's antialiasing (what torchvision does on
-PIL images), done by one Numba kernel that also flips and normalises, so a
-decoded image is read once and the batch slot written once.
+The resize is bilinear with Pillow's antialiasing (the filter of torchvision's resize
+of PIL images, over the box inside the image rather than a crop), done by one Numba
+kernel that also flips and normalises, so a decoded image is read once and the batch
+slot written once.
 
 JPEGs are decoded by libjpeg-turbo through simplejpeg when it is installed,
 Pillow otherwise (and for PNG and the JPEGs simplejpeg cannot turn into RGB).
@@ -147,8 +148,11 @@ class Augment:
             shape = (-(-height // reduce), -(-width // reduce), 3)
             pixels = decode(record, reduce, fast=self.train, turbo=self.turbo,
                             rows=math.ceil(rows), buffer=self._buffer("pixels", shape, np.uint8))
-            sx, sy = pixels.shape[1] / width, pixels.shape[0] / height
-            x0, y0, w, h = x0 * sx, y0 * sy, w * sx, h * sy
+            # a JPEG decoded at 1/s of its size (s = 1, 2, 4 or 8, the sides rounded up):
+            # source coordinate x is decoded coordinate x / s, as libjpeg's scaled IDCT
+            # samples it (the last column and row cover less than s source pixels)
+            s = 2 ** round(math.log2(width / pixels.shape[1]))
+            x0, y0, w, h = x0 / s, y0 / s, w / s, h / s
         work = out if out.dtype in (np.float32, np.float64) else \
             self._buffer("work", out.shape, np.float32)
         resize_normalise(pixels, (x0, y0, x0 + w, y0 + h), flip, self.mean.astype(work.dtype),

@@ -124,7 +124,8 @@ def mean_std(hist):
 def encode_file(path, resize_short=None):
     """(stored bytes, histogram) of one image file; raises if Pillow cannot decode it all.
 
-    The file's bytes are kept when it is a JPEG or PNG; with resize_short, an
+    The file's bytes are kept when it is a JPEG (an MPO too: a JPEG whose further
+    frames decoders pass over) or PNG; with resize_short, an
     image whose short side is larger is downscaled to it and stored as JPEG
     (quality 90).
     """
@@ -138,7 +139,7 @@ def encode_file(path, resize_short=None):
         rgb = rgb.resize((max(1, round(rgb.size[0] * scale)), max(1, round(rgb.size[1] * scale))),
                          Image.BICUBIC)
         data = _save(rgb, "JPEG", quality=90)
-    elif im.format not in ("JPEG", "PNG"):
+    elif im.format not in ("JPEG", "MPO", "PNG"):   # MPO: a camera's JPEG, more frames after
         data = _save(rgb, "PNG")
     return data, histogram(rgb)
 
@@ -260,8 +261,7 @@ def convert_imagefolder(src, dst, val_fraction=0.0, resize_short=None, seed=0, p
                 w.abort()
         elif rank == 0:
             mean, std = mean_std(hist)
-            for name in reversed(list(writers)):    # train last: its presence means both are done
-                writers[name].commit(mean, std)
+            Writer.commit_splits(list(reversed(writers.values())), mean, std)   # train last
             report_path = dst + ".skipped.txt"
 
             save_text(report_path,

@@ -161,6 +161,11 @@ class Writer:
 
     def commit(self, mean, std):
         """Write the datasets into the temporary file, flush it, rename it into place."""
+        self.write(mean, std)
+        self.publish()
+
+    def write(self, mean, std):
+        """Write the datasets into the temporary file and flush it to disk."""
         if not self.labels:
             raise ValueError(f"{self.path}: no records to write")
         strings = h5py.string_dtype("utf-8")
@@ -189,9 +194,27 @@ class Writer:
                 f.create_dataset("pixels", data=np.stack(self.pixels))
         with open(self._tmp, "rb+") as fh:
             os.fsync(fh.fileno())
+
+    def publish(self):
+        """Rename the written temporary file into place."""
         os.replace(self._tmp, self.path)
         self.done = True
         self._cleanup()
+
+    @staticmethod
+    def commit_splits(writers, mean, std):
+        """Make one conversion's split files appear together, the last of `writers` (the
+        training split: its presence means the set is complete) last: every temporary
+        file written whole, then the older files of these paths removed, then the
+        renames. An interruption never leaves a split beside one of an older conversion
+        (whose images the other split might share)."""
+        for w in writers:
+            w.write(mean, std)
+        for w in writers:
+            if os.path.exists(w.path):
+                os.remove(w.path)
+        for w in writers:
+            w.publish()
 
     def abort(self):
         self._cleanup()

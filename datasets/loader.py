@@ -238,7 +238,8 @@ class Loader:
             with self._cond:
                 self._held = a                  # hands the previous batch's slot back
                 self._cond.notify_all()
-                while not self._ready(a) and self._error is None:
+                # a worker's failure on a later batch leaves this one to the others
+                while not self._ready(a) and not self._failed_by(a):
                     self._cond.wait()
                 ready = self._ready(a)
             if not ready:                       # a worker failed; this batch will never come
@@ -284,6 +285,10 @@ class Loader:
             + self.sampler.rank * self.local_batch
         return int(np.clip(len(self.labels) - first, 0, self.local_batch))
 
+    def _failed_by(self, a):
+        """Whether a worker failed on batch a or before it (so that a never comes)."""
+        return self._error is not None and self._error_batch <= a
+
     def _ready(self, a):
         k = a % self.ring
         return self._slot_batch[k] == a and self._slot_done[k] == self.chunks
@@ -294,7 +299,7 @@ class Loader:
             return
         self._cond = threading.Condition()
         self._stop = False
-        self._error = None
+        self._error, self._error_batch = None, None
         self._held = self._next
         self._task = (self._next, 0)
         self._slot_batch = [-1] * self.ring
@@ -330,7 +335,7 @@ class Loader:
         return False
 
     def _work(self):
-        reader = None
+        reader, a = None, -1                            # a: the batch this worker fills
         try:
             reader = Reader(self.path, check=False)     # this worker's own h5py handle
             while True:
@@ -354,7 +359,7 @@ class Loader:
         except BaseException as e:          # handed to the consumer, which raises it
             with self._cond:
                 if self._error is None:
-                    self._error = e
+                    self._error, self._error_batch = e, a
                 self._cond.notify_all()
         finally:
             if reader is not None:
@@ -450,10 +455,10 @@ class Loader:
             except Exception as e:
                 if not self.skip_bad_records:
                     raise DataError(f"{self.path}: record {r} cannot be decoded "
-                                    f"({type(e).__name__}: {e}); train with --skip-bad-records "
+                                    f"({type(e).__name__}: {e}); give --skip-bad-records "
                                     f"to skip such records (they are counted and reported)") from e
                 with self._lock:
-                    self._slot_bad[slot] += 1
+                    self._slot_bad[slot] += tries == 0      # one per record replaced
                     self.bad_indices.add(r)
         raise DataError(f"{self.path}: records {i}..{r} are all bad; giving up")
 

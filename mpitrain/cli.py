@@ -225,7 +225,8 @@ def add_convert(commands):
         description="Convert a folder with one sub-folder per class. Every image is decoded "
                     "once to validate it; unreadable files are skipped and listed in "
                     "DST.skipped.txt. Under mpirun each rank converts a share "
-                    "(mpirun -np N python -m mpitrain convert imagefolder ...).")
+                    "(mpirun -np N python -m mpi4py -m mpitrain convert imagefolder ...: "
+                    "mpi4py's runner ends the job when one rank fails).")
     folder.add_argument("src", type=path, metavar="SRC")
     folder.add_argument("dst", type=path, metavar="DST")
     folder.add_argument("--val-fraction", type=fraction, default=0.0,
@@ -473,6 +474,10 @@ def add_eval(commands):
     evaluate.add_argument("--image-size", type=positive_int, metavar="PX",
                           help="square side of the images (default: the checkpoint's, which "
                                "its run took from its data or its --image-size)")
+    evaluate.add_argument("--skip-bad-records", action=OnOff, default=None,
+                          help="leave out and count records that fail to decode instead of "
+                               "stopping (default: as the checkpoint's run, train's "
+                               "--skip-bad-records)")
     evaluate.add_argument("--device", choices=["cpu", "gpu", "auto"], default=DEFAULTS["device"],
                           help="where the forward passes run (auto: a GPU when CuPy sees one)")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object")
@@ -936,7 +941,8 @@ def run_eval(args):
     try:
         result = evaluate_checkpoint(args.checkpoint, args.data, args.batch_size, args.workers,
                                      args.device, image_size=args.image_size,
-                                     data_dir=args.data_dir)
+                                     data_dir=args.data_dir,
+                                     skip_bad_records=args.skip_bad_records)
     except EvalError as e:
         args.command_parser.error(str(e))
     if MPI.COMM_WORLD.rank == 0:
@@ -948,6 +954,8 @@ def run_eval(args):
             print(f"{args.checkpoint} on {result['data']} ({result['images']} images, "
                   f"{result['image_size']}x{result['image_size']}): "
                   f"top-1 {result['top1']:.2%}{top5}")
+            if result["bad_records"]:
+                print(f"{result['bad_records']} bad record(s) left out (--skip-bad-records)")
         if result["nonfinite"]:
             sys.stderr.write(f"mpitrain eval: error: "
                              f"{describe_nonfinite(result, result['images'])}\n")

@@ -10,7 +10,7 @@ from PIL import Image
 from mpitrain.datasets.augment import (Augment, decode, draft_factor, filter_taps,
                                        random_resized_crop_box, resize_normalise, simplejpeg)
 from mpitrain.datasets.convert import (convert_digits, convert_imagefolder, convert_synthetic,
-                                       val_path)
+                                       encode_file, val_path)
 from mpitrain.datasets.h5format import FormatError, Reader, Writer
 from mpitrain.datasets.loader import DataError, Loader, ShardedSampler
 from mpitrain.datasets.split import stratified_val
@@ -109,6 +109,20 @@ def test_round_trip_keeps_labels_bytes_and_pixels(folder, converted):
                 assert np.abs(decoded.astype(int) - rgb).mean() < 2.0
 
 
+def test_a_cameras_mpo_jpeg_is_stored_as_its_bytes(tmp_path):
+    """An MPO file (a camera's JPEG with further frames after it, which Pillow names a
+    format of its own) is a JPEG to every decoder: stored byte for byte, never as PNG."""
+    images, _ = digit_images()
+    path = tmp_path / "photo.jpg"
+    first = Image.fromarray(images[0]).resize((64, 48))
+    second = first.transpose(Image.FLIP_TOP_BOTTOM)
+    first.save(path, "MPO", save_all=True, append_images=[second], quality=90)
+    assert Image.open(path).format == "MPO"
+    data, _ = encode_file(str(path))
+    assert data == path.read_bytes()
+    assert np.array_equal(decode(data), np.asarray(Image.open(path).convert("RGB")))
+
+
 def test_loader_gives_back_the_images(folder, converted):
     root, good, bad = folder
     dst, _ = converted
@@ -189,6 +203,28 @@ def test_interrupted_conversion_leaves_no_file(folder, tmp_path):
             w.add(0, b"bytes")
             raise RuntimeError("disk full")
     assert os.listdir(out) == []
+
+
+def test_a_reconversion_interrupted_in_its_training_file_keeps_the_older_pair(
+        folder, tmp_path, monkeypatch):
+    """Converted again with another seed and stopped while the training file is written:
+    the older conversion's two files stay together, never the new validation split beside
+    the older training file (whose images it would share)."""
+    root, good, bad = folder
+    dst = str(tmp_path / "x.h5")
+    convert_imagefolder(str(root), dst, val_fraction=0.2, seed=0)
+    before = {p: open(p, "rb").read() for p in (dst, str(tmp_path / "x_val.h5"))}
+    write = Writer.write
+
+    def stopped_in_training(self, mean, std):
+        if self.path == dst:
+            raise KeyboardInterrupt("stopped by the user")
+        write(self, mean, std)
+    monkeypatch.setattr(Writer, "write", stopped_in_training)
+    with pytest.raises(KeyboardInterrupt):
+        convert_imagefolder(str(root), dst, val_fraction=0.2, seed=1)
+    assert {p: open(p, "rb").read() for p in before} == before
+    assert sorted(os.listdir(tmp_path)) == ["x.h5", "x.h5.skipped.txt", "x_val.h5"]
 
 
 # -- the digits files ----------------------------------------------------------------
@@ -373,6 +409,27 @@ def test_draft_decoding_matches_full_decoding():
         assert np.abs(out - ref).mean() < 2.0
 
 
+def test_a_reduced_decode_keeps_the_crop_where_a_side_does_not_divide():
+    """A JPEG decoded at 1/s of its size (375 rows at 1/4: 94) maps source coordinate y
+    to y / s, as libjpeg's scaled IDCT samples it: a ramp's rows come out where the full
+    decode puts them, to the far edge."""
+    height, width = 375, 500
+    yy, xx = np.mgrid[0:height, 0:width]
+    rgb = np.stack([yy * 0.6, xx * 0.45, np.full(yy.shape, 128.0)], -1).astype(np.uint8)
+    data = encode(rgb, "JPEG", quality=100, subsampling=0)
+    assert draft_factor(height, height, 90) == 4
+    x0, ref = (width - height) / 2, np.empty((90, 90, 3))
+    resize_normalise(decode(data), (x0, 0, x0 + height, height), False, np.zeros(3),
+                     np.ones(3), ref)
+    for turbo in (False, True):
+        aug = Augment(90, [0] * 3, [1] * 3, train=False, crop_fraction=1.0, turbo=turbo)
+        out = np.empty((90, 90, 3))
+        aug(data, out)
+        error = out - ref
+        for edge in (error[:10, :, 0], error[-10:, :, 0], error[:, :10, 1], error[:, -10:, 1]):
+            assert abs(edge.mean()) < 0.2, (turbo, edge.mean())
+
+
 def resize_reference(pixels, box, size):
     """Float64 antialiased bilinear resize of box (x0, y0, x1, y1), straight from
     the formula: out[i, j] = sum_y sum_x wy(i, y) wx(j, x) pixels[y, x]."""
@@ -506,9 +563,9 @@ def test_augment_equals_the_whole_decode_bit_for_bit(size):
             flip = rng.random() < 0.5 if train else False
             x0, y0, w, h = aug.box(500, 375, rng)
             reduce = draft_factor(w, h, size)
-            pixels = decode(data, reduce, fast=train)
-            s = pixels.shape[1] / 500, pixels.shape[0] / 375
-            resize_normalise(pixels, (x0 * s[0], y0 * s[1], (x0 + w) * s[0], (y0 + h) * s[1]),
+            pixels = decode(data, reduce, fast=train)       # source x is decoded x / reduce
+            resize_normalise(pixels, (x0 / reduce, y0 / reduce, (x0 + w) / reduce,
+                                      (y0 + h) / reduce),
                              flip, aug.mean.astype(np.float32), aug.inv_std.astype(np.float32),
                              ref)
             assert np.array_equal(out, ref)
@@ -556,14 +613,37 @@ def test_corrupt_record_raises_naming_its_index(tmp_path, workers):
     loader.close()
 
 
+def test_a_bad_record_read_ahead_leaves_the_batches_before_it_to_come(tmp_path):
+    """A worker that fails on a batch read ahead ends the loader only when that batch is
+    asked for: the batches before it, slower to decode on the other workers, come first."""
+    rng = np.random.default_rng(0)
+    path = str(tmp_path / "late.h5")
+    with Writer(path, ["a", "b"]) as w:
+        for i in range(24):                 # batches of 4: 3 and 4 slow, 5 starts bad
+            slow = 12 <= i < 20
+            rgb = rng.integers(0, 256, (900, 900, 3) if slow else (16, 16, 3), dtype=np.uint8)
+            w.add(i % 2, b"garbage" * 9 if i == 20 else encode(rgb, "PNG"))
+        w.commit([120.0] * 3, [60.0] * 3)
+    loader = Loader(path, 4, train=False, workers=3, prefetch=2, image_size=16)
+    came = 0
+    with pytest.raises(DataError, match="record 20 cannot be decoded"):
+        for _ in loader:
+            came += 1
+    assert came == 5
+    loader.close()
+
+
 @pytest.mark.parametrize("workers", [0, 2])
-def test_skip_bad_records_replaces_and_counts(tmp_path, workers):
-    path = jpeg_file(str(tmp_path / "corrupt.h5"), n=12, corrupt={3, 7})
+@pytest.mark.parametrize("corrupt", [{3, 7}, {3, 4}])
+def test_skip_bad_records_replaces_and_counts(tmp_path, workers, corrupt):
+    """Each bad record is replaced and counted once, also where the next one in file
+    order, tried in its place, is bad too."""
+    path = jpeg_file(str(tmp_path / "corrupt.h5"), n=12, corrupt=corrupt)
     loader = Loader(path, 4, train=True, workers=workers, image_size=32, skip_bad_records=True)
     for epoch in range(2):
         labels = np.concatenate([y.copy() for _, y in loader])
         assert len(labels) == 12
-    assert loader.bad_indices == {3, 7}
+    assert loader.bad_indices == corrupt
     assert loader.skipped == 4                          # two records, two epochs
     loader.close()
 
@@ -689,6 +769,19 @@ def test_validation_leaves_out_a_bad_record_and_its_stand_in(tmp_path):
     assert scores[0]["bad_records"] == 1 and scores[1]["bad_records"] == 0
     for key in ("top1", "loss"):
         assert scores[0][key] == scores[1][key], (key, scores)
+
+    # eval scores the run's validation file as the run did, unless told otherwise
+    def evaluate(*options):
+        return subprocess.run([sys.executable, "-m", "mpitrain", "eval", "--checkpoint",
+                               str(tmp_path / "run-bad.h5"), "--workers", "1", *options],
+                              capture_output=True, text=True, timeout=300, env=environment(1))
+    r = evaluate("--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads(r.stdout.splitlines()[-1])
+    assert result["bad_records"] == 1 and result["top1"] == scores[0]["top1"], result
+    r = evaluate("--no-skip-bad-records")
+    assert r.returncode == 2 and "bad.h5: record 3 cannot be decoded" in r.stderr \
+        and "give --skip-bad-records" in r.stderr, r.stderr
 
 
 def test_a_sixteen_bit_png_is_scaled_to_eight_bits_not_clipped(tmp_path):

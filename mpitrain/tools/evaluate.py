@@ -19,21 +19,24 @@ class EvalError(ValueError):
 
 
 def evaluate_checkpoint(path, data=None, batch_size=None, workers=2, device="auto", comm=None,
-                        image_size=None, data_dir=None):
+                        image_size=None, data_dir=None, skip_bad_records=None):
     """{"top1", "top5" (5 classes or more), "loss" (mean cross-entropy), "images",
     "image_size", "data", ...} of checkpoint `path` on file `data` (a named data set: its
     validation file under `data_dir`, None: the run's; data None: its run's validation
-    file), at `image_size` (None: the checkpoint's); mpitrain.train.evaluate says the
-    rest."""
+    file), at `image_size` (None: the checkpoint's), leaving out records that fail to
+    decode where `skip_bad_records` (None: as the checkpoint's run did);
+    mpitrain.train.evaluate says the rest."""
     from mpi4py import MPI
     from mpitrain.comm import Communicator
     comm = Communicator(comm or MPI.COMM_WORLD)
-    result = _evaluate(comm, path, data, batch_size, workers, device, image_size, data_dir)
+    result = _evaluate(comm, path, data, batch_size, workers, device, image_size, data_dir,
+                       skip_bad_records)
     comm.free()         # collective: not after an error, which may be one rank's alone
     return result
 
 
-def _evaluate(comm, path, data, batch_size, workers, device, image_size, data_dir):
+def _evaluate(comm, path, data, batch_size, workers, device, image_size, data_dir,
+              skip_bad_records):
     from mpitrain.datasets.h5format import FormatError
     from mpitrain.datasets.loader import Loader
     from mpitrain.nets import build_model
@@ -96,7 +99,9 @@ def _evaluate(comm, path, data, batch_size, workers, device, image_size, data_di
         if "mean" in cfg and "std" in cfg else None
     with Loader(data, batch, rank=comm.rank, size=comm.size, train=False, image_size=size_px,
                 workers=workers, dtype=np.float32, num_classes=classes, crop_fraction=crop,
-                pinned=backend.xp is not np, normalise=normalise) as loader:
+                pinned=backend.xp is not np, normalise=normalise,
+                skip_bad_records=cfg.get("skip_bad_records", False) if skip_bad_records is None
+                else skip_bad_records) as loader:
         result = evaluate(model, comm, loader, (1, 5) if classes >= 5 else (1,))
     result.update(images=num_images, image_size=size_px, data=data)
     return result
