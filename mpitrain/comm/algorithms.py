@@ -238,26 +238,29 @@ def shm(comm, buf, wait=None):
     once; MPICH's shared-memory all-reduce copies through its own buffers. A buffer
     outside a shared window is staged through a shared scratch array (a copy in
     and out); a node whose ranks do not share memory (or of one rank), or a
-    shared_zeros array that did not fit in /dev/shm, runs 2d.
+    shared_zeros array that did not fit in /dev/shm, runs 2d. Returns the algorithm that
+    ran: "shm" or "2d".
     With `wait`, the node barriers are Ibarriers completed by `wait(request)`, so
     the communication thread can wait for the other ranks of its node without
     spinning; by default they are blocking Barriers (faster: MPICH's own
     shared-memory barrier rather than the non-blocking schedule).
     """
     if not comm.shares_memory:
-        return two_d(comm, buf)
+        two_d(comm, buf)
+        return "2d"
     if not buf.size:                # every rank has the same size: nothing to sum anywhere
-        return
+        return "shm"
     found = comm.peers(buf)
     if found is None:
         stage = comm.shared_scratch(buf.dtype, buf.size)
         stage[...] = buf
-        shm(comm, stage, wait)
+        ran = shm(comm, stage, wait)
         buf[...] = stage
-        return
+        return ran
     win, peers = found
     if win is None:                 # no room was left in shared memory for this array
-        return two_d(comm, buf)
+        two_d(comm, buf)
+        return "2d"
     dt, op = wire(buf)
     if buf.dtype == np.float16:
         peers = tuple(p.view(np.uint16) for p in peers)
@@ -287,6 +290,7 @@ def shm(comm, buf, wait=None):
                 if q != comm.local_rank:
                     p[lo:hi] = peers[comm.local_rank][lo:hi]
     node_barrier()
+    return "shm"
 
 
 # ----------------------------------------------------------------------------

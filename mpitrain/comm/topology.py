@@ -150,9 +150,8 @@ class Communicator:
         if algorithm == "hybrid":
             algorithm = algorithms.choose(self, buf.nbytes, buf.dtype, on_device,
                                           shared=self.peers(buf) is not None)
-        if not on_device:
-            algorithms.HOST[algorithm](self, buf, wait)
-            return algorithm
+        if not on_device:           # shm says where it handed a node without shared memory
+            return algorithms.HOST[algorithm](self, buf, wait) or algorithm
         if algorithm == "shm":      # device memory is in no shared window: the 2d it is shaped like
             algorithm = "2d"
         engine = self.nccl()

@@ -139,10 +139,12 @@ def test_large_sums(algorithm, dtype, k):
 def test_sums_in_shared_memory(k, algorithm, dtype, n):
     """Buffers inside a shared window (the gradient arena's place in training): shm
     sums there directly, hybrid picks shm for those of 64 KiB and more (on more than
-    one rank), the others are unaffected."""
+    one rank), the others are unaffected. Where a node's ranks share no memory, shm
+    hands the sum to 2d and says so."""
     large = P > 1 and n * np.dtype(dtype).itemsize >= algorithms.SHM_MIN_BYTES
+    shm_ran = "shm" if communicator(k).shares_memory else "2d"
     run_case(k, algorithm, dtype, n, shared=True,
-             expect="shm" if algorithm == "hybrid" and large else None)
+             expect=shm_ran if algorithm == "shm" or algorithm == "hybrid" and large else None)
 
 
 def test_repeated_calls_reuse_scratch():
@@ -196,6 +198,9 @@ def test_topology_of_ranks_per_node(k):
         # a group of ranks on several hosts shares no memory (shm runs 2d there)
         shares_memory=comm.shares_memory == (comm.local_size > 1 and one_host),
     )
+    buf = np.ones(5, np.float32)
+    ran = comm.allreduce(buf, "shm")            # says where it handed the sum
+    facts["shm_ran"] = ran == ("shm" if comm.shares_memory else "2d") and np.all(buf == P)
     agree(all(facts.values()), [f for f, v in facts.items() if not v])
 
 

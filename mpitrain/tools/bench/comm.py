@@ -164,8 +164,9 @@ def run(model="resnet50", algorithms=("flat", "hierarchical", "2d", "shm", "hybr
                     for s in parts]
             measure(mode, wire, buf, parts, extra)
     if set(wires) == {"fp32", "fp16"}:
-        # what training pays for fp16 on the wire from an fp32 arena: cast, sum, cast back
-        measure("fused 4 MiB", "fp16+cast", grads["fp32"], _slices(n, 2, 4 * MiB),
+        # what training pays for fp16 on the wire from an fp32 arena: cast, sum, cast back,
+        # in buckets of 4 MiB of the arena (what --fusion-threshold counts)
+        measure("fused 4 MiB", "fp16+cast", grads["fp32"], _slices(n, 4, 4 * MiB),
                 wire_dtype=np.float16)
 
     sweep_rows = []
