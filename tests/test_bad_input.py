@@ -134,16 +134,16 @@ def test_a_checkpoint_cut_short_is_refused_as_incomplete_with_the_fix(one_epoch,
 def test_validation_classes_must_be_the_training_classes(synth, tmp_path):
     other = tmp_path / "val.h5"
     rename_classes(synth / "s_val.h5", other, ["class0", "class1", "cat", "class3"])
-    r = quick("train", "--data", str(synth / "s.h5"), "--val-data", str(other), "--batch-size", "16",
-              "--run-dir", str(tmp_path / "run"))
+    r = quick("train", "--data", str(synth / "s.h5"), "--val-data", str(other),
+              "--batch-size", "16", "--run-dir", str(tmp_path / "run"))
     refused(r, f"validation file {other} does not have the classes of training file",
             "class 2 is 'cat' against 'class2'")
     three = tmp_path / "three.h5"
     rename_classes(synth / "s_val.h5", three, ["class0", "class1", "class2"])
     with h5py.File(three, "r+") as f:
         f["labels"][...] = f["labels"][...] % 3
-    r = quick("train", "--data", str(synth / "s.h5"), "--val-data", str(three), "--batch-size", "16",
-              "--run-dir", str(tmp_path / "run"))
+    r = quick("train", "--data", str(synth / "s.h5"), "--val-data", str(three),
+              "--batch-size", "16", "--run-dir", str(tmp_path / "run"))
     refused(r, "(3 classes against 4)")
     assert not (tmp_path / "run" / "config.json").exists()
 

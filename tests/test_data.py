@@ -506,7 +506,8 @@ def test_libjpeg_turbo_decoding_agrees_with_pillow():
             pil = decode(data, reduce, turbo=False).astype(np.int64)
             exact = decode(data, reduce, turbo=True).astype(np.int64)
             fast = decode(data, reduce, fast=True, turbo=True).astype(np.int64)
-            assert pil.shape == exact.shape == fast.shape == (-(-150 // reduce), -(-203 // reduce), 3)
+            assert pil.shape == exact.shape == fast.shape \
+                == (-(-150 // reduce), -(-203 // reduce), 3)
             assert np.abs(exact - pil).max() <= 1
             assert np.abs(fast - pil).mean() < 2.0 and np.abs(fast - pil).max() <= 24
     with pytest.raises(Exception):

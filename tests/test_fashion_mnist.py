@@ -20,8 +20,10 @@ def idx_bytes(array):
 
 def write_set(folder, train_x, train_y, test_x, test_y):
     folder.mkdir(parents=True, exist_ok=True)
-    for name, a in (("train-images-idx3-ubyte.gz", train_x), ("train-labels-idx1-ubyte.gz", train_y),
-                    ("t10k-images-idx3-ubyte.gz", test_x), ("t10k-labels-idx1-ubyte.gz", test_y)):
+    for name, a in (("train-images-idx3-ubyte.gz", train_x),
+                    ("train-labels-idx1-ubyte.gz", train_y),
+                    ("t10k-images-idx3-ubyte.gz", test_x),
+                    ("t10k-labels-idx1-ubyte.gz", test_y)):
         with gzip.open(folder / name, "wb") as f:
             f.write(idx_bytes(a))
     return str(folder)
@@ -37,7 +39,8 @@ def test_idx_files_read_back_and_damaged_ones_are_refused(tmp_path):
     (tmp_path / "short.idx").write_bytes(idx_bytes(a)[:-1])
     with pytest.raises(convert.ConvertError, match="truncated"):
         convert.read_idx(str(tmp_path / "short.idx"))
-    (tmp_path / "float.idx").write_bytes(bytes([0, 0, 0x0D, 1]) + (4).to_bytes(4, "big") + bytes(16))
+    (tmp_path / "float.idx").write_bytes(bytes([0, 0, 0x0D, 1]) + (4).to_bytes(4, "big")
+                                         + bytes(16))
     with pytest.raises(convert.ConvertError, match="not an IDX file of unsigned bytes"):
         convert.read_idx(str(tmp_path / "float.idx"))
 

@@ -123,7 +123,8 @@ def winograd_stacks(T, C, O, seed=0):
     """The three stacks of a Winograd layer's 16 GEMMs, as nets/conv.py lays them out:
     (a, b, out) for forward M[k] = V[k] U[:, k]^T, the filter gradient dU[:, k] =
     dM[k]^T V[k] (a transposed a, out every 16th row) and dV[k] = dM[k] U[:, k]."""
-    V, U, dM = randn(16, T, C, seed=seed), randn(O, 16, C, seed=seed + 1), randn(16, T, O, seed=seed + 2)
+    V, U = randn(16, T, C, seed=seed), randn(O, 16, C, seed=seed + 1)
+    dM = randn(16, T, O, seed=seed + 2)
     dU = np.full((O, 16, C), np.nan, np.float32)
     return [(V, U.transpose(1, 2, 0), np.full((16, T, O), np.nan, np.float32)),
             (dM.transpose(0, 2, 1), V, dU.transpose(1, 0, 2)),
@@ -162,7 +163,8 @@ def test_batched_matmul_takes_numpys_openblas_where_it_has_the_batch():
 
 
 def test_batched_matmul_without_a_unit_stride_axis_goes_to_numpy():
-    a, b = randn(4, 200, 300)[:, :, ::2], randn(4, 150, 240)[:, :, ::2]     # (4, 200, 150) @ (4, 150, 120)
+    # (4, 200, 150) @ (4, 150, 120)
+    a, b = randn(4, 200, 300)[:, :, ::2], randn(4, 150, 240)[:, :, ::2]
     out = np.empty((4, 200, 120), np.float32)
     gemm.batched_matmul(a, b, out)
     np.testing.assert_array_equal(out, np.matmul(a, b))

@@ -363,8 +363,8 @@ def test_avg_pool_gradients(k, s, p, shape):
     check_layer(AvgPool2d(k, s, p), rand(shape))
 
 
-@pytest.mark.parametrize("shape,out", [((2, 7, 5, 3), (3, 2)), ((2, 1, 1, 3), 6), ((1, 2, 3, 2), (5, 4)),
-                                       ((2, 4, 4, 2), 4)])
+@pytest.mark.parametrize("shape,out", [((2, 7, 5, 3), (3, 2)), ((2, 1, 1, 3), 6),
+                                       ((1, 2, 3, 2), (5, 4)), ((2, 4, 4, 2), 4)])
 def test_adaptive_avg_pool_gradients(shape, out):
     layer = AdaptiveAvgPool2d(out)
     y = check_layer(layer, rand(shape))
@@ -581,7 +581,8 @@ def test_cudnn_probe_without_fp16(fresh_probe):
 def test_cudnn_weight_gradient_is_written_in_its_dtype_or_fp32_only():
     x, dy = np.zeros((1, 5, 5, 3), np.float16), np.zeros((1, 5, 5, 4), np.float16)
     with pytest.raises(cudnn.Unsupported, match="only an fp32 output"):
-        cudnn.conv_backward_filter(x, dy, (4, 3, 3, 3), 1, 1, out=np.empty((4, 3, 3, 3), np.float64))
+        cudnn.conv_backward_filter(x, dy, (4, 3, 3, 3), 1, 1,
+                                   out=np.empty((4, 3, 3, 3), np.float64))
 
 
 @pytest.mark.gpu

@@ -110,7 +110,8 @@ def test_batchnorm_with_a_residual_gives_add_relu_of_its_output(dtype, train):
     """forward(x, residual=r), a residual block's last BN, is max(forward(x) + r, 0) bit
     for bit (float16 added as NumPy adds it: in float32, rounded once), in one pass;
     rejected on a layer with relu or a residual of another shape or dtype."""
-    work = {np.float16: {"dtype": np.float32, "working_dtype": np.float16}}.get(dtype, {"dtype": dtype})
+    work = {np.float16: {"dtype": np.float32, "working_dtype": np.float16}}.get(
+        dtype, {"dtype": dtype})
     bn = BatchNorm2d(7).bind(**work)
     bn.weight.master[...] = 1 + 0.5 * randn(7, seed=1)
     bn.bias.master[...] = randn(7, seed=2)
@@ -206,8 +207,10 @@ def test_batchnorm_matches_torch():
         yt.backward(torch.from_numpy(dy.transpose(0, 3, 1, 2).copy()))
         y = bn.forward(x, train=True)
         dx = bn.backward(dy)
-        np.testing.assert_allclose(y, yt.detach().numpy().transpose(0, 2, 3, 1), rtol=1e-10, atol=1e-12)
-        np.testing.assert_allclose(dx, xt.grad.numpy().transpose(0, 2, 3, 1), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(y, yt.detach().numpy().transpose(0, 2, 3, 1),
+                                   rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(dx, xt.grad.numpy().transpose(0, 2, 3, 1),
+                                   rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(bn.weight.grad, tbn.weight.grad.numpy(), rtol=1e-10)
         np.testing.assert_allclose(bn.bias.grad, tbn.bias.grad.numpy(), rtol=1e-10)
         tbn.weight.grad = tbn.bias.grad = None
@@ -216,7 +219,8 @@ def test_batchnorm_matches_torch():
 
     tbn.eval()
     x = randn(2, 3, 3, C, seed=30)
-    yt = tbn(torch.from_numpy(x.transpose(0, 3, 1, 2).copy())).detach().numpy().transpose(0, 2, 3, 1)
+    yt = tbn(torch.from_numpy(x.transpose(0, 3, 1, 2).copy())).detach().numpy()
+    yt = yt.transpose(0, 2, 3, 1)
     np.testing.assert_allclose(bn.forward(x, train=False), yt, rtol=1e-10, atol=1e-12)
 
 
@@ -287,7 +291,8 @@ def test_linear_float16_is_the_float32_product_rounded_once():
     y = lin.forward(x)
     assert y.dtype == np.float16
     w = lin.weight.data.astype(np.float32)
-    np.testing.assert_array_equal(y, (x.astype(np.float32) @ w.T).astype(np.float16) + lin.bias.data)
+    np.testing.assert_array_equal(y, (x.astype(np.float32) @ w.T).astype(np.float16)
+                                  + lin.bias.data)
     dy = randn(4, 8, seed=1).astype(np.float16)
     dx = lin.backward(dy)
     assert dx.dtype == np.float16 and lin.weight.grad.dtype == np.float32

@@ -107,9 +107,11 @@ def test_alexnet_names_and_flags():
 
 @pytest.mark.parametrize("zero", [False, True])
 def test_zero_init_residual(zero):
-    for model, last_bn in ((build_model("resnet18", num_classes=10, zero_init_residual=zero), "bn2"),
-                           (_tiny_bottleneck_resnet(zero_init_residual=zero).bind(), "bn3")):
-        gammas = {n: p.master for n, p in model.named_params() if n.endswith("weight") and len(p.shape) == 1}
+    for model, last_bn in (
+            (build_model("resnet18", num_classes=10, zero_init_residual=zero), "bn2"),
+            (_tiny_bottleneck_resnet(zero_init_residual=zero).bind(), "bn3")):
+        gammas = {n: p.master for n, p in model.named_params()
+                  if n.endswith("weight") and len(p.shape) == 1}
         last = [n for n in gammas if n.endswith(f"{last_bn}.weight") and n.startswith("layer")]
         assert len(last) == sum(model.layers)
         for name, g in gammas.items():
@@ -255,7 +257,8 @@ def test_matches_torch_float64(name):
     import torch
 
     from mpitrain.tools.bench import reference_torch as rt
-    model, tmodel, logits, tlogits, tgrads = _train_step_both(name, *FLOAT64[name], np.float64, torch.float64)
+    model, tmodel, logits, tlogits, tgrads = _train_step_both(name, *FLOAT64[name], np.float64,
+                                                              torch.float64)
     assert _rel(logits, tlogits) < 1e-6
     for pname, p in model.named_params():
         assert _rel(p.grad, tgrads[pname]) < 1e-6, pname
@@ -267,7 +270,8 @@ def test_matches_torch_float64(name):
 @pytest.mark.parametrize("name", sorted(FLOAT32))
 def test_matches_torch_float32(name):
     import torch
-    model, _, logits, tlogits, tgrads = _train_step_both(name, *FLOAT32[name], np.float32, torch.float32)
+    model, _, logits, tlogits, tgrads = _train_step_both(name, *FLOAT32[name], np.float32,
+                                                         torch.float32)
     assert logits.dtype == np.float32
     assert _rel(logits, tlogits) < 1e-3
     ours = np.concatenate([p.grad.ravel() for _, p in model.named_params()]).astype(np.float64)

@@ -142,7 +142,8 @@ def test_kill_9_on_the_second_host_ends_the_job_and_it_resumes_on_4_hosts(digits
                      "--run-dir", str(run_dir), "--resume", "auto")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "4 rank(s) on 4 node(s)" in r.stdout, r.stdout
-    assert f"resumed from {last}: epoch {epochs}, step 0 (written by 4 rank(s))" in r.stdout, r.stdout
+    assert f"resumed from {last}: epoch {epochs}, step 0 (written by 4 rank(s))" in r.stdout, \
+        r.stdout
     end = checkpoint.read(str(run_dir / f"checkpoint-{22 * epochs:09d}.h5"))
     assert (end["epoch"], end["world_size"]) == (epochs, 4)
     assert not list(run_dir.glob(".checkpoint-*.tmp")), sorted(os.listdir(run_dir))

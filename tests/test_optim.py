@@ -345,7 +345,8 @@ def test_linear_scaling_rule():
     (["--lr-ref-batch", "0"], "argument --lr-ref-batch: 0 must be >= 1"),
     (["--lars-eta", "0"], "argument --lars-eta: 0 must be > 0.0"),
     (["--precision", "bf16"], "argument --precision: invalid choice: 'bf16'"),
-    (["--loss-scale", "-8"], "argument --loss-scale: '-8' is neither a positive number nor 'dynamic'"),
+    (["--loss-scale", "-8"],
+     "argument --loss-scale: '-8' is neither a positive number nor 'dynamic'"),
     (["--loss-scale", "auto"], "argument --loss-scale: 'auto' is neither a positive number"),
 ])
 def test_bad_train_flags_exit_2(argv, message, capsys):

@@ -186,7 +186,8 @@ def test_the_watchdog_names_a_rank_frozen_inside_the_collective(job):
     j.running()
     os.kill(j.pid(0), signal.SIGSTOP)
     status, took, out = j.finish(timeout=60)
-    assert re.search(r"rank 0: no sign of life for \d+ s, .*frozen, stopped or dead \(pid", out), out
+    assert re.search(r"rank 0: no sign of life for \d+ s, .*frozen, stopped or dead \(pid",
+                     out), out
     assert status != 0 and took < 20, out
 
 

@@ -31,7 +31,8 @@ def cases():
     non-finite values, a non-unit loss scale."""
     rng = np.random.default_rng(5)
     out = []
-    for n, k, scale in ((1, 1, 1.0), (37, 5, 1.0), (300, 300, 4.0), (300, 1, 1.0), (513, 17, 1024.0)):
+    for n, k, scale in ((1, 1, 1.0), (37, 5, 1.0), (300, 300, 4.0), (300, 1, 1.0),
+                        (513, 17, 1024.0)):
         g = rng.standard_normal(n).astype(np.float32)
         r = (rng.standard_normal(n) * 0.1).astype(np.float32)
         out.append((g, r, k, scale))
@@ -83,7 +84,8 @@ def check_scatter(impl, n=40, k=7, p=3, xp=np):
     """p ranks' picks summed in rank order, against float64 sums, into a bucket that
     held other values before."""
     rng = np.random.default_rng(1)
-    indices = np.stack([np.sort(rng.choice(n, k, replace=False)) for _ in range(p)]).astype(np.int32)
+    indices = np.stack([np.sort(rng.choice(n, k, replace=False))
+                        for _ in range(p)]).astype(np.int32)
     values = rng.standard_normal((p, k)).astype(np.float32)
     bucket = xp.asarray(rng.standard_normal(n).astype(np.float32))
     topk.scatter_sum(bucket, xp.asarray(indices), xp.asarray(values), impl=impl)

@@ -57,7 +57,8 @@ def test_every_rank_adopts_rank_0s_fastest_with_first_steps_not_counted(comm):
     assert changed == [3 * (i + 1) - 1 for i in range(n)]   # after each candidate's last step
     assert tuner.chosen == tuner.candidates[n - 2]          # rank 0's choice, on every rank
     assert comm.allgather(tuner.chosen) == [tuner.chosen] * comm.size
-    assert tuner.median(tuner.chosen) == pytest.approx(0.55 if comm.rank == 0 else 1.0 + 0.1 * (n - 2))
+    assert tuner.median(tuner.chosen) == pytest.approx(0.55 if comm.rank == 0
+                                                       else 1.0 + 0.1 * (n - 2))
     assert "chose" in tuner.describe() and tuner.record(0.1) is False
 
 

@@ -31,7 +31,8 @@ def test_buckets_cover_every_parameter_once_in_order_and_agree_across_ranks(thre
         starts = [int(o) for o in arena.segments["offset"]]
         ends = [int(o + n) for o, n in arena.segments[["offset", "size"]]]
         if bounds[0][0] != starts[0] or bounds[-1][1] != ends[-1]:
-            return f"buckets span {bounds[0][0]}..{bounds[-1][1]}, parameters {starts[0]}..{ends[-1]}"
+            return (f"buckets span {bounds[0][0]}..{bounds[-1][1]}, parameters "
+                    f"{starts[0]}..{ends[-1]}")
         if any(a[1] > b[0] for a, b in zip(bounds, bounds[1:])):
             return "buckets overlap"
         if any(a >= b or a not in starts or b not in ends for a, b in bounds):

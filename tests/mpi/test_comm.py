@@ -73,8 +73,9 @@ def check_sum(buf, n, dtype, seed=1234):
     if not n:
         return same, "an empty buffer"
     worst = int(np.argmax(err - tol))
-    return ok_value and same, (f"value ok {ok_value} (worst index {worst}: error {err[worst]:.3g}, "
-                               f"tolerance {tol[worst]:.3g}); bitwise identical on all ranks {same}")
+    return ok_value and same, (f"value ok {ok_value} (worst index {worst}: error "
+                               f"{err[worst]:.3g}, tolerance {tol[worst]:.3g}); bitwise "
+                               f"identical on all ranks {same}")
 
 
 _arenas = {}
@@ -284,7 +285,8 @@ def test_half_sum_matches_numpy_bitwise():
     b = rng.integers(0, 1 << 16, 1 << 18, dtype=np.uint16)
     every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     cases = [(a, b), (a, a ^ 0x8000 ^ (b & 7)), (a & 0x83ff, b & 0x87ff)]
-    for special in (0x0000, 0x8000, 0x0001, 0x03ff, 0x0400, 0x3c00, 0x7bff, 0xfbff, 0x7c00, 0xfc00, 0x7e00):
+    for special in (0x0000, 0x8000, 0x0001, 0x03ff, 0x0400, 0x3c00, 0x7bff, 0xfbff, 0x7c00,
+                    0xfc00, 0x7e00):
         cases.append((every, np.full(every.size, special, np.uint16)))
     bad = 0
     for x, y in cases[WORLD.rank::P]:        # the ranks share the cases
@@ -293,7 +295,8 @@ def test_half_sum_matches_numpy_bitwise():
         got = x.copy()
         algorithms.add_into(got, y)
         nan = np.isnan(expect.view(np.float16))
-        bad += int(np.sum((got != expect) & ~nan)) + int(np.sum(~np.isnan(got.view(np.float16)) & nan))
+        bad += int(np.sum((got != expect) & ~nan)) \
+            + int(np.sum(~np.isnan(got.view(np.float16)) & nan))
     agree(bad == 0, f"{bad} sums differ from NumPy's")
 
 
@@ -405,7 +408,8 @@ def test_hybrid_rule(k):
         fp64=all(algorithms.choose(comm, b, np.float64) == "flat" for b in sizes),
         device=all(algorithms.choose(comm, b, np.float16, device=True) == "flat" for b in sizes),
         fp16=all(algorithms.choose(comm, b, np.float16)
-                 == ("2d" if split and b >= algorithms.FP16_2D_MIN_BYTES else "flat") for b in sizes),
+                 == ("2d" if split and b >= algorithms.FP16_2D_MIN_BYTES else "flat")
+                 for b in sizes),
         ran=comm.allreduce(np.zeros(algorithms.FP16_2D_MIN_BYTES // 2, np.float16), "hybrid")
         == ("2d" if split else "flat"),
     )

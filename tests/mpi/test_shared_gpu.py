@@ -46,11 +46,13 @@ def test_sharing_is_refused_on_every_rank_unless_asked_and_possible(comm):
             return str(e)
         return None
 
-    messages = comm.node_comm.allgather(refusal(n + 1, n + 1))       # K does not divide the node's ranks
+    # K does not divide the node's ranks
+    messages = comm.node_comm.allgather(refusal(n + 1, n + 1))
     assert messages == [messages[0]] * n
     assert f"--ranks-per-gpu {n + 1} does not divide the {n} ranks" in messages[0]
     if n > 1:
-        messages = comm.node_comm.allgather(refusal(1, None))        # two ranks on one GPU, not asked
+        # two ranks on one GPU, not asked for
+        messages = comm.node_comm.allgather(refusal(1, None))
         assert messages == [messages[0]] * n
         assert f"{n} ranks on this node but only 1 visible GPU(s)" in messages[0]
         assert "--ranks-per-gpu K" in messages[0]
