@@ -895,7 +895,9 @@ def format_result(r):
         lines.append(f"mpitrain's step: {ours:.0f} GFLOP/s of its layers' arithmetic (Winograd's "
                      f"convolutions counted as the direct form), "
                      f"{ours / r['gemm_peak_gflops']:.0%} of this machine's GEMM peak now "
-                     f"({r['gemm_peak_gflops']:.0f} GFLOP/s, a 2048^3 float32 GEMM)")
+                     f"({r['gemm_peak_gflops']:.0f} GFLOP/s, a 2048^3 float32 GEMM"
+                     + (f", with the forced {forced}: --native-openblas measures the CPU's "
+                        f"own kernels" if b["forced"] else "") + ")")
     if "profile" in r["mpitrain"]:
         lines += format_profile(r["mpitrain"]["profile"])
     if "layer_profile" in r["mpitrain"]:
