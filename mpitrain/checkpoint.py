@@ -128,13 +128,14 @@ CHUNK_ENTRY = 64
 
 def expected_size(model, ranks, arena_arrays):
     """Bytes a checkpoint of `model` written by `ranks` ranks takes at most, before one
-    exists: `arena_arrays` packed fp32 arrays of the parameters' size (master, momentum,
-    the optimizer's own, one top-k residual per rank), each rank's BatchNorm statistics,
-    the chunks' index entries and padding, and HEADROOM."""
+    exists: `arena_arrays` packed arrays of the parameters' size in the master's dtype
+    (master, momentum, the optimizer's own, one top-k residual per rank), each rank's
+    BatchNorm statistics, the chunks' index entries and padding, and HEADROOM."""
+    item = model.arena.dtype.itemsize          # 4, or 8 under --precision fp64
     params = sum(p.size for p in model.arena.params)
     buffers = sum(b.size for b in model.buffer_arena.buffers)
-    data = 4 * (arena_arrays * params + ranks * buffers)
-    chunks = data // (4 * CHUNK) + arena_arrays + ranks      # at most, a row's cut up
+    data = item * (arena_arrays * params + ranks * buffers)
+    chunks = data // (item * CHUNK) + arena_arrays + ranks      # at most, a row's cut up
     return data + chunks * (CHUNK_ENTRY + 4) + HEADROOM      # + a last chunk's padding
 
 

@@ -149,19 +149,23 @@ def test_a_checkpoint_changed_after_its_write_is_refused_as_corrupt(tmp_path):
 
 
 @pytest.mark.parametrize("ranks", [1, 16])
-def test_the_free_space_asked_for_a_checkpoint_covers_its_file(ranks):
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_free_space_asked_for_a_checkpoint_covers_its_file(ranks, dtype):
     """The estimate made before a run (checkpoint.expected_size) against the bytes of a real
-    checkpoint of resnet_small with a top-k residual and BatchNorm statistics per rank:
-    it must cover the chunks' index entries and padding, or a run that passed the check
-    at its start could fail at its first checkpoint (the arrays' own bytes and a fixed
-    headroom fell short for ResNet-50 at 64 ranks)."""
+    checkpoint of resnet_small with BatchNorm statistics per rank, and a top-k residual
+    (fp32) or float64 arrays (--precision fp64, which has no top-k): it must cover the
+    chunks' index entries and padding, or a run that passed the check at its start could
+    fail at its first checkpoint (the arrays' own bytes and a fixed headroom fell short
+    for ResNet-50 at 64 ranks)."""
     from mpitrain.nets import build_model
-    model = build_model("resnet_small", num_classes=10)
+    model = build_model("resnet_small", num_classes=10, dtype=dtype)
     state = state_of(model)
     state["buffers"] = np.tile(state["buffers"], (ranks, 1))
-    state["residual"] = np.ones((ranks, state["master"].size), np.float32)
+    residuals = ranks if dtype == np.float32 else 0
+    if residuals:
+        state["residual"] = np.ones((ranks, state["master"].size), np.float32)
     size = len(checkpoint.file_image(state))
-    estimate = checkpoint.expected_size(model, ranks, 2 + ranks)      # master, momentum
+    estimate = checkpoint.expected_size(model, ranks, 2 + residuals)   # master, momentum
     assert size <= estimate <= size + checkpoint.HEADROOM, (size, estimate)
 
 
