@@ -672,6 +672,11 @@ def check_resume(cfg, path, saved, data=None):
                               f"{getattr(cfg, key)}: a resumed run keeps it; pass {flag} "
                               f"{saved[key]}, or start a new run in another --run-dir")
     was = {key: BY_NAME[key].convert(saved[key]) for key in RESUME_RECIPE if key in saved}
+    if "loss_scale" in was:             # as given, or what its default meant: the same scaler
+        old = {**DEFAULTS, **saved}
+        if implied_loss_scale(was["loss_scale"], old["precision"], old["comm_dtype"]) \
+                == implied_loss_scale(cfg.loss_scale, cfg.precision, cfg.comm_dtype):
+            del was["loss_scale"]
     differ = [key for key, value in was.items() if value != getattr(cfg, key)]
     if differ:
         raise ConfigError(
@@ -704,6 +709,13 @@ def _check_same_data(cfg, path, saved, data):
     raise ConfigError(f"{path} was trained on --data {saved.get('data')}, and --data "
                       f"{cfg.data} holds {problem}: a resumed run keeps its data; give the "
                       f"run's --data, or start a new run in another --run-dir")
+
+
+def implied_loss_scale(value, precision, comm_dtype):
+    """--loss-scale as given, else the one its default means (precision.make_scaler)."""
+    if value is not None:
+        return value
+    return "dynamic" if make_scaler(None, precision, comm_dtype).dynamic else 1.0
 
 
 def _check_default_loss_scale(cfg, path, saved):

@@ -531,6 +531,16 @@ def test_a_resume_whose_wire_would_change_the_default_loss_scale_is_refused(one_
     assert {p: p.read_bytes() for p in run_dir.iterdir()} == before
 
 
+def test_a_resume_that_names_the_loss_scale_its_run_had_by_default_goes_on(one_epoch, digits,
+                                                                         tmp_path):
+    """--loss-scale given as the one the run's default meant (1 with fp32 on the wire) is
+    the same recipe: the resume goes on."""
+    run_dir, _ = copy_of(one_epoch, tmp_path)
+    r = quick("train", "--epochs", "2", *BATCH, "--data-dir", str(digits), "--run-dir",
+              str(run_dir), "--resume", "auto", "--loss-scale", "1")
+    assert r.returncode == 0 and "resumed from" in r.stdout, r.stdout + r.stderr
+
+
 def test_a_resume_from_before_the_run_directorys_newest_checkpoint_is_refused(one_epoch, digits,
                                                                              tmp_path):
     """The run would go on beside the later history it abandons, whose checkpoints
