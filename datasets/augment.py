@@ -187,7 +187,7 @@ def decode(data, reduce=1, fast=False, turbo=True, rows=None, buffer=None):
         except ValueError:
             pass                    # e.g. CMYK: Pillow converts it, or names what is wrong
     im = Image.open(io.BytesIO(data))
-    if reduce > 1 and im.format == "JPEG":
+    if reduce > 1 and im.format in ("JPEG", "MPO"):     # MPO: a JPEG, more frames after
         im.draft("RGB", (im.width // reduce, im.height // reduce))
     return np.asarray(to_rgb(im))
 

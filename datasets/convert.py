@@ -17,6 +17,7 @@ an mpi4py communicator) every rank validates and encodes an interleaved
 share of each round of images, rank 0 gathers them and writes; the result is
 the same file as a serial run.
 """
+import contextlib
 import gzip
 import hashlib
 import io
@@ -261,7 +262,9 @@ def convert_imagefolder(src, dst, val_fraction=0.0, resize_short=None, seed=0, p
                 w.abort()
         elif rank == 0:
             mean, std = mean_std(hist)
-            Writer.commit_splits(list(reversed(writers.values())), mean, std)   # train last
+            # train last; without a validation split, an older one of DST goes too
+            Writer.commit_splits(list(reversed(writers.values())), mean, std,
+                                 stale=[] if "val" in writers else [val_path(dst)])
             report_path = dst + ".skipped.txt"
 
             save_text(report_path,
@@ -302,16 +305,27 @@ def convert_digits(dst_dir, seed=0, val_fraction=0.2):
                              "convert_digits must follow datasets/digits.py")
     pixels = np.repeat(pixels.astype(np.uint16)[..., None], 3, axis=3)
     mean, std = pixels[~val].mean(), pixels[~val].std()
-    files, counts = {}, {}
-    classes = [str(c) for c in range(10)]
-    for name, mask in (("val", val), ("train", ~val)):
-        path = os.path.join(dst_dir, f"digits_{name}.h5")
-        with Writer(path, classes, storage="pixels", pixel_dtype=np.uint16) as w:
-            for p, y in zip(pixels[mask], labels[mask]):
-                w.add(y, p)
-            w.commit([mean] * 3, [std] * 3)
-        files[name], counts[name] = path, int(mask.sum())
-    return Conversion(files, counts)
+    return write_pixel_splits([(name, os.path.join(dst_dir, f"digits_{name}.h5"), pixels[mask],
+                                labels[mask]) for name, mask in (("val", val), ("train", ~val))],
+                              [str(c) for c in range(10)], mean, std, np.uint16)
+
+
+def write_pixel_splits(splits, classes, mean, std, pixel_dtype=np.uint8):
+    """Files of decoded pixels, one a split (name, path, pixels (N, H, W, 3), labels), with
+    one scalar mean and std over the channels, made to appear together with the training
+    split last (Writer.commit_splits): a conversion stopped half-way leaves the files of
+    the one before it."""
+    with contextlib.ExitStack() as stack:
+        writers = []
+        for name, path, images, labels in sorted(splits, key=lambda split: split[0] == "train"):
+            w = stack.enter_context(Writer(path, classes, storage="pixels",
+                                           pixel_dtype=pixel_dtype))
+            for image, label in zip(images, labels):
+                w.add(int(label), image)
+            writers.append(w)
+        Writer.commit_splits(writers, [mean] * 3, [std] * 3)
+    return Conversion({name: path for name, path, _, _ in splits},
+                      {name: len(labels) for name, _, _, labels in splits})
 
 
 # Fashion-MNIST (Xiao et al. 2017): Debian's package installs the four IDX files here
@@ -385,16 +399,12 @@ def convert_fashion_mnist(dst_dir, seed=0, source=None):
                                f"{y.max()}) do not make one 10-class set")
     val = stratified_val(train_y, FASHION_MNIST_VAL, np.random.default_rng(seed))
     mean, std = float(train_x[~val].mean()), float(train_x[~val].std())
-    files, counts = {}, {}
-    for name, x, y in (("train", train_x[~val], train_y[~val]), ("val", train_x[val], train_y[val]),
-                       ("test", test_x, test_y)):
-        path = os.path.join(dst_dir, f"fashion-mnist_{name}.h5")
-        with Writer(path, FASHION_MNIST_CLASSES, storage="pixels") as w:
-            for image, label in zip(np.repeat(x[..., None], 3, axis=3), y):
-                w.add(int(label), image)
-            w.commit([mean] * 3, [std] * 3)
-        files[name], counts[name] = path, len(y)
-    return Conversion(files, counts)
+    return write_pixel_splits(
+        [(name, os.path.join(dst_dir, f"fashion-mnist_{name}.h5"),
+          np.repeat(x[..., None], 3, axis=3), y)
+         for name, x, y in (("train", train_x[~val], train_y[~val]),
+                            ("val", train_x[val], train_y[val]), ("test", test_x, test_y))],
+        FASHION_MNIST_CLASSES, mean, std)
 
 
 def synthetic_image(rng, label, classes, size=(500, 375)):

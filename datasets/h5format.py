@@ -202,17 +202,18 @@ class Writer:
         self._cleanup()
 
     @staticmethod
-    def commit_splits(writers, mean, std):
+    def commit_splits(writers, mean, std, stale=()):
         """Make one conversion's split files appear together, the last of `writers` (the
         training split: its presence means the set is complete) last: every temporary
-        file written whole, then the older files of these paths removed, then the
-        renames. An interruption never leaves a split beside one of an older conversion
-        (whose images the other split might share)."""
+        file written whole, then the older files of these paths (and the paths `stale`,
+        splits this conversion does not make) removed, then the renames. An interruption
+        never leaves a split beside one of an older conversion (whose images the other
+        split might share)."""
         for w in writers:
             w.write(mean, std)
-        for w in writers:
-            if os.path.exists(w.path):
-                os.remove(w.path)
+        for path in [w.path for w in writers] + list(stale):
+            if os.path.exists(path):
+                os.remove(path)
         for w in writers:
             w.publish()
 

@@ -358,7 +358,7 @@ class Loader:
                     self._cond.notify_all()
         except BaseException as e:          # handed to the consumer, which raises it
             with self._cond:
-                if self._error is None:
+                if self._error is None or a < self._error_batch:   # the earliest batch
                     self._error, self._error_batch = e, a
                 self._cond.notify_all()
         finally:

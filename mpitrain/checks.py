@@ -183,9 +183,11 @@ def check_fp64(cfg):
     """Refuse what --precision fp64 cannot run: it computes on the CPU."""
     if cfg.precision != "fp64":
         return
+    on_cpu = "fp64 runs on the CPU, as the GPU's kernels and cuDNN plans are fp32 and fp16"
     for refused, option, why in (
-            (cfg.device == "gpu", "--device gpu", "the GPU's kernels and cuDNN plans are fp32 "
-             "and fp16 (--device auto runs fp64 on the CPU)"),
+            (cfg.device == "gpu", "--device gpu", on_cpu + " (--device auto runs it there)"),
+            (cfg.decode != "cpu", f"--decode {cfg.decode}", on_cpu),
+            (cfg.ranks_per_gpu is not None, f"--ranks-per-gpu {cfg.ranks_per_gpu}", on_cpu),
             (cfg.compress == "topk", "--compress topk", "top-k's kernels take fp32 gradients")):
         if refused:
             raise ConfigError(f"--precision fp64 cannot run with {option}: {why}; drop "
@@ -483,6 +485,36 @@ def check_image_size(model, name, size, data=None):
             fix = f"; give --image-size {smallest} or more (the images are resized to it)"
         raise ConfigError(f"{what} is too small for {name}: its feature maps shrink to "
                           f"nothing{fix}") from None
+
+
+def check_batchnorm_values(model, name, size, batch, ranks, group):
+    """Refuse a batch and image size that leave a BatchNorm layer one value per channel in
+    training, whose variance is then nothing (PyTorch refuses it too): the smallest map a
+    BatchNorm normalises, from one eval forward of an image, times the images its
+    statistics take (a rank's share of `batch`, times the `group` ranks of --bn-group)."""
+    from mpitrain.nets.batchnorm import BatchNorm2d
+    from mpitrain.nets.module import run_layer
+    maps = []
+
+    def watching(layer, phase, x, *args, **options):
+        if isinstance(layer, BatchNorm2d):
+            maps.append(x.shape[1] * x.shape[2])
+        return run_layer(layer, phase, x, *args, **options)
+    modules = [m for _, m in model.named_modules() if "run_layer" not in vars(m)]
+    for m in modules:
+        m.run_layer = watching
+    try:
+        model.forward(backend.xp.zeros((1, size, size, 3), model.dtype), train=False)
+    finally:
+        for m in modules:
+            del m.run_layer                     # the class's own again
+    if maps and batch // ranks * group * min(maps) < 2:
+        raise ConfigError(
+            f"--batch-size {batch} over {ranks} rank(s) gives each {batch // ranks} image(s), "
+            f"and at {size}x{size} the smallest map a BatchNorm layer of {name} normalises is "
+            f"{min(maps)} pixel(s): one value per channel in training, whose variance is "
+            f"nothing; give a --batch-size of two images a rank or more, a larger "
+            f"--image-size, or --bn-group to share the statistics across ranks")
 
 
 def _takes(model, size):

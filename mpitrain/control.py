@@ -23,6 +23,7 @@ import sys
 import termios
 import threading
 import time
+from collections import deque
 
 # status of a run that stopped on a signal: 0 after SIGUSR1 (stopped on request, resumable),
 # 128 + the signal's number otherwise, as a shell reports a process ended by it
@@ -471,15 +472,14 @@ class LossWatch:
     WINDOW, FACTOR, MARGIN, PATIENCE, WARMUP = 100, 4.0, 1.0, 5, 20
 
     def __init__(self):
-        self.history = []
+        self.history = deque(maxlen=self.WINDOW)    # the last WINDOW steps' losses
         self.streak = 0             # steps in a row above the threshold
         self.since = None           # global step at which the streak began
 
     def update(self, loss, global_step):
         """Record one step's mean loss; True when the run has diverged."""
-        recent = self.history[-self.WINDOW:]
-        if len(recent) >= self.WARMUP:
-            median = statistics.median(recent)
+        if len(self.history) >= self.WARMUP:
+            median = statistics.median(self.history)
             if loss > self.FACTOR * median and loss > median + self.MARGIN:
                 self.streak += 1
                 self.since = self.since or global_step
@@ -492,7 +492,7 @@ class LossWatch:
         return self.streak == 0
 
     def state_dict(self):
-        return {"history": self.history[-self.WINDOW:]}
+        return {"history": list(self.history)}
 
     def load_state_dict(self, state):
-        self.history = list(state.get("history", []))
+        self.history = deque(state.get("history", []), maxlen=self.WINDOW)

@@ -52,9 +52,10 @@ from threadpoolctl import threadpool_limits
 
 from . import backend, checkpoint
 from .backend import array_module
-from .checks import (ConfigError, check_batch, check_decode, check_free_space, check_image_size,
-                     check_launch, check_threads, check_validation_file, describe_data,
-                     find_resume, free_space, prepare_run_dir, refuse_options, resolve_data)
+from .checks import (ConfigError, check_batch, check_batchnorm_values, check_decode,
+                     check_free_space, check_image_size, check_launch, check_threads,
+                     check_validation_file, describe_data, find_resume, free_space,
+                     prepare_run_dir, refuse_options, resolve_data)
 from .comm import Communicator, syncbn
 from .comm.autotune import FusionTuner
 from .comm.buckets import Reducer, share_gradients
@@ -72,7 +73,7 @@ from .nets.losses import accuracy_counts, nonfinite_rows, softmax_cross_entropy
 from .nets.plain import PlainNetwork
 from .optim import learning_rate, make_optimizer, scaled_lr
 from .options import DEFAULTS, Config
-from .precision import DTYPES, LossScaler, make_scaler
+from .precision import DTYPES, LossScaleError, LossScaler, make_scaler
 from .shard import ShardedOptimizer, ShardedReducer
 
 
@@ -406,6 +407,8 @@ class Run:
                                          working_dtype=working)
         check_image_size(model, cfg.model, data.image_size,
                          data=None if cfg.image_size else data.train_file)
+        check_batchnorm_values(model, cfg.model, data.image_size, cfg.batch_size,
+                               self.comm.size, cfg.bn_group)
         self.net = model
         if cfg.layers == "plain":
             try:
@@ -511,6 +514,9 @@ class Run:
         self.skipped_before = 0                 # of them, before the resume (the loaders'
                                                 # counts start at 0)
         self.last_good = None                   # the newest written before a divergence began
+        # where a divergence the loss watch cannot see began (global steps; None: none now):
+        self.overflow_since = None      # the first of the overflows in a row, just before
+        self.nonfinite_since = None     # the first evaluation with non-finite logits in a row
         self.tuner = (FusionTuner(self.model.arena, self.comm)
                       if self.cfg.fusion_threshold == "auto" else None)
         self.stop_on_nan = not self.scaler.check    # under loss scaling an overflow skips
@@ -644,11 +650,20 @@ class Run:
                                cfg.warmup_epochs, cfg.schedule, cfg.milestones,
                                power=cfg.poly_power)
             started = time.perf_counter()
-            loss = train_step(self.net, self.optimizer, self.reducer, backend.xp.asarray(x),
-                              backend.xp.asarray(y), lr, cfg.label_smoothing, self.scaler,
-                              self.timeline, self.graph, self.correct)
+            global_step, skipped = epoch * steps + s + 1, self.scaler.skipped
+            try:
+                loss = train_step(self.net, self.optimizer, self.reducer,
+                                  backend.xp.asarray(x), backend.xp.asarray(y), lr,
+                                  cfg.label_smoothing, self.scaler, self.timeline, self.graph,
+                                  self.correct)
+            except LossScaleError as e:         # on every rank alike: the flag is agreed
+                last = self.set_aside(self.overflow_since or global_step)
+                raise TrainingError(f"{e}. Nothing was saved after the overflows began (step "
+                                    f"{self.overflow_since or global_step}); the last good "
+                                    f"checkpoint is {last or 'none'}") from None
+            overflowed = self.scaler.skipped > skipped
+            self.overflow_since = (self.overflow_since or global_step) if overflowed else None
             self.counted += len(y)
-            global_step = epoch * steps + s + 1
             if self.tuner:
                 self.tune_fusion(time.perf_counter() - started, global_step)
             self.beat(f"step {global_step}")
@@ -768,6 +783,8 @@ class Run:
             line += "".join(f"  val top{k} {accuracy[f'top{k}']:.2%}" for k in self.accuracy_at)
             if accuracy["nonfinite"]:
                 line += f"  {accuracy['nonfinite']} non-finite"
+            self.nonfinite_since = ((self.nonfinite_since or (epoch + 1) * self.steps)
+                                    if accuracy["nonfinite"] else None)
             if self.metrics:
                 self.metrics.write(dict(kind="eval", epoch=epoch + 1,
                                         global_step=(epoch + 1) * self.steps,
@@ -836,7 +853,8 @@ class Run:
         except OSError as e:
             return None, (f"{full} ({e.strerror or e}); nothing of it was left behind; {last}. "
                           f"Free space and continue with --resume auto")
-        if self.loss_watch.calm():
+        if self.loss_watch.calm() and self.overflow_since is None \
+                and self.nonfinite_since is None:
             self.last_good = path
         checkpoint.prune(self.run_dir, self.cfg.keep_checkpoints, protect={self.last_good})
         return path, None
@@ -861,21 +879,30 @@ class Run:
         not finite). Checkpoints written since the divergence began are renamed
         diverged-*, so that `--resume auto` takes the last good one."""
         bad = [r for r, b in enumerate(self.comm.allgather(not_finite)) if b]
-        since = self.loss_watch.since
         where = (f" on rank(s) {bad}" if bad else
                  f" (the mean over the ranks; above {self.loss_watch.FACTOR:g} x its running "
-                 f"median since step {since})")
-        if self.comm.rank == 0 and since is not None:
-            for path in checkpoint.checkpoints(self.run_dir):
-                name = os.path.basename(path)
-                if int(checkpoint.step_of(name)) >= since:
-                    os.replace(path, os.path.join(self.run_dir, "diverged-" + name))
-        last = checkpoint.latest(self.run_dir) if self.comm.rank == 0 else None
+                 f"median since step {self.loss_watch.since})")
+        began = [step for step in (self.loss_watch.since, self.overflow_since,
+                                   self.nonfinite_since) if step is not None]
+        last = self.set_aside(min(began) if began else None)
         shown = f" ({loss:.4g})" if not bad else ""
         return (f"the training loss {how}{shown} at epoch {epoch + 1}, step {s + 1}{where}: "
                 f"training diverged (try a lower --lr or more --warmup-epochs). Nothing was "
                 f"saved after the divergence began; the last good checkpoint is "
                 f"{last or 'none'}")
+
+    def set_aside(self, since):
+        """Rank 0: the checkpoints written at or after global step `since` (None: none)
+        renamed diverged-*, so that `--resume auto`, eval and export take the one before;
+        returns that one (None on the other ranks)."""
+        if self.comm.rank != 0:
+            return None
+        if since is not None:
+            for path in checkpoint.checkpoints(self.run_dir):
+                name = os.path.basename(path)
+                if int(checkpoint.step_of(name)) >= since:
+                    os.replace(path, os.path.join(self.run_dir, "diverged-" + name))
+        return checkpoint.latest(self.run_dir)
 
     def close(self, collective=True):
         """Release the run. After an error on this rank alone (collective=False) nothing
@@ -945,6 +972,10 @@ def train(comm=None, log=print, **options):
         # final model, which no file holds
         result["older_checkpoint"] = result.pop("checkpoint", None)
         result["checkpoint"] = None
+    if result["nonfinite"] and run.nonfinite_since is not None and result["checkpoint"]:
+        # not a model to resume, evaluate or export
+        result["set_aside"] = (run.nonfinite_since, run.set_aside(run.nonfinite_since))
+        result["checkpoint"] = None
     result.update(steps=run.steps * run.epochs, seconds=time.perf_counter() - run.start,
                   loss_scale=scaler.scale, skipped_steps=scaler.skipped,
                   skipped_records=run.skipped, val_images=len(run.val_data.labels))
@@ -977,7 +1008,11 @@ def say_where(say, result):
     uses = (f"; eval and predict take --checkpoint {run_dir}, export {run_dir}, for its "
             f"newest checkpoint" if result["checkpoint"] else "")
     older = result.get("older_checkpoint")
+    since, last = result.get("set_aside") or (None, None)
     saved = (f"checkpoint {result['checkpoint']}" if result["checkpoint"] else
+             f"no checkpoint of the final model: those from step {since} on, whose logits "
+             f"were not finite, were set aside as diverged-*; the last good checkpoint is "
+             f"{last or 'none'}" if since is not None else
              f"no checkpoint of the final model (--checkpoint-every 0): eval, predict and "
              f"export of {run_dir} take {older}, from before this job's steps" if older else
              "no checkpoint (--checkpoint-every 0: nothing for eval, predict or export)")

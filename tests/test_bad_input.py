@@ -278,6 +278,19 @@ def test_an_image_size_the_network_cannot_take(synth, tmp_path):
     assert not (tmp_path / "run" / "config.json").exists()
 
 
+def test_one_value_per_channel_for_a_batchnorm_is_refused_before_any_work(digits, tmp_path):
+    """One image a rank at 1x1 leaves resnet_small's BatchNorm layers one value per channel
+    in training (PyTorch refuses it at its forward): refused before the run directory is
+    made, and --bn-group, whose statistics take several ranks' images, is named."""
+    run_dir = tmp_path / "run"
+    refused(quick("train", "--data-dir", str(digits), "--batch-size", "1", "--image-size", "1",
+                  "--run-dir", str(run_dir)),
+            "--batch-size 1 over 1 rank(s) gives each 1 image(s), and at 1x1 the smallest map "
+            "a BatchNorm layer of resnet_small normalises is 1 pixel(s): one value per "
+            "channel in training", "or --bn-group to share the statistics across ranks")
+    assert not run_dir.exists()
+
+
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.launches)])
 def test_bench_step_refuses_an_image_size_the_network_cannot_take(synth, ranks):
     """As train does, on random data and on a file, in one process and in a job of two

@@ -43,8 +43,12 @@ def run(*args, timeout=120):
      "--compress topk sends its values in fp32 and cannot take --comm-dtype fp16"),
     (["bench", "step", "--density", "0"], "argument --density: 0 must be > 0.0"),
     (["train", "--precision", "fp64", "--device", "gpu"],
-     "--precision fp64 cannot run with --device gpu: the GPU's kernels and cuDNN plans are "
-     "fp32 and fp16"),
+     "--precision fp64 cannot run with --device gpu: fp64 runs on the CPU, as the GPU's "
+     "kernels and cuDNN plans are fp32 and fp16 (--device auto runs it there); drop --device"),
+    (["train", "--precision", "fp64", "--decode", "gpu"],
+     "--precision fp64 cannot run with --decode gpu: fp64 runs on the CPU"),
+    (["train", "--precision", "fp64", "--ranks-per-gpu", "2"],
+     "--precision fp64 cannot run with --ranks-per-gpu 2: fp64 runs on the CPU"),
     (["train", "--precision", "fp64", "--compress", "topk"],
      "--precision fp64 cannot run with --compress topk: top-k's kernels take fp32 gradients"),
     (["train", "--layers", "plain", "--precision", "fp16"],

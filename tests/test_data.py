@@ -121,6 +121,8 @@ def test_a_cameras_mpo_jpeg_is_stored_as_its_bytes(tmp_path):
     data, _ = encode_file(str(path))
     assert data == path.read_bytes()
     assert np.array_equal(decode(data), np.asarray(Image.open(path).convert("RGB")))
+    for turbo in (True, False):                 # scaled as a JPEG is, by either decoder
+        assert decode(data, 2, turbo=turbo).shape == (24, 32, 3)
 
 
 def test_loader_gives_back_the_images(folder, converted):
@@ -225,6 +227,11 @@ def test_a_reconversion_interrupted_in_its_training_file_keeps_the_older_pair(
         convert_imagefolder(str(root), dst, val_fraction=0.2, seed=1)
     assert {p: open(p, "rb").read() for p in before} == before
     assert sorted(os.listdir(tmp_path)) == ["x.h5", "x.h5.skipped.txt", "x_val.h5"]
+    # converted again without a validation split: the older one goes, never to be read
+    # beside a training file that holds its images
+    monkeypatch.undo()
+    convert_imagefolder(str(root), dst, val_fraction=0.0, seed=1)
+    assert sorted(os.listdir(tmp_path)) == ["x.h5", "x.h5.skipped.txt"]
 
 
 # -- the digits files ----------------------------------------------------------------
@@ -631,6 +638,36 @@ def test_a_bad_record_read_ahead_leaves_the_batches_before_it_to_come(tmp_path):
         for _ in loader:
             came += 1
     assert came == 5
+    loader.close()
+
+
+def test_of_two_workers_failing_the_earlier_batchs_failure_is_raised(tmp_path):
+    """A worker that fails at once on batch 2, while another is still failing, slowly, on
+    batch 1: the consumer, waiting for batch 1, gets batch 1's error (it waited for ever
+    when only the first failure to arrive was kept)."""
+    import threading
+    rng = np.random.default_rng(0)
+    big = encode(rng.integers(0, 256, (3000, 3000, 3), dtype=np.uint8), "JPEG", quality=95)
+    small = encode(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8), "PNG")
+    path = str(tmp_path / "two.h5")
+    with Writer(path, ["a", "b"]) as w:
+        for i, data in enumerate((small, big[:len(big) * 95 // 100], b"garbage" * 9, small)):
+            w.add(i % 2, data)                  # record 1 fails late, record 2 at once
+        w.commit([120.0] * 3, [60.0] * 3)
+    loader = Loader(path, 1, train=False, workers=2, prefetch=2, image_size=16)
+    came, raised = [], []
+
+    def consume():
+        try:
+            for _ in loader:
+                came.append(1)
+        except DataError as e:
+            raised.append(str(e))
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    consumer.join(60)
+    assert not consumer.is_alive() and len(came) == 1, (came, raised)
+    assert raised and "record 1 cannot be decoded" in raised[0], raised
     loader.close()
 
 

@@ -156,6 +156,32 @@ def test_non_finite_loss_stops_and_saves_nothing(digits, tmp_path):
     assert "Traceback" not in r.stderr
 
 
+def test_checkpoints_of_a_model_diverged_unseen_by_the_loss_are_set_aside(digits, tmp_path):
+    """Two divergences the training loss does not show at once: under fp16 the gradients
+    overflow step after step until the loss scale gives up, and in fp32 an update wrecks
+    the weights on an epoch's last step (the next loss is NaN, the evaluation before it
+    saw only non-finite logits). The checkpoints written since are set aside as
+    diverged-*, never named as the last good one, nor taken by --resume auto."""
+    base = ("train", "--lr", "1e30", "--warmup-epochs", "0", "--schedule", "constant",
+            "--image-size", "8", "--data-dir", str(digits))
+    fp16 = tmp_path / "fp16"
+    r = run_quick(*base, "--epochs", "4", "--batch-size", "64", "--precision", "fp16",
+                  "--run-dir", str(fp16))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "in a row at the smallest loss scale 1" in r.stderr
+    assert "Nothing was saved after the overflows began (step 2); the last good checkpoint " \
+           "is none" in r.stderr
+    assert sorted(p for p in os.listdir(fp16) if "checkpoint" in p) \
+        == ["diverged-checkpoint-000000022.h5"]
+    fp32 = tmp_path / "fp32"
+    r = run_quick(*base, "--epochs", "3", "--batch-size", "1438", "--run-dir", str(fp32))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "the training loss is not finite at epoch 2, step 1" in r.stderr
+    assert "the last good checkpoint is none" in r.stderr
+    assert sorted(p for p in os.listdir(fp32) if "checkpoint" in p) \
+        == ["diverged-checkpoint-000000001.h5"]
+
+
 # ----- invalid inputs, refused before any work -----
 def test_global_batch_not_divisible_by_the_ranks(digits, tmp_path):
     # rank count 2 is the point, so under mpiexec

@@ -76,6 +76,31 @@ def test_the_training_images_split_stratified_and_the_test_images_kept_apart(tmp
     assert mean == pytest.approx(tr.mean())
 
 
+def test_a_conversion_stopped_half_way_keeps_the_files_of_the_one_before(tmp_path,
+                                                                        monkeypatch):
+    """Converted again with another seed and stopped while its last file is written: the
+    three files of the earlier conversion stay as they were, never a new validation
+    split beside an older training file that holds its images."""
+    from mpitrain.datasets.h5format import Writer
+    rng = np.random.default_rng(2)
+    source = write_set(tmp_path / "src", rng.integers(0, 256, (100, 28, 28), dtype=np.uint8),
+                       np.arange(100) % 10, rng.integers(0, 256, (10, 28, 28), dtype=np.uint8),
+                       np.arange(10))
+    out = convert.convert_fashion_mnist(str(tmp_path / "data"), seed=0, source=source)
+    before = {path: open(path, "rb").read() for path in out.files.values()}
+    write = Writer.write
+
+    def stopped_in_training(self, mean, std):
+        if self.path == out.files["train"]:
+            raise KeyboardInterrupt("stopped by the user")
+        write(self, mean, std)
+    monkeypatch.setattr(Writer, "write", stopped_in_training)
+    with pytest.raises(KeyboardInterrupt):
+        convert.convert_fashion_mnist(str(tmp_path / "data"), seed=1, source=source)
+    assert {path: open(path, "rb").read() for path in before} == before
+    assert sorted(os.listdir(tmp_path / "data")) == sorted(os.path.basename(p) for p in before)
+
+
 def test_a_set_whose_labels_do_not_match_its_images_is_refused(tmp_path):
     x = np.zeros((10, 28, 28), np.uint8)
     source = write_set(tmp_path / "src", x, np.arange(9), x, np.arange(10))

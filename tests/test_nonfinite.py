@@ -182,6 +182,11 @@ def test_train_whose_validation_logits_overflow_fails_its_final_line(tmp_path, r
     evals = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")
              if '"eval"' in x]
     assert evals[-1]["nonfinite"] == 8 and evals[-1]["top1"] == 0.0
+    # its checkpoint is not a model to resume, evaluate or export
+    assert "no checkpoint of the final model: those from step 4 on, whose logits were not " \
+           "finite, were set aside as diverged-*; the last good checkpoint is none" in r.stdout
+    assert sorted(p.name for p in (tmp_path / "run").glob("*checkpoint*")) \
+        == ["diverged-checkpoint-000000004.h5"]
 
 
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.launches)])
