@@ -424,10 +424,12 @@ def check_launch(world_size):
                           f"start the job with that MPI's own mpirun")
 
 
-def describe_data(train_file, val_file, image_size, batch, workers, prefetch, dtype):
+def describe_data(train_file, val_file, image_size, batch, workers, prefetch, dtype,
+                  ranks_here=1):
     """(number of training images, class names, image size (`image_size`, else the
     training file's: h5format.default_image_size), the training file's
-    normalisation {mean, std, pixel_max}) of the run's two data files,
+    normalisation {mean, std, pixel_max}, the bytes of a rank's loader buffers) of the
+    run's two data files,
     refusing (ConfigError) files that are not this format, a single class, validation
     classes other than the training file's, and images the run's buffers cannot hold."""
     from mpitrain.datasets.h5format import (FormatError, Reader, available_memory,
@@ -453,18 +455,20 @@ def describe_data(train_file, val_file, image_size, batch, workers, prefetch, dt
         raise ConfigError(f"validation file {val_file} does not have the classes of training "
                           f"file {train_file} ({differ}): convert both from the same folders "
                           f"(convert imagefolder --val-fraction splits one)")
-    # the loader's ring of batches, for both loaders, plus one stored record per worker
+    # the loader's ring of batches, for both loaders, plus one stored record per worker, on
+    # each of the `ranks_here` ranks sharing this host's memory
     need = 2 * (prefetch + 1) * batch * size * size * 3 * np.dtype(dtype).itemsize
     if stored:
         need += (workers + 1) * int(np.prod(stored))
     have = available_memory()
-    if have is not None and need > have:
+    if have is not None and need * ranks_here > have:
+        each = f" on each of the {ranks_here} ranks of this host" if ranks_here > 1 else ""
         raise ConfigError(f"{train_file}: {size}x{size} images in batches of {batch} need "
-                          f"{need / 2**30:.1f} GiB of buffers, more than the "
+                          f"{need / 2**30:.1f} GiB of buffers{each}, more than the "
                           f"{have / 2**30:.1f} GiB "
                           f"of memory available: give a smaller --image-size or --batch-size "
                           f"(or check the file: it declares images of {stored or 'encoded'})")
-    return num_train, names, size, normalise
+    return num_train, names, size, normalise, need
 
 
 def check_image_size(model, name, size, data=None):
@@ -487,19 +491,17 @@ def check_image_size(model, name, size, data=None):
                           f"nothing{fix}") from None
 
 
-def check_batchnorm_values(model, name, size, batch, ranks, group):
-    """Refuse a batch and image size that leave a BatchNorm layer one value per channel in
-    training, whose variance is then nothing (PyTorch refuses it too): the smallest map a
-    BatchNorm normalises, from one eval forward of an image, times the images its
-    statistics take (a rank's share of `batch`, times the `group` ranks of --bn-group)."""
-    from mpitrain.nets.batchnorm import BatchNorm2d
+def leaf_shapes(model, size):
+    """(leaf layer, input shape, output shape) of each layer a network runs, in order, from
+    one eval forward of a single size x size image."""
     from mpitrain.nets.module import run_layer
-    maps = []
+    shapes = []
 
     def watching(layer, phase, x, *args, **options):
-        if isinstance(layer, BatchNorm2d):
-            maps.append(x.shape[1] * x.shape[2])
-        return run_layer(layer, phase, x, *args, **options)
+        y = run_layer(layer, phase, x, *args, **options)
+        if not layer.children():
+            shapes.append((layer, x.shape, y.shape))
+        return y
     modules = [m for _, m in model.named_modules() if "run_layer" not in vars(m)]
     for m in modules:
         m.run_layer = watching
@@ -508,6 +510,16 @@ def check_batchnorm_values(model, name, size, batch, ranks, group):
     finally:
         for m in modules:
             del m.run_layer                     # the class's own again
+    return shapes
+
+
+def check_batchnorm_values(shapes, name, size, batch, ranks, group):
+    """Refuse a batch and image size that leave a BatchNorm layer one value per channel in
+    training, whose variance is then nothing (PyTorch refuses it too): the smallest map a
+    BatchNorm normalises (`shapes`: leaf_shapes), times the images its statistics take (a
+    rank's share of `batch`, times the `group` ranks of --bn-group)."""
+    from mpitrain.nets.batchnorm import BatchNorm2d
+    maps = [x[1] * x[2] for layer, x, _ in shapes if isinstance(layer, BatchNorm2d)]
     if maps and batch // ranks * group * min(maps) < 2:
         raise ConfigError(
             f"--batch-size {batch} over {ranks} rank(s) gives each {batch // ranks} image(s), "
@@ -515,6 +527,24 @@ def check_batchnorm_values(model, name, size, batch, ranks, group):
             f"{min(maps)} pixel(s): one value per channel in training, whose variance is "
             f"nothing; give a --batch-size of two images a rank or more, a larger "
             f"--image-size, or --bn-group to share the statistics across ranks")
+
+
+def check_activations_fit(shapes, name, size, per_rank, ranks_here, itemsize, loader_bytes):
+    """Refuse a step whose layers' outputs alone, which training keeps for backward, and
+    the loaders' buffers (`loader_bytes` a rank) would not fit in the host's memory on its
+    `ranks_here` ranks (`shapes`: leaf_shapes; at least this much: the caches, gradients
+    and workspace come on top)."""
+    from mpitrain.datasets.h5format import available_memory
+    have = available_memory()
+    outputs = sum(int(np.prod(y)) for _, _, y in shapes) * itemsize * per_rank
+    need = (outputs + loader_bytes) * ranks_here
+    if have is not None and need > have:
+        each = f" on each of the {ranks_here} ranks of this host" if ranks_here > 1 else ""
+        raise ConfigError(f"{name} at {size}x{size} keeps at least {outputs / 2**30:.1f} GiB "
+                          f"of layer outputs for a step's {per_rank} image(s), and its "
+                          f"loaders {loader_bytes / 2**30:.1f} GiB{each}: more than the "
+                          f"{have / 2**30:.1f} GiB of memory available; give a smaller "
+                          f"--image-size or --batch-size")
 
 
 def _takes(model, size):

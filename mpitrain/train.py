@@ -52,10 +52,10 @@ from threadpoolctl import threadpool_limits
 
 from . import backend, checkpoint
 from .backend import array_module
-from .checks import (ConfigError, check_batch, check_batchnorm_values, check_decode,
-                     check_free_space, check_image_size, check_launch, check_threads,
-                     check_validation_file, describe_data, find_resume, free_space,
-                     prepare_run_dir, refuse_options, resolve_data)
+from .checks import (ConfigError, check_activations_fit, check_batch, check_batchnorm_values,
+                     check_decode, check_free_space, check_image_size, check_launch,
+                     check_threads, check_validation_file, describe_data, find_resume,
+                     free_space, leaf_shapes, prepare_run_dir, refuse_options, resolve_data)
 from .comm import Communicator, syncbn
 from .comm.autotune import FusionTuner
 from .comm.buckets import Reducer, share_gradients
@@ -86,6 +86,7 @@ class RunData(NamedTuple):
     class_names: list
     image_size: int         # the square side the network takes
     normalise: dict         # the training file's {mean, std, pixel_max}
+    loader_bytes: int       # a rank's loader buffers
 
 
 NO_TIMELINE = Timeline.off()      # train_step's default: no timing
@@ -387,13 +388,13 @@ class Run:
         cfg, size = self.cfg, self.comm.size
         train_file, val_file, transform = resolve_data(cfg, self.comm)
         check_validation_file(train_file, val_file)
-        num_train, class_names, image_size, normalise = describe_data(
+        num_train, class_names, image_size, normalise, loader_bytes = describe_data(
             train_file, val_file, cfg.image_size, cfg.batch_size // size, cfg.workers,
-            cfg.prefetch, DTYPES[cfg.precision][1])
+            cfg.prefetch, DTYPES[cfg.precision][1], self.comm.host_size)
         decode = check_decode(cfg, backend.device, (train_file, val_file))
         check_batch(cfg.batch_size, size, num_train)
         return RunData(train_file, val_file, transform, decode, class_names, image_size,
-                       normalise)
+                       normalise, loader_bytes)
 
     def build_model(self, data):
         """The model from the seed, and what the steps run forward and backward
@@ -407,8 +408,14 @@ class Run:
                                          working_dtype=working)
         check_image_size(model, cfg.model, data.image_size,
                          data=None if cfg.image_size else data.train_file)
-        check_batchnorm_values(model, cfg.model, data.image_size, cfg.batch_size,
+        shapes = leaf_shapes(model, data.image_size)
+        check_batchnorm_values(shapes, cfg.model, data.image_size, cfg.batch_size,
                                self.comm.size, cfg.bn_group)
+        if backend.device == "cpu":             # a GPU's memory is another matter
+            check_activations_fit(shapes, cfg.model, data.image_size,
+                                  cfg.batch_size // self.comm.size, self.comm.host_size,
+                                  np.dtype(DTYPES[cfg.precision][1]).itemsize,
+                                  data.loader_bytes)
         self.net = model
         if cfg.layers == "plain":
             try:

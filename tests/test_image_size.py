@@ -92,3 +92,27 @@ def test_study_takes_an_image_size():
     r = mpitrain("study", "large-batch", "--data", "no/such.h5", "--image-size", "32")
     assert r.returncode == 2, r.stdout + r.stderr
     assert "training file no/such.h5 does not exist; check --data" in r.stderr, r.stderr
+
+
+def test_memory_for_a_step_counts_every_rank_of_the_host_and_the_layers_outputs(digits):
+    """The loaders' buffers are asked of the host for each of its ranks, and a step's
+    layer outputs (leaf_shapes: at least what training keeps for backward) come on top
+    of them: a step they cannot hold is refused before any work, naming the sizes."""
+    from mpitrain.checks import (ConfigError, check_activations_fit, describe_data,
+                                 leaf_shapes)
+    from mpitrain.datasets.h5format import available_memory
+    from mpitrain.nets import build_model
+    files = (str(digits / "digits_train.h5"), str(digits / "digits_val.h5"))
+    *_, loader_bytes = describe_data(*files, None, 16, 2, 2, np.float32)
+    with pytest.raises(ConfigError, match=r"in batches of 16 need 0\.0 GiB of buffers on each "
+                                          r"of the 1000000000 ranks of this host"):
+        describe_data(*files, None, 16, 2, 2, np.float32, ranks_here=10**9)
+    model = build_model("resnet_small", num_classes=10)
+    shapes = leaf_shapes(model, 32)
+    assert not [m for _, m in model.named_modules() if "run_layer" in vars(m)]  # as it was
+    check_activations_fit(shapes, "resnet_small", 32, 16, 2, 4, loader_bytes)
+    have = available_memory()
+    with pytest.raises(ConfigError, match=r"resnet_small at 32x32 keeps at least 0\.0 GiB of "
+                                          r"layer outputs for a step's 16 image\(s\), and its "
+                                          r"loaders .* GiB on each of the 2 ranks of this host"):
+        check_activations_fit(shapes, "resnet_small", 32, 16, 2, 4, have // 2)
