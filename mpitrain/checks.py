@@ -432,8 +432,8 @@ def describe_data(train_file, val_file, image_size, batch, workers, prefetch, dt
     run's two data files,
     refusing (ConfigError) files that are not this format, a single class, validation
     classes other than the training file's, and images the run's buffers cannot hold."""
-    from mpitrain.datasets.h5format import (FormatError, Reader, available_memory,
-                                            default_image_size, white_level)
+    from mpitrain.datasets.h5format import (FormatError, Reader, default_image_size,
+                                            white_level)
     try:
         with Reader(train_file) as train, Reader(val_file) as val:
             for what, reader in (("training", train), ("validation", val)):
@@ -460,15 +460,23 @@ def describe_data(train_file, val_file, image_size, batch, workers, prefetch, dt
     need = 2 * (prefetch + 1) * batch * size * size * 3 * np.dtype(dtype).itemsize
     if stored:
         need += (workers + 1) * int(np.prod(stored))
+    refuse_beyond_memory(need, ranks_here, f"{train_file}: {size}x{size} images in batches of "
+                         f"{batch} need {need / 2**30:.1f} GiB of buffers",
+                         f"give a smaller --image-size or --batch-size (or check the file: it "
+                         f"declares images of {stored or 'encoded'})")
+    return num_train, names, size, normalise, need
+
+
+def refuse_beyond_memory(need, ranks_here, what, fix):
+    """ConfigError where `need` bytes on each of the `ranks_here` ranks sharing this host's
+    memory exceed what it has available: "`what` [on each of the N ranks of this host],
+    more than the G GiB of memory available: `fix`"."""
+    from mpitrain.datasets.h5format import available_memory
     have = available_memory()
     if have is not None and need * ranks_here > have:
         each = f" on each of the {ranks_here} ranks of this host" if ranks_here > 1 else ""
-        raise ConfigError(f"{train_file}: {size}x{size} images in batches of {batch} need "
-                          f"{need / 2**30:.1f} GiB of buffers{each}, more than the "
-                          f"{have / 2**30:.1f} GiB "
-                          f"of memory available: give a smaller --image-size or --batch-size "
-                          f"(or check the file: it declares images of {stored or 'encoded'})")
-    return num_train, names, size, normalise, need
+        raise ConfigError(f"{what}{each}, more than the {have / 2**30:.1f} GiB of memory "
+                          f"available: {fix}")
 
 
 def check_image_size(model, name, size, data=None):
@@ -534,17 +542,12 @@ def check_activations_fit(shapes, name, size, per_rank, ranks_here, itemsize, lo
     the loaders' buffers (`loader_bytes` a rank) would not fit in the host's memory on its
     `ranks_here` ranks (`shapes`: leaf_shapes; at least this much: the caches, gradients
     and workspace come on top)."""
-    from mpitrain.datasets.h5format import available_memory
-    have = available_memory()
     outputs = sum(int(np.prod(y)) for _, _, y in shapes) * itemsize * per_rank
-    need = (outputs + loader_bytes) * ranks_here
-    if have is not None and need > have:
-        each = f" on each of the {ranks_here} ranks of this host" if ranks_here > 1 else ""
-        raise ConfigError(f"{name} at {size}x{size} keeps at least {outputs / 2**30:.1f} GiB "
-                          f"of layer outputs for a step's {per_rank} image(s), and its "
-                          f"loaders {loader_bytes / 2**30:.1f} GiB{each}: more than the "
-                          f"{have / 2**30:.1f} GiB of memory available; give a smaller "
-                          f"--image-size or --batch-size")
+    refuse_beyond_memory(outputs + loader_bytes, ranks_here,
+                         f"{name} at {size}x{size} keeps at least {outputs / 2**30:.1f} GiB of "
+                         f"layer outputs for a step's {per_rank} image(s), and its loaders "
+                         f"{loader_bytes / 2**30:.1f} GiB", "give a smaller --image-size or "
+                         "--batch-size")
 
 
 def _takes(model, size):
