@@ -262,9 +262,7 @@ def convert_imagefolder(src, dst, val_fraction=0.0, resize_short=None, seed=0, p
                 w.abort()
         elif rank == 0:
             mean, std = mean_std(hist)
-            # train last; without a validation split, an older one of DST goes too
-            Writer.commit_splits(list(reversed(writers.values())), mean, std,
-                                 stale=[] if "val" in writers else [val_path(dst)])
+            Writer.commit_splits(list(reversed(writers.values())), mean, std)   # train last
             report_path = dst + ".skipped.txt"
 
             save_text(report_path,

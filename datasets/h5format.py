@@ -44,7 +44,9 @@ STORAGES = ("encoded", "pixels")
 
 def available_memory():
     """Bytes of memory this process may still use (the cgroup's limit where one is set,
-    else the kernel's MemAvailable), or None where neither can be read."""
+    less what it holds but the page cache it could give back (memory.stat's
+    inactive_file, as the kubelet counts a working set), else the kernel's MemAvailable),
+    or None where neither can be read."""
     have = None
     try:
         with open("/proc/meminfo") as f:
@@ -57,11 +59,24 @@ def available_memory():
         with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
             limit = f.read().strip()
             if limit.isdigit():
-                room = int(limit) - int(g.read())
+                room = int(limit) - int(g.read()) + _cgroup_stat("inactive_file")
                 have = room if have is None else min(have, room)
     except (OSError, ValueError):
         pass
     return have
+
+
+def _cgroup_stat(key):
+    """A count of this cgroup's memory.stat (0 where it has none)."""
+    try:
+        with open("/sys/fs/cgroup/memory.stat") as f:
+            for line in f:
+                name, value = line.split()
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 class FormatError(ValueError):
@@ -202,18 +217,17 @@ class Writer:
         self._cleanup()
 
     @staticmethod
-    def commit_splits(writers, mean, std, stale=()):
+    def commit_splits(writers, mean, std):
         """Make one conversion's split files appear together, the last of `writers` (the
         training split: its presence means the set is complete) last: every temporary
-        file written whole, then the older files of these paths (and the paths `stale`,
-        splits this conversion does not make) removed, then the renames. An interruption
-        never leaves a split beside one of an older conversion (whose images the other
-        split might share)."""
+        file written whole, then the older files of these paths removed, then the
+        renames. An interruption never leaves a split beside one of an older conversion
+        (whose images the other split might share)."""
         for w in writers:
             w.write(mean, std)
-        for path in [w.path for w in writers] + list(stale):
-            if os.path.exists(path):
-                os.remove(path)
+        for w in writers:
+            if os.path.exists(w.path):
+                os.remove(w.path)
         for w in writers:
             w.publish()
 

@@ -467,6 +467,20 @@ def describe_data(train_file, val_file, image_size, batch, workers, prefetch, dt
     return num_train, names, size, normalise, need
 
 
+def agreed(comm, check, *args, **kwargs):
+    """check(*args, **kwargs)'s result on every rank of `comm`; where it refuses on any rank
+    (a ConfigError from a rank's own reading, such as its host's free memory), every rank
+    raises the first rank's refusal, so that none is left waiting in a collective."""
+    try:
+        result, problem = check(*args, **kwargs), None
+    except ConfigError as e:
+        result, problem = None, str(e)
+    first = next((p for p in comm.allgather(problem) if p is not None), None)
+    if first is not None:
+        raise ConfigError(first)
+    return result
+
+
 def refuse_beyond_memory(need, ranks_here, what, fix):
     """ConfigError where `need` bytes on each of the `ranks_here` ranks sharing this host's
     memory exceed what it has available: "`what` [on each of the N ranks of this host],
@@ -525,16 +539,20 @@ def check_batchnorm_values(shapes, name, size, batch, ranks, group):
     """Refuse a batch and image size that leave a BatchNorm layer one value per channel in
     training, whose variance is then nothing (PyTorch refuses it too): the smallest map a
     BatchNorm normalises (`shapes`: leaf_shapes), times the images its statistics take (a
-    rank's share of `batch`, times the `group` ranks of --bn-group)."""
+    rank's share of `batch`, times the ranks of its --bn-group: `group` consecutive ranks,
+    the last group the rest)."""
     from mpitrain.nets.batchnorm import BatchNorm2d
     maps = [x[1] * x[2] for layer, x, _ in shapes if isinstance(layer, BatchNorm2d)]
-    if maps and batch // ranks * group * min(maps) < 2:
+    smallest_group = ranks % group or group
+    if maps and batch // ranks * smallest_group * min(maps) < 2:
+        share = (", or --bn-group to share the statistics across ranks" if group == 1 else
+                 f", or a --bn-group that divides the {ranks} ranks" if ranks % group else "")
         raise ConfigError(
             f"--batch-size {batch} over {ranks} rank(s) gives each {batch // ranks} image(s), "
             f"and at {size}x{size} the smallest map a BatchNorm layer of {name} normalises is "
             f"{min(maps)} pixel(s): one value per channel in training, whose variance is "
             f"nothing; give a --batch-size of two images a rank or more, a larger "
-            f"--image-size, or --bn-group to share the statistics across ranks")
+            f"--image-size" + (share if ranks > 1 else ""))
 
 
 def check_activations_fit(shapes, name, size, per_rank, ranks_here, itemsize, loader_bytes):

@@ -52,10 +52,11 @@ from threadpoolctl import threadpool_limits
 
 from . import backend, checkpoint
 from .backend import array_module
-from .checks import (ConfigError, check_activations_fit, check_batch, check_batchnorm_values,
-                     check_decode, check_free_space, check_image_size, check_launch,
-                     check_threads, check_validation_file, describe_data, find_resume,
-                     free_space, leaf_shapes, prepare_run_dir, refuse_options, resolve_data)
+from .checks import (ConfigError, agreed, check_activations_fit, check_batch,
+                     check_batchnorm_values, check_decode, check_free_space, check_image_size,
+                     check_launch, check_threads, check_validation_file, describe_data,
+                     find_resume, free_space, leaf_shapes, prepare_run_dir, refuse_options,
+                     resolve_data)
 from .comm import Communicator, syncbn
 from .comm.autotune import FusionTuner
 from .comm.buckets import Reducer, share_gradients
@@ -388,9 +389,11 @@ class Run:
         cfg, size = self.cfg, self.comm.size
         train_file, val_file, transform = resolve_data(cfg, self.comm)
         check_validation_file(train_file, val_file)
-        num_train, class_names, image_size, normalise, loader_bytes = describe_data(
-            train_file, val_file, cfg.image_size, cfg.batch_size // size, cfg.workers,
-            cfg.prefetch, DTYPES[cfg.precision][1], self.comm.host_size)
+        # every rank refuses alike, though each reads its own host's free memory
+        num_train, class_names, image_size, normalise, loader_bytes = agreed(
+            self.comm, describe_data, train_file, val_file, cfg.image_size,
+            cfg.batch_size // size, cfg.workers, cfg.prefetch, DTYPES[cfg.precision][1],
+            self.comm.host_size)
         decode = check_decode(cfg, backend.device, (train_file, val_file))
         check_batch(cfg.batch_size, size, num_train)
         return RunData(train_file, val_file, transform, decode, class_names, image_size,
@@ -412,10 +415,9 @@ class Run:
         check_batchnorm_values(shapes, cfg.model, data.image_size, cfg.batch_size,
                                self.comm.size, cfg.bn_group)
         if backend.device == "cpu":             # a GPU's memory is another matter
-            check_activations_fit(shapes, cfg.model, data.image_size,
-                                  cfg.batch_size // self.comm.size, self.comm.host_size,
-                                  np.dtype(DTYPES[cfg.precision][1]).itemsize,
-                                  data.loader_bytes)
+            agreed(self.comm, check_activations_fit, shapes, cfg.model, data.image_size,
+                   cfg.batch_size // self.comm.size, self.comm.host_size,
+                   np.dtype(DTYPES[cfg.precision][1]).itemsize, data.loader_bytes)
         self.net = model
         if cfg.layers == "plain":
             try:
@@ -623,9 +625,13 @@ class Run:
             self.correct[...] = int(counts[0])
             self.counted = int(counts[1])
         self.loss_watch.load_state_dict(meta["progress"])
+        self.overflow_since = meta["progress"].get("overflow_since")
+        self.nonfinite_since = meta["progress"].get("nonfinite_since")
         if self.tuner and "fusion" in meta["progress"]:
             self.tuner.load_state_dict(meta["progress"]["fusion"])
-        self.result["checkpoint"] = self.last_good = path
+        self.result["checkpoint"] = path
+        if self.overflow_since is None and self.nonfinite_since is None:
+            self.last_good = path
         self.saved_step = meta["global_step"]
         self.resumed = meta["epoch"], meta["step"]
         where = (f"the end of its {epochs(meta['epoch'])}, nothing more to train"
@@ -821,7 +827,8 @@ class Run:
         if global_step == self.saved_step:
             return
         progress = {"loss_sum": self.loss_sum.tolist(), "skipped": self.skipped,
-                    "skipped_logged": self.skipped_logged, **self.loss_watch.state_dict()}
+                    "skipped_logged": self.skipped_logged, **self.loss_watch.state_dict(),
+                    "overflow_since": self.overflow_since, "nonfinite_since": self.nonfinite_since}
         progress["top1_counts"] = self.top1_counts().tolist()
         if self.tuner:
             progress["fusion"] = self.tuner.state_dict()

@@ -281,14 +281,24 @@ def test_an_image_size_the_network_cannot_take(synth, tmp_path):
 def test_one_value_per_channel_for_a_batchnorm_is_refused_before_any_work(digits, tmp_path):
     """One image a rank at 1x1 leaves resnet_small's BatchNorm layers one value per channel
     in training (PyTorch refuses it at its forward): refused before the run directory is
-    made, and --bn-group, whose statistics take several ranks' images, is named."""
+    made. On several ranks --bn-group, whose statistics take several ranks' images, is
+    named, and a group of the ranks left over counts as small as it is."""
+    from mpitrain.checks import ConfigError, check_batchnorm_values, leaf_shapes
+    from mpitrain.nets import build_model
     run_dir = tmp_path / "run"
-    refused(quick("train", "--data-dir", str(digits), "--batch-size", "1", "--image-size", "1",
-                  "--run-dir", str(run_dir)),
-            "--batch-size 1 over 1 rank(s) gives each 1 image(s), and at 1x1 the smallest map "
-            "a BatchNorm layer of resnet_small normalises is 1 pixel(s): one value per "
-            "channel in training", "or --bn-group to share the statistics across ranks")
+    r = quick("train", "--data-dir", str(digits), "--batch-size", "1", "--image-size", "1",
+              "--run-dir", str(run_dir))
+    refused(r, "--batch-size 1 over 1 rank(s) gives each 1 image(s), and at 1x1 the smallest "
+               "map a BatchNorm layer of resnet_small normalises is 1 pixel(s): one value per "
+               "channel in training, whose variance is nothing; give a --batch-size of two "
+               "images a rank or more, a larger --image-size\n")
     assert not run_dir.exists()
+    shapes = leaf_shapes(build_model("resnet_small", num_classes=10), 1)
+    with pytest.raises(ConfigError, match="or --bn-group to share the statistics across ranks"):
+        check_batchnorm_values(shapes, "resnet_small", 1, 2, 2, 1)
+    check_batchnorm_values(shapes, "resnet_small", 1, 2, 2, 2)
+    with pytest.raises(ConfigError, match="or a --bn-group that divides the 3 ranks"):
+        check_batchnorm_values(shapes, "resnet_small", 1, 3, 3, 2)    # rank 2 alone
 
 
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.launches)])

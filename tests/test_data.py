@@ -227,11 +227,6 @@ def test_a_reconversion_interrupted_in_its_training_file_keeps_the_older_pair(
         convert_imagefolder(str(root), dst, val_fraction=0.2, seed=1)
     assert {p: open(p, "rb").read() for p in before} == before
     assert sorted(os.listdir(tmp_path)) == ["x.h5", "x.h5.skipped.txt", "x_val.h5"]
-    # converted again without a validation split: the older one goes, never to be read
-    # beside a training file that holds its images
-    monkeypatch.undo()
-    convert_imagefolder(str(root), dst, val_fraction=0.0, seed=1)
-    assert sorted(os.listdir(tmp_path)) == ["x.h5", "x.h5.skipped.txt"]
 
 
 # -- the digits files ----------------------------------------------------------------

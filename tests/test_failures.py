@@ -173,6 +173,17 @@ def test_checkpoints_of_a_model_diverged_unseen_by_the_loss_are_set_aside(digits
            "is none" in r.stderr
     assert sorted(p for p in os.listdir(fp16) if "checkpoint" in p) \
         == ["diverged-checkpoint-000000022.h5"]
+    # stopped during the overflows and resumed: the resumed run knows where they began
+    resumed = tmp_path / "resumed"
+    r = run_quick(*base, "--epochs", "1", "--batch-size", "256", "--precision", "fp16",
+                  "--loss-scale", "1e9", "--run-dir", str(resumed))
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = run_quick(*base, "--epochs", "2", "--batch-size", "256", "--precision", "fp16",
+                  "--loss-scale", "1e9", "--run-dir", str(resumed), "--resume", "auto")
+    assert "Nothing was saved after the overflows began (step 1); the last good checkpoint " \
+           "is none" in r.stderr, r.stdout + r.stderr
+    assert sorted(p for p in os.listdir(resumed) if "checkpoint" in p) \
+        == ["diverged-checkpoint-000000005.h5"]
     fp32 = tmp_path / "fp32"
     r = run_quick(*base, "--epochs", "3", "--batch-size", "1438", "--run-dir", str(fp32))
     assert r.returncode == 1, r.stdout + r.stderr

@@ -75,3 +75,30 @@ def test_dropout_masks_differ_between_ranks_after_a_resume_on_another_rank_count
                  if np.array_equal(every[a], every[b])]
         return f"ranks {alike} draw the same masks" if alike else None
     agree(check)
+
+
+def test_a_refusal_read_on_one_rank_alone_is_raised_on_every_rank():
+    """A check made from a rank's own reading (its host's free memory) that refuses on the
+    last rank alone: every rank raises that refusal (checks.agreed), none is left waiting
+    for the others; where no rank refuses, each gets its own result."""
+    from mpitrain.checks import ConfigError, agreed
+    comm = Communicator(WORLD)
+    last = WORLD.size - 1
+
+    def reading(rank):
+        if rank == last:
+            raise ConfigError(f"rank {rank}'s host has too little memory")
+        return rank
+
+    def check():
+        try:
+            agreed(comm, reading, WORLD.rank)
+        except ConfigError as e:
+            if str(e) != f"rank {last}'s host has too little memory":
+                return f"raised {e}"
+        else:
+            return "no refusal"
+        mine = agreed(comm, lambda rank: rank, WORLD.rank)
+        return None if mine == WORLD.rank else f"result {mine}"
+    agree(check)
+    comm.free()
