@@ -210,7 +210,8 @@ def convert_imagefolder(src, dst, val_fraction=0.0, resize_short=None, seed=0, p
 
     if rank == 0:
         splits = {"train": dst, "val": val_path(dst)} if val_fraction > 0 else {"train": dst}
-        writers = {name: Writer(path, classes) for name, path in splits.items()}
+        writers = {name: Writer(path, classes, split_of=os.path.basename(dst) if
+                                name == "val" else None) for name, path in splits.items()}
         hist = np.zeros((3, 256), np.int64)
         trained = np.zeros(len(classes), np.int64)  # training images written, per class
         first = {}              # digest of a file's bytes -> the first file that had them
@@ -262,7 +263,10 @@ def convert_imagefolder(src, dst, val_fraction=0.0, resize_short=None, seed=0, p
                 w.abort()
         elif rank == 0:
             mean, std = mean_std(hist)
-            Writer.commit_splits(list(reversed(writers.values())), mean, std)   # train last
+            # train last; without a validation split, one an earlier conversion cut for
+            # DST goes too (never a file converted on its own under that name)
+            Writer.commit_splits(list(reversed(writers.values())), mean, std,
+                                 stale=[] if "val" in writers else [val_path(dst)])
             report_path = dst + ".skipped.txt"
 
             save_text(report_path,

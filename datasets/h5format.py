@@ -66,6 +66,16 @@ def available_memory():
     return have
 
 
+def _split_of(path):
+    """The split_of attribute of the file at `path` (None: none, or no such file)."""
+    try:
+        with h5py.File(path, "r") as f:
+            value = f.attrs.get("split_of")
+    except OSError:
+        return None
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def _cgroup_stat(key):
     """A count of this cgroup's memory.stat (0 where it has none)."""
     try:
@@ -127,16 +137,22 @@ class Writer:
     storage "pixels": `add(label, array)` takes an (H, W, 3) array of the dtype
     given; records are kept in memory (the format is meant for small images).
 
+    split_of: the training file's name where this is the validation split a conversion
+    cut from the same folder (an attribute, so that a later conversion of that training
+    file without a validation split knows this file for its own: Writer.commit_splits).
+
     Used as a context manager, an exception inside the block removes every
     temporary file and leaves no destination file.
     """
 
-    def __init__(self, path, class_names, storage="encoded", pixel_dtype=np.uint8):
+    def __init__(self, path, class_names, storage="encoded", pixel_dtype=np.uint8,
+                 split_of=None):
         if storage not in STORAGES:
             raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
         self.path = path
         self.class_names = list(class_names)
         self.storage = storage
+        self.split_of = split_of
         self.pixel_dtype = np.dtype(pixel_dtype)
         self.labels, self.filenames = [], []
         self.sizes, self.pixels, self.shapes = [], [], []
@@ -188,6 +204,8 @@ class Writer:
             f.attrs["format"] = FORMAT
             f.attrs["version"] = VERSION
             f.attrs["storage"] = self.storage
+            if self.split_of is not None:
+                f.attrs["split_of"] = self.split_of
             if self.shapes:
                 f.attrs["image_size"] = np.rint(np.median(self.shapes, axis=0)).astype(np.int64)
             f.create_dataset("labels", data=np.asarray(self.labels, np.int64))
@@ -217,17 +235,19 @@ class Writer:
         self._cleanup()
 
     @staticmethod
-    def commit_splits(writers, mean, std):
+    def commit_splits(writers, mean, std, stale=()):
         """Make one conversion's split files appear together, the last of `writers` (the
         training split: its presence means the set is complete) last: every temporary
-        file written whole, then the older files of these paths removed, then the
-        renames. An interruption never leaves a split beside one of an older conversion
-        (whose images the other split might share)."""
+        file written whole, then the older files of these paths removed, and of the
+        paths `stale` those an earlier conversion made as the validation split of this
+        training file (split_of), then the renames. An interruption never leaves a split
+        beside one of an older conversion (whose images the other split might share)."""
         for w in writers:
             w.write(mean, std)
-        for w in writers:
-            if os.path.exists(w.path):
-                os.remove(w.path)
+        train = os.path.basename(writers[-1].path)
+        for path in [w.path for w in writers] + [p for p in stale if _split_of(p) == train]:
+            if os.path.exists(path):
+                os.remove(path)
         for w in writers:
             w.publish()
 

@@ -229,6 +229,22 @@ def test_a_reconversion_interrupted_in_its_training_file_keeps_the_older_pair(
     assert sorted(os.listdir(tmp_path)) == ["x.h5", "x.h5.skipped.txt", "x_val.h5"]
 
 
+def test_a_reconversion_without_a_validation_split_removes_only_its_own_earlier_one(
+        folder, tmp_path):
+    """Converted again with --val-fraction 0, a folder's earlier validation split (which
+    shares images with the new training file) goes; a file converted on its own under
+    that name (ImageNet's val folder, as docs/cluster.md converts it) stays."""
+    root, good, bad = folder
+    dst, val = str(tmp_path / "x.h5"), str(tmp_path / "x_val.h5")
+    convert_imagefolder(str(root), dst, val_fraction=0.2, seed=0)
+    convert_imagefolder(str(root), dst, val_fraction=0.0, seed=1)
+    assert not os.path.exists(val)
+    convert_imagefolder(str(root), val, val_fraction=0.0)
+    own = open(val, "rb").read()
+    convert_imagefolder(str(root), dst, val_fraction=0.0, seed=2)
+    assert open(val, "rb").read() == own
+
+
 # -- the digits files ----------------------------------------------------------------
 def test_convert_digits_equals_the_in_memory_split(tmp_path):
     from mpitrain.datasets.digits import load_digits_split
