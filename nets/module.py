@@ -26,8 +26,9 @@ class Module:
     # the hook through which a container runs each of its layers:
     # `y = self.run_layer(layer, "forward", x, train)`. A tool that watches layers sets its
     # own on the containers it watches: mpitrain.metrics.Timeline.trace_layers on a network,
-    # to draw its top-level layers in the trace; bench layers' profile and inspect on every
-    # module, to time or measure each layer.
+    # to draw its top-level layers in the trace; bench layers' profile and
+    # mpitrain.checks.leaf_shapes (inspect, train's checks) on every module, to time or
+    # measure each layer.
     run_layer = staticmethod(run_layer)
     backward_ready = False          # a network's: check_backward
 

@@ -1,9 +1,9 @@
 """`python -m mpitrain inspect`: what a network is made of, layer by layer.
 
 One forward pass of a zero batch of one image in eval mode, watched through the
-containers' run_layer hook (nets/module.py), records every leaf layer's input and
-output shape; each leaf then reports its parameters and forward multiply-adds
-(`Module.macs`). The hook is set only here and only on the inspected model.
+containers' run_layer hook (nets/module.py, by mpitrain.checks.leaf_shapes, which train's
+checks use too), records every leaf layer's input and output shape; each leaf then
+reports its parameters and forward multiply-adds (`Module.macs`).
 
 A model's size depends on its number of classes (the last layer's outputs), so the
 totals say both (mpitrain.nets.describe_parameters, as train prints them). With --data,
@@ -11,10 +11,7 @@ inspect takes the classes (and the image size) from the data as train does.
 """
 import os
 
-import numpy as np
-
 from mpitrain.nets import build_model, describe_parameters
-from mpitrain.nets.module import run_layer
 
 DEFAULT_CLASSES = 1000      # inspect without --data or --num-classes: ImageNet's
 
@@ -23,20 +20,12 @@ def layer_table(model_name, image_size=224, num_classes=1000, size_from=None):
     """Rows (name, type, output shape, parameters, multiply-adds) for every leaf layer
     in forward order, and the model (for totals). ConfigError for an image size the
     network cannot take (size_from: the data file it came from, None: --image-size)."""
-    from mpitrain.checks import check_image_size
+    from mpitrain.checks import check_image_size, leaf_shapes
     model = build_model(model_name, num_classes=num_classes)
     check_image_size(model, model_name, image_size, data=size_from)
-    rows, names = [], {id(m): name.rstrip(".") for name, m in model.named_modules()}
-
-    def recording_run_layer(layer, phase, x, *args, **options):
-        y = run_layer(layer, phase, x, *args, **options)
-        if not layer.children():
-            rows.append((names[id(layer)], type(layer).__name__, tuple(y.shape[1:]),
-                         layer.num_params(), int(layer.macs(x.shape, y.shape))))
-        return y
-    for _, m in model.named_modules():
-        m.run_layer = recording_run_layer
-    model.forward(np.zeros((1, image_size, image_size, 3), model.dtype), train=False)
+    names = {id(m): name.rstrip(".") for name, m in model.named_modules()}
+    rows = [(names[id(layer)], type(layer).__name__, tuple(y[1:]), layer.num_params(),
+             int(layer.macs(x, y))) for layer, x, y in leaf_shapes(model, image_size)]
     return rows, model
 
 
