@@ -495,10 +495,11 @@ def refuse_beyond_memory(need, ranks_here, what, fix):
 
 def check_image_size(model, name, size, data=None):
     """Refuse an image size the network cannot take (its feature maps would vanish): one
-    eval forward of a single image, before any work. data: the file the size came from
-    (None: --image-size gave it), which the refusal names with the option that changes it."""
+    eval forward of a single image, before any work; returns its leaf_shapes. data: the
+    file the size came from (None: --image-size gave it), which the refusal names with the
+    option that changes it."""
     try:
-        model.forward(backend.xp.zeros((1, size, size, 3), model.dtype), train=False)
+        return leaf_shapes(model, size)
     except ValueError:
         smallest = next((s for s in range(size + 1, 513) if _takes(model, s)), None)
         what = f"--image-size {size}" if data is None else \

@@ -55,8 +55,7 @@ from .backend import array_module
 from .checks import (ConfigError, agreed, check_activations_fit, check_batch,
                      check_batchnorm_values, check_decode, check_free_space, check_image_size,
                      check_launch, check_threads, check_validation_file, describe_data,
-                     find_resume, free_space, leaf_shapes, prepare_run_dir, refuse_options,
-                     resolve_data)
+                     find_resume, free_space, prepare_run_dir, refuse_options, resolve_data)
 from .comm import Communicator, syncbn
 from .comm.autotune import FusionTuner
 from .comm.buckets import Reducer, share_gradients
@@ -409,9 +408,8 @@ class Run:
         self.model = model = build_model(cfg.model, num_classes=len(data.class_names),
                                          seed=cfg.seed, rank=self.comm.rank, dtype=master,
                                          working_dtype=working)
-        check_image_size(model, cfg.model, data.image_size,
-                         data=None if cfg.image_size else data.train_file)
-        shapes = leaf_shapes(model, data.image_size)
+        shapes = check_image_size(model, cfg.model, data.image_size,
+                                  data=None if cfg.image_size else data.train_file)
         check_batchnorm_values(shapes, cfg.model, data.image_size, cfg.batch_size,
                                self.comm.size, cfg.bn_group)
         if backend.device == "cpu":             # a GPU's memory is another matter

@@ -20,12 +20,12 @@ def layer_table(model_name, image_size=224, num_classes=1000, size_from=None):
     """Rows (name, type, output shape, parameters, multiply-adds) for every leaf layer
     in forward order, and the model (for totals). ConfigError for an image size the
     network cannot take (size_from: the data file it came from, None: --image-size)."""
-    from mpitrain.checks import check_image_size, leaf_shapes
+    from mpitrain.checks import check_image_size
     model = build_model(model_name, num_classes=num_classes)
-    check_image_size(model, model_name, image_size, data=size_from)
+    shapes = check_image_size(model, model_name, image_size, data=size_from)
     names = {id(m): name.rstrip(".") for name, m in model.named_modules()}
     rows = [(names[id(layer)], type(layer).__name__, tuple(y[1:]), layer.num_params(),
-             int(layer.macs(x, y))) for layer, x, y in leaf_shapes(model, image_size)]
+             int(layer.macs(x, y))) for layer, x, y in shapes]
     return rows, model
 
 
