@@ -259,7 +259,9 @@ def stopped_at(out, name):
 
 def test_sbatch_runs_one_job_of_two_ranks_stops_on_usr1_and_resumes(slurm, digits, tmp_path):
     run_dir = tmp_path / "run"
-    args = ("--data-dir", str(digits), "--epochs", "6")
+    # long enough that the signal lands mid-run (the digits run 6 epochs in 2 s on an idle
+    # host, and the signal, sent after 10 steps, came after the run's end)
+    args = ("--data-dir", str(digits), "--epochs", "30")
     job = Job(slurm, tmp_path, run_dir, *args)
     job.ranks()
     slurm.run("scancel", "--signal=USR1", job.id)        # to the job's tasks, as Slurm does
@@ -277,7 +279,7 @@ def test_sbatch_runs_one_job_of_two_ranks_stops_on_usr1_and_resumes(slurm, digit
     one_world_of_two(out)
     assert f"resumed from {path}" in out, out
     assert len(re.findall(r"final validation accuracy: [\d.]+% top-1", out)) == 1, out
-    assert os.path.exists(run_dir / "checkpoint-000000132.h5"), out     # 6 epochs of 22
+    assert os.path.exists(run_dir / "checkpoint-000000660.h5"), out     # 30 epochs of 22
 
 
 def test_a_signal_to_the_batch_shell_reaches_the_ranks(slurm, digits, tmp_path):
