@@ -883,7 +883,7 @@ def run_train(args, parser=None, argv=()):
     if result["nonfinite"]:                      # the same sums on every rank
         if MPI.COMM_WORLD.rank == 0:
             sys.stderr.write(f"mpitrain train: error: the final evaluation: "
-                             f"{describe_nonfinite(result, result['val_images'])}\n")
+                             f"{describe_nonfinite(result)}\n")
         sys.exit(1)
 
 
@@ -936,7 +936,7 @@ def run_eval(args):
     from mpitrain.launcher import size_thread_pools
     size_thread_pools(MPI.COMM_WORLD)            # before Numba loads
     from mpitrain.tools.evaluate import EvalError, evaluate_checkpoint
-    from mpitrain.train import describe_nonfinite
+    from mpitrain.train import describe_images, describe_nonfinite
     args.checkpoint = checkpoint_in(args, MPI.COMM_WORLD)
     try:
         result = evaluate_checkpoint(args.checkpoint, args.data, args.batch_size, args.workers,
@@ -951,14 +951,12 @@ def run_eval(args):
             print(json.dumps(result))
         else:
             top5 = f", top-5 {result['top5']:.2%}" if "top5" in result else ""
-            print(f"{args.checkpoint} on {result['data']} ({result['images']} images, "
+            print(f"{args.checkpoint} on {result['data']} ({describe_images(result)}, "
                   f"{result['image_size']}x{result['image_size']}): "
                   f"top-1 {result['top1']:.2%}{top5}")
-            if result["bad_records"]:
-                print(f"{result['bad_records']} bad record(s) left out (--skip-bad-records)")
         if result["nonfinite"]:
             sys.stderr.write(f"mpitrain eval: error: "
-                             f"{describe_nonfinite(result, result['images'])}\n")
+                             f"{describe_nonfinite(result)}\n")
     if result["nonfinite"]:                      # the same sums on every rank
         sys.exit(1)
 

@@ -254,7 +254,7 @@ def evaluate(model, comm, loader, topk=(1, 5)):
     {"top1": fraction, ..., "loss": mean cross-entropy (without label smoothing; None
     when some logits were not finite), "nonfinite": images whose logits held an inf or a
     NaN (counted wrong), "bad_records": records skipped by --skip-bad-records, which are
-    not scored (nor the records that stood in for them)}."""
+    not scored (nor the records that stood in for them), "scored": the images scored}."""
     xp = backend.xp
     counts = xp.zeros(len(topk) + 1, np.int64)  # correct at each k, non-finite rows, and the
     loss_sum = xp.zeros((), np.float64)         # summed loss: on the device until the end
@@ -281,15 +281,22 @@ def evaluate(model, comm, loader, topk=(1, 5)):
     nonfinite = int(counts[-4])
     loss = counts[-3] / counts[-1]
     result.update(loss=float(loss) if not nonfinite and math.isfinite(loss) else None,
-                  nonfinite=nonfinite, bad_records=int(counts[-2]))
+                  nonfinite=nonfinite, bad_records=int(counts[-2]), scored=int(counts[-1]))
     return result
 
 
-def describe_nonfinite(result, images):
-    """What to say of an evaluation (`result` of evaluate, on `images` images) that met
-    non-finite logits."""
-    return (f"{result['nonfinite']} of {images} images gave non-finite logits (inf or NaN) "
-            f"and were counted wrong: the model's outputs are not numbers")
+def describe_images(result):
+    """The images an evaluation (`result` of evaluate) scored, and the bad records it left
+    out of them."""
+    bad = result["bad_records"]
+    return (f"{result['scored']} images" if not bad else
+            f"{result['scored']} images scored, {bad} bad record(s) left out")
+
+
+def describe_nonfinite(result):
+    """What to say of an evaluation (`result` of evaluate) that met non-finite logits."""
+    return (f"{result['nonfinite']} of {result['scored']} images gave non-finite logits "
+            f"(inf or NaN) and were counted wrong: the model's outputs are not numbers")
 
 
 # ----- the run around the steps -----
@@ -951,10 +958,11 @@ def train(comm=None, log=print, **options):
     ("val_loss"), the mean training loss since the last progress line ("loss"), the
     number of steps and the seconds taken, the run directory, the checkpoint of the final
     model ("checkpoint"; None, and "older_checkpoint" the one it resumed from, when
-    --checkpoint-every 0 saved none), the number of bad records skipped by all ranks, the validation images whose logits were
-    not finite in the last evaluation ("nonfinite", counted wrong; the command fails
-    when there are any), and the stop signal's name ("stopped") when a signal ended the
-    run early.
+    --checkpoint-every 0 saved none), the bad records skipped by all ranks in training
+    ("skipped_records") and left out of the last evaluation ("bad_records"), the images it
+    scored ("scored"), those whose logits were not finite ("nonfinite", counted wrong; the
+    command fails when there are any), and the stop signal's name ("stopped") when a
+    signal ended the run early.
     """
     try:
         cfg = Config(**options)
@@ -990,14 +998,14 @@ def train(comm=None, log=print, **options):
         result["checkpoint"] = None
     result.update(steps=run.steps * run.epochs, seconds=time.perf_counter() - run.start,
                   loss_scale=scaler.scale, skipped_steps=scaler.skipped,
-                  skipped_records=run.skipped, val_images=len(run.val_data.labels))
+                  skipped_records=run.skipped)
     top5 = f", {result['top5']:.2%} top-5" if "top5" in result else ""
     # a resumed run's seconds are this job's: from the position it resumed at
     since = ("" if run.resumed is None else " since the resume at the run's end"
              if run.resumed[0] >= run.epochs else
              f" since the resume at epoch {run.resumed[0] + 1}, step {run.resumed[1]}")
     run.say(f"final validation accuracy: {result['top1']:.2%} top-1{top5} "
-            f"({result['val_images']} images, {epochs(run.epochs)}, {result['seconds']:.1f} s"
+            f"({describe_images(result)}, {epochs(run.epochs)}, {result['seconds']:.1f} s"
             f"{since})"
             + (" -- not a result: see below" if result["nonfinite"] else ""), flush=True)
     if scaler.check:
@@ -1005,9 +1013,6 @@ def train(comm=None, log=print, **options):
                 f"overflow", flush=True)
     if run.skipped:
         run.say(f"{run.skipped} bad training record(s) skipped (--skip-bad-records)", flush=True)
-    if result["bad_records"]:
-        run.say(f"{result['bad_records']} bad validation record(s) skipped in the last "
-                f"evaluation (--skip-bad-records)", flush=True)
     say_where(run.say, result)
     return result
 

@@ -815,6 +815,8 @@ def test_validation_leaves_out_a_bad_record_and_its_stand_in(tmp_path):
         assert r.returncode == 0, r.stdout + r.stderr
         evals = [json.loads(x) for x in open(run_dir / "metrics.jsonl") if '"eval"' in x]
         scores.append(evals[-1])
+        scored = ("11 images scored, 1 bad record(s) left out" if val == bad else "11 images")
+        assert f"top-1 ({scored}, 1 epoch, " in r.stdout, r.stdout
     assert scores[0]["bad_records"] == 1 and scores[1]["bad_records"] == 0
     for key in ("top1", "loss"):
         assert scores[0][key] == scores[1][key], (key, scores)
@@ -828,6 +830,11 @@ def test_validation_leaves_out_a_bad_record_and_its_stand_in(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     result = json.loads(r.stdout.splitlines()[-1])
     assert result["bad_records"] == 1 and result["top1"] == scores[0]["top1"], result
+    assert result["scored"] == 11 and result["images"] == 12, result
+    r = evaluate()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "bad.h5 (11 images scored, 1 bad record(s) left out, 32x32): top-1" in r.stdout, \
+        r.stdout
     r = evaluate("--no-skip-bad-records")
     assert r.returncode == 2 and "bad.h5: record 3 cannot be decoded" in r.stderr \
         and "give --skip-bad-records" in r.stderr, r.stderr
