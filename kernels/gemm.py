@@ -239,7 +239,9 @@ def _on_team(a, b, out, beta=0.0):
     count, m, q = a.shape
     n = b.shape[2]
     blas = team_blas()
-    if (blas is None or threads == 1 and beta == 0 and blas.numpys
+    # where one thread takes np.matmul, so does the team: a product of one row or column
+    # too, which NumPy sends to gemv, whose sums sgemm's bands would not repeat
+    if (blas is None or beta == 0 and blas.numpys and (threads == 1 or min(m, n) == 1)
             or not a.dtype == b.dtype == np.float32
             or (out is not None and out.dtype != np.float32)
             or count * m * n * q < TEAM_MIN_MACS or min(m, n, q) == 0 or blas.threads() != 1):

@@ -93,6 +93,27 @@ def test_same_bits_at_any_thread_count():
     np.testing.assert_array_equal(results[1][1], results[0][1])
 
 
+@pytest.mark.parametrize("m, q, n", [(1, 1000, 130), (4096, 64, 1), (64, 1024, 1)])
+def test_a_product_of_one_row_or_column_has_the_same_bits_at_any_thread_count(m, q, n):
+    """NumPy's product of one row or one column is a gemv, which sums in another order
+    than sgemm: the team's product and stack must keep one thread's bits there too."""
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one Numba thread (NUMBA_NUM_THREADS=1): no second count to compare")
+    a, b = randn(16, m, q), randn(16, q, n, seed=1)
+    threads = numba.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2):
+            numba.set_num_threads(count)
+            results.append((gemm.matmul(a[0], b[0]),
+                            gemm.batched_matmul(a, b, np.empty((16, m, n), np.float32))))
+    finally:
+        numba.set_num_threads(threads)
+    for one, two in zip(*results):
+        np.testing.assert_array_equal(one, two)
+    assert_float32_product(results[0][0], a[0], b[0])
+
+
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 def test_a_non_finite_operand_reaches_the_product(bad):
     """The loss scale finds an overflow by the non-finite values it leaves in the
