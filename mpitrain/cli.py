@@ -1131,10 +1131,21 @@ def run(argv=None):
         sys.exit(status)
 
 
+# the commands that run the layers, through the kernels' BLAS (MPITRAIN_BLAS chooses it)
+COMPUTING = {"train", "eval", "inspect", "export", "predict", "preview", "study", "bench"}
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in COMPUTING:
+        # before any model is built: a product would fail in the middle of the command's
+        # own checks, which could then blame another option
+        from mpitrain.kernels.gemm import blas_choice_problem
+        problem = blas_choice_problem()
+        if problem:
+            getattr(args, "command_parser", parser).error(problem)
     if args.command == "train":
         run_train(args, parser, argv)
     elif args.command == "eval":

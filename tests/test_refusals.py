@@ -1,5 +1,5 @@
 """Refusals of commands whose own test files lie elsewhere: eval's image size, plot's
-records, the all-reduce's polling variable and check-gpu's outputs. Each is one line
+records, the all-reduce's polling variable, the kernels' BLAS and check-gpu's outputs. Each is one line
 naming the problem and the fix, with exit status 2, nothing written and no traceback."""
 import json
 import os
@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from mpitrain.datasets.h5format import Writer
 from mpitrain.nets import build_model
@@ -110,6 +111,27 @@ def test_a_bad_poll_interval_is_named_with_what_it_takes(digits, tmp_path, ranks
                "between tests of a started all-reduce, a number >= 0 (0: blocking "
                "collectives): fix it, or unset it for 0.0002")
     assert not run_dir.exists()
+
+
+# ----- the kernels' BLAS -----
+def test_a_bad_blas_choice_is_named_by_every_command_that_computes(checkpoints, tmp_path):
+    """MPITRAIN_BLAS=foo was taken by inspect and bench step for an image size too small
+    (their checks' probe forward failed in a product), and ended eval and predict in a
+    traceback."""
+    data, made = checkpoints
+    env = dict(environment(1), MPITRAIN_BLAS="foo")
+    image = tmp_path / "a.png"
+    Image.fromarray(np.zeros((40, 40, 3), np.uint8)).save(image)
+    for args in (("inspect", "--model", "resnet50"),
+                 ("bench", "step", "--model", "resnet_small", "--image-size", "32", "--batch",
+                  "8"),
+                 ("eval", "--checkpoint", made["resnet_small"], "--data", data),
+                 ("predict", "--checkpoint", made["resnet_small"], image),
+                 ("preview", "--data", data, "--out", tmp_path / "p.png")):
+        refused(quick(*args, env=env, cwd=tmp_path),
+                f"mpitrain {args[0]}", "error: MPITRAIN_BLAS='foo': expected mkl or openblas "
+                                      "(or unset)")
+    assert sorted(os.listdir(tmp_path)) == ["a.png"]
 
 
 # ----- check-gpu -----

@@ -782,9 +782,11 @@ def _run_step(args):
                                               ("--cuda-graph", args.cuda_graph),
                                               ("--rounds", args.rounds > 1)) if value]
             if given:
-                raise OneProcessOnly(f"{', '.join(given)} apply to the one-process benchmark, "
-                                     f"not to the data-parallel steps timed under mpirun: "
-                                     f"drop them, or run without mpirun")
+                one = len(given) == 1
+                raise OneProcessOnly(f"{', '.join(given)} appl{'ies' if one else 'y'} to the "
+                                     f"one-process benchmark, not to the data-parallel steps "
+                                     f"timed under mpirun: drop {'it' if one else 'them'}, or "
+                                     f"run without mpirun")
             result = bench_step_parallel(args.model, args.image_size, args.batch, args.steps,
                                          args.warmup, args.num_classes, args.seed,
                                          args.fusion_threshold, args.allreduce, args.comm_dtype,
