@@ -185,7 +185,7 @@ def decode(data, reduce=1, fast=False, turbo=True, rows=None, buffer=None):
         try:
             return _decode_turbo(data, reduce, fast, rows, buffer)
         except ValueError:
-            pass                    # e.g. CMYK: Pillow converts it, or names what is wrong
+            pass                    # Pillow reads it, or names what is wrong
     im = Image.open(io.BytesIO(data))
     if reduce > 1 and im.format in ("JPEG", "MPO"):     # MPO: a JPEG, more frames after
         im.draft("RGB", (im.width // reduce, im.height // reduce))

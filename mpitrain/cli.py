@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import re
+import signal
 import sys
 import time
 import traceback
@@ -1080,6 +1081,19 @@ def out_of_memory(e, argv):
             f"and activations of a batch must fit in this machine's memory)")
 
 
+# one-process commands that write files: SIGTERM unwinds them as Ctrl-C does, so that
+# files.write_atomic removes its temporary file (the signal's default action leaves it)
+UNWOUND_BY_SIGTERM = {"export", "plot", "preview"}
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread of a command of UNWOUND_BY_SIGTERM."""
+
+
+def terminate(signum, frame):
+    raise Terminated
+
+
 def run(argv=None):
     """What `python -m mpitrain` and the installed `mpitrain` script run (mpitrain/__main__.py):
     main(), and when it fails on any rank, the end of the whole job.
@@ -1093,6 +1107,8 @@ def run(argv=None):
     before the run handles signals) leaves the others waiting forever in their next
     collective, and MPI_Finalize at exit waits for them too."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] and argv[0] in UNWOUND_BY_SIGTERM:
+        signal.signal(signal.SIGTERM, terminate)
     try:
         main(argv)
     except SystemExit:
@@ -1102,15 +1118,17 @@ def run(argv=None):
         world = MPI.COMM_WORLD if MPI is not None and MPI.Is_initialized() \
             and not MPI.Is_finalized() else None
         where = f"rank {world.rank} of {world.size}" if world is not None else "mpitrain"
-        interrupted = isinstance(e, KeyboardInterrupt)
+        # Ctrl-C, or SIGTERM where it unwinds the command: what to say, and the signal
+        stopped = (("terminated", signal.SIGTERM) if isinstance(e, Terminated) else
+                   ("interrupted", signal.SIGINT) if isinstance(e, KeyboardInterrupt) else None)
         missing = not_installed(e) if isinstance(e, ModuleNotFoundError) else None
         # a record that cannot be read, or a refusal that only some ranks reach: bad input,
         # its message says it all
         data_error = tuple(getattr(sys.modules.get(module), name, ())
                            for module, name in (("mpitrain.datasets.loader", "DataError"),
                                                 ("mpitrain.checks", "ConfigError")))
-        if interrupted:
-            sys.stderr.write(f"{where}: interrupted, ending the job\n")
+        if stopped:
+            sys.stderr.write(f"{where}: {stopped[0]}, ending the job\n")
         elif isinstance(e, data_error):
             sys.stderr.write(f"{where}: error: {e}\n")
         elif missing:
@@ -1123,8 +1141,8 @@ def run(argv=None):
             sys.stderr.write(f"{where}: uncaught exception, ending the job\n"
                              f"{traceback.format_exc()}")
         sys.stderr.flush()
-        status = 130 if interrupted else 2 if isinstance(e, (MemoryError, *data_error)) \
-            or missing else 1
+        status = 128 + stopped[1] if stopped else 2 if isinstance(
+            e, (MemoryError, *data_error)) or missing else 1
         if world is not None and world.size > 1:
             from mpitrain.control import end_job
             end_job(world, status)

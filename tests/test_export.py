@@ -265,6 +265,30 @@ def test_a_failed_write_leaves_out_as_it_was(small, tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["m.safetensors"]      # no temporary file left
 
 
+def test_a_sigterm_during_the_write_leaves_no_temporary_file(small, tmp_path):
+    """SIGTERM's default action ended export where it stood, leaving its hidden temporary
+    file, as large as the model, beside OUT for good: it now unwinds as Ctrl-C does."""
+    pytest.importorskip("safetensors")
+    out = tmp_path / "m.safetensors"
+    out.write_text("the previous export")
+    code = ("import os, signal, sys, time\n"
+            "from mpitrain import cli\n"
+            "from mpitrain.tools import export\n"
+            "def write(path, data):                # half the bytes, then the signal\n"
+            "    with open(path, 'wb') as f:\n"
+            "        f.write(data[:len(data) // 2])\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    time.sleep(60)\n"
+            "export._write_bytes = write\n"
+            "cli.run(sys.argv[1:])\n")
+    r = subprocess.run([sys.executable, "-c", code, "export", small, str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 143 and r.stderr.endswith("mpitrain: terminated, ending the job\n"), \
+        (r.returncode, r.stderr)
+    assert os.listdir(tmp_path) == ["m.safetensors"]
+    assert out.read_text() == "the previous export"
+
+
 # ----- predict -----
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):
