@@ -36,6 +36,7 @@ os.replace (atomic on POSIX), and the directory is fsync'ed. A crash at any poin
 the previous checkpoints as they were; a stray `.tmp` is ignored by `latest()` and removed
 by the next `prune()`.
 """
+import errno
 import glob
 import json
 import os
@@ -55,6 +56,12 @@ _NAME = re.compile(r"^checkpoint-(\d+)\.h5$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: unreadable, incomplete, or for another model."""
+
+
+class CheckpointHeld(CheckpointError):
+    """A checkpoint that cannot be read now (locked by another process, or not readable by
+    this user), although it may be whole: never passed over for an older one, which a
+    resumed run would then train on and write over it."""
 
 
 def dropout_layers(model):
@@ -223,63 +230,125 @@ def read(path):
     import h5py
     try:
         with h5py.File(path, "r") as f:
-            if not f.attrs.get("complete", False):
+            if not _is_true(f.attrs.get("complete", False)):
                 raise CheckpointError(f"{path} is {INCOMPLETE}; {ANOTHER}")
-            version = int(f.attrs["format_version"])
+            version = _whole(f.attrs, "format_version")
             if version != FORMAT_VERSION:
                 raise CheckpointError(f"{path} has format version {version}; this mpitrain "
                                       f"reads version {FORMAT_VERSION}")
             opt = f["optimizer"]
-            return dict(
+            state = dict(
                 master=f["master"][...], momentum=f["momentum"][...], buffers=f["buffers"][...],
                 names=[n.decode() if isinstance(n, bytes) else n for n in f["params/name"][...]],
                 offsets=f["params/offset"][...].tolist(),
-                shapes=json.loads(f["params/shape"][()]),
+                shapes=_json("params/shape", f["params/shape"][()]),
                 buffer_names=[n.decode() if isinstance(n, bytes) else n
                               for n in f["buffer_names"][...]],
-                buffer_shapes=json.loads(f["buffer_shapes"][()]),
+                buffer_shapes=_json("buffer_shapes", f["buffer_shapes"][()]),
                 optimizer={**{k: opt[k][...] for k in opt}, **dict(opt.attrs)},
-                epoch=int(f.attrs["epoch"]), step=int(f.attrs["step"]),
-                global_step=int(f.attrs["global_step"]), world_size=int(f.attrs["world_size"]),
-                config=json.loads(f.attrs["config"]), scaler=json.loads(f.attrs["scaler"]),
-                rng=json.loads(f.attrs["rng"]),
-                progress=json.loads(f.attrs.get("progress", "{}")),
+                **{key: _whole(f.attrs, key)
+                   for key in ("epoch", "step", "global_step", "world_size")},
+                **{key: _json(key, f.attrs[key]) for key in ("config", "scaler", "rng")},
+                progress=_json("progress", f.attrs.get("progress", "{}")),
                 residual=f["residual"][...] if "residual" in f else None, path=path)
-    except (OSError, KeyError) as e:
+            check_parts(state)
+            return state
+    except (OSError, KeyError, ValueError, TypeError) as e:
         raise unreadable(path, e) from e
+
+
+def _is_true(value):
+    """Whether an attribute is the boolean True that train writes (a string is not)."""
+    return isinstance(value, (bool, np.bool_)) and bool(value)
+
+
+def _whole(attrs, key):
+    """attrs[key] as the whole number >= 0 that train writes there, else ValueError."""
+    value = attrs[key]
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+            or value < 0:
+        shown = value.item() if isinstance(value, np.generic) else value
+        raise ValueError(f"its attribute {key} is {shown!r}, not a whole number >= 0")
+    return int(value)
+
+
+def _json(key, text):
+    """The JSON value `text` of a checkpoint's part `key`, else ValueError naming it."""
+    try:
+        return json.loads(text)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"its {key} is not the JSON train writes ({e})") from None
+
+
+def check_parts(state):
+    """ValueError where the arrays of `state` (from read) do not have the shapes and
+    dtypes that its parameter and buffer tables give (a file changed since, or not
+    written by train)."""
+    params = sum(int(np.prod(s)) for s in state["shapes"])
+    buffers = sum(int(np.prod(s)) for s in state["buffer_shapes"])
+    tables = {len(state["names"]), len(state["shapes"]), len(state["offsets"])}
+    if len(tables) > 1 or len(state["buffer_names"]) != len(state["buffer_shapes"]):
+        raise ValueError("its parameter or buffer table has parts of different lengths")
+    master = state["master"]
+    for name, array, rows in (("master", master, None), ("momentum", state["momentum"], None),
+                              ("buffers", state["buffers"], True),
+                              ("residual", state["residual"], True)):
+        if array is None:
+            continue
+        size = buffers if name == "buffers" else params
+        shape_ok = array.ndim == 2 and array.shape[1] == size if rows else \
+            array.shape == (size,)
+        dtype_ok = array.dtype in (np.float32, np.float64) and \
+            (name == "buffers" or array.dtype == master.dtype)
+        if not (shape_ok and dtype_ok):
+            dtype = "float32 or float64" if name in ("master", "buffers") else master.dtype
+            raise ValueError(f"its /{name} holds {array.dtype} of shape {array.shape}, where "
+                             f"its tables give {'rows of ' if rows else ''}{size} values of "
+                             f"{dtype}")
 
 
 def read_config(path):
     """The resolved training configuration stored in a checkpoint."""
-    return json.loads(_attribute(path, "config"))
+    return _attribute(path, lambda f: _json("config", f.attrs["config"]))
 
 
 def read_global_step(path):
     """The global step a checkpoint was written at."""
-    return int(_attribute(path, "global_step"))
+    return _attribute(path, lambda f: _whole(f.attrs, "global_step"))
 
 
 def read_position(path):
     """(epoch, step): the loader position a checkpoint resumes at, its whole epochs
     done and the steps of the next."""
-    return int(_attribute(path, "epoch")), int(_attribute(path, "step"))
+    return _attribute(path, lambda f: (_whole(f.attrs, "epoch"), _whole(f.attrs, "step")))
 
 
-def _attribute(path, name):
+def _attribute(path, get):
+    """get(f) of the open file `path`, or its CheckpointError."""
     import h5py
     try:
         with h5py.File(path, "r") as f:
-            return f.attrs[name]
-    except (OSError, KeyError) as e:
+            return get(f)
+    except (OSError, KeyError, ValueError, TypeError) as e:
         raise unreadable(path, e) from e
 
 
 def unreadable(path, e):
-    """The CheckpointError of `path` that h5py could not open (OSError) or that lacks a
-    part (KeyError), saying what the file is where that is the reason."""
+    """The CheckpointError of `path` that h5py could not open (OSError), that lacks a part
+    (KeyError) or holds one that is not what train writes (ValueError, TypeError), saying
+    what the file is where that is the reason; CheckpointHeld where it cannot be read now."""
     import h5py
+    if isinstance(e, OSError) and e.errno in (errno.EAGAIN, errno.EACCES, errno.EPERM):
+        held = ("another process holds it open for writing (HDF5 locks the file): close "
+                "it there" if e.errno == errno.EAGAIN else
+                "this user may not read it: let it read the file")
+        return CheckpointHeld(f"cannot read checkpoint {path}: {held}, then run again")
     if not os.path.exists(path):
         why = "no such file"
+    elif isinstance(e, (ValueError, TypeError)):
+        why = (f"corrupt: {e} (the file changed after it was written, or train did not "
+               f"write it; move it aside, and its run directory gives the checkpoint "
+               f"before it)")
     elif isinstance(e, KeyError):
         with h5py.File(path, "r") as f:
             begun = "master" in f and not f.attrs.get("complete", False)
@@ -452,19 +521,18 @@ def checkpoints(directory):
 
 def latest(directory, passed_over=None):
     """The newest checkpoint in `directory` that reads back complete, or None;
-    passed_over(path, why) is called for each newer one that does not."""
-    import h5py
+    passed_over(path, error) is called for each newer one that does not, with its
+    CheckpointError (a CheckpointHeld where it may be whole, but cannot be read now)."""
     for path in reversed(checkpoints(directory)):
         try:
             read_config(path)
-            with h5py.File(path, "r") as f:
-                if f.attrs.get("complete", False):
-                    return path
-            why = INCOMPLETE
-        except (CheckpointError, OSError) as e:
-            why = str(e)
+            if _attribute(path, lambda f: _is_true(f.attrs.get("complete", False))):
+                return path
+            error = CheckpointError(INCOMPLETE)
+        except CheckpointError as e:
+            error = e
         if passed_over is not None:
-            passed_over(path, why)
+            passed_over(path, error)
     return None
 
 

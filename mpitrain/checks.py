@@ -684,11 +684,22 @@ def find_resume(cfg, comm, say, data=None):
         return None
     found = None
     if comm.rank == 0:
-        def passed_over(path, why):
-            say(f"--resume {cfg.resume}: passing over {path}: {why}", flush=True)
+        skipped = []
+
+        def passed_over(path, error):
+            if isinstance(error, checkpoint.CheckpointHeld):
+                raise ConfigError(f"{error} (passed over, an older checkpoint would be "
+                                  f"resumed, and this one written over)")
+            say(f"--resume {cfg.resume}: passing over {path}: {error}", flush=True)
+            skipped.append(path)
         try:
             if cfg.resume == "auto":
                 found = checkpoint.latest(cfg.run_dir, passed_over)
+                if found is None and skipped:
+                    raise ConfigError(f"--resume auto: no checkpoint in {cfg.run_dir} reads "
+                                      f"back (each one is named above), and a run started "
+                                      f"afresh would write over them: move them aside to "
+                                      f"start afresh, or name one with --resume FILE")
             elif os.path.isdir(cfg.resume):         # another run's directory
                 found = checkpoint.latest(cfg.resume, passed_over)
                 if found is None:

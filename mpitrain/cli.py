@@ -897,8 +897,8 @@ def checkpoint_in(args, comm=None):
     if not os.path.isdir(args.checkpoint):
         return args.checkpoint
 
-    def passed_over(path, why):
-        sys.stderr.write(f"{args.command_parser.prog}: passing over {path}: {why}\n")
+    def passed_over(path, error):
+        sys.stderr.write(f"{args.command_parser.prog}: passing over {path}: {error}\n")
     found = checkpoint.latest(args.checkpoint, passed_over) \
         if comm is None or comm.rank == 0 else None
     if comm is not None:

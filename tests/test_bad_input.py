@@ -608,6 +608,48 @@ def test_resume_auto_says_it_passes_over_an_unreadable_checkpoint(one_epoch, dig
               cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert (again / "checkpoint-000000044.h5").exists() and not (tmp_path / "config.json").exists()
+
+
+def test_resume_auto_refuses_to_pass_over_a_checkpoint_held_open_or_every_one(one_epoch, digits,
+                                                                            tmp_path):
+    """A newest checkpoint another process held open for writing (an HDF5 viewer) was
+    passed over as torn: the run resumed the one before and wrote over it with its own.
+    A directory whose every checkpoint failed to read started afresh, over them. Both are
+    refused, the directory as it was."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(one_epoch, run_dir)
+    newest = run_dir / "checkpoint-000000044.h5"
+    newest.write_bytes((run_dir / "checkpoint-000000022.h5").read_bytes())
+    with h5py.File(newest, "r+") as f:
+        f.attrs["global_step"], f.attrs["epoch"] = 44, 2
+    holder = subprocess.Popen([sys.executable, "-c", "import h5py, time\n"
+                               f"f = h5py.File({str(newest)!r}, 'r+')\n"
+                               "print('open', flush=True)\ntime.sleep(120)\n"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "open\n"
+        before = {p: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+        r = quick("train", "--epochs", "3", *BATCH, "--data-dir", str(digits), "--run-dir",
+                  str(run_dir), "--resume", "auto")
+        after = {p: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    finally:
+        holder.kill()
+        holder.wait()
+    refused(r, f"cannot read checkpoint {newest}: another process holds it open for writing "
+               f"(HDF5 locks the file): close it there, then run again (passed over, an older "
+               f"checkpoint would be resumed, and this one written over)")
+    assert after == before
+    # every checkpoint torn
+    for path in run_dir.glob("checkpoint-*.h5"):
+        path.write_bytes(path.read_bytes()[:2000])
+    before = {p: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    r = quick("train", "--epochs", "3", *BATCH, "--data-dir", str(digits), "--run-dir",
+              str(run_dir), "--resume", "auto")
+    refused(r, f"--resume auto: no checkpoint in {run_dir} reads back (each one is named "
+               f"above), and a run started afresh would write over them: move them aside to "
+               f"start afresh, or name one with --resume FILE")
+    assert f"--resume auto: passing over {newest}: cannot read checkpoint" in r.stdout, r.stdout
+    assert {p: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
     empty = tmp_path / "empty"
     empty.mkdir()
     refused(quick("train", "--epochs", "2", *BATCH, "--data-dir", str(digits), "--run-dir",

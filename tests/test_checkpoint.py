@@ -242,6 +242,85 @@ def test_kill_9_between_write_and_rename(tmp_path):
     assert os.listdir(tmp_path) == ["checkpoint-000000009.h5"]
 
 
+@pytest.mark.parametrize("part,value,message", [
+    ("config", "{not json", "its config is not the JSON train writes"),
+    ("scaler", b"\xff", "its scaler is not the JSON train writes"),
+    ("step", -5, "its attribute step is -5, not a whole number >= 0"),
+    ("global_step", 1.5, "its attribute global_step is 1.5, not a whole number >= 0"),
+    ("format_version", "1", "its attribute format_version is '1', not a whole number >= 0"),
+    ("/master", np.arange(23, dtype=np.int32), "its /master holds int32 of shape (23,), "
+                                                "where its tables give 43 values of float32 "
+                                                "or float64"),
+    ("/momentum", np.zeros(37, np.float32), "its /momentum holds float32 of shape (37,), "
+                                             "where its tables give 43 values of float32"),
+    ("/buffers", np.zeros(4, np.float32), "its /buffers holds float32 of shape (4,), where "
+                                           "its tables give rows of 0 values"),
+])
+def test_a_part_that_is_not_what_train_writes_is_refused_as_corrupt(part, value, message,
+                                                                     tmp_path):
+    """The checksums cover the arrays' bytes, not the attributes nor what the arrays are:
+    a JSON attribute that no longer parses ended eval, export, predict and --resume in a
+    traceback, and a master of integers was scored as weights. Refused, and passed over
+    by latest() for the checkpoint before it."""
+    import h5py
+    model = tiny_model(dropout=False)
+    older = checkpoint.write(str(tmp_path / "checkpoint-000000006.h5"),
+                             state_of(model, global_step=6))
+    path = checkpoint.write(str(tmp_path / "checkpoint-000000009.h5"), state_of(model))
+    with h5py.File(path, "r+") as f:
+        if part.startswith("/"):
+            del f[part]
+            f[part] = value
+        else:
+            f.attrs[part] = value
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.read(path)
+    assert str(e.value).startswith(f"cannot read checkpoint {path}: corrupt: {message}"), e.value
+    passed = []
+    if part in ("config", "complete"):
+        assert checkpoint.latest(str(tmp_path), lambda *a: passed.append(a)) == older
+        assert [p for p, _ in passed] == [path] and message in str(passed[0][1])
+
+
+def test_a_checkpoint_complete_only_in_name_is_incomplete(tmp_path):
+    """complete = "no" (a string, not train's boolean) read as complete."""
+    import h5py
+    path = checkpoint.write(str(tmp_path / "checkpoint-000000009.h5"), state_of(tiny_model()))
+    with h5py.File(path, "r+") as f:
+        f.attrs["complete"] = "no"
+    with pytest.raises(checkpoint.CheckpointError, match="incomplete"):
+        checkpoint.read(path)
+    assert checkpoint.latest(str(tmp_path)) is None
+
+
+def test_a_checkpoint_that_cannot_be_read_now_is_held_not_torn(tmp_path):
+    """Locked by a process that has it open for writing (an HDF5 viewer), or not readable
+    by this user: it may be whole, so it is a CheckpointHeld, which --resume auto refuses
+    to pass over (tests/test_bad_input.py) rather than resume an older one and write over
+    it."""
+    import errno
+    path = checkpoint.write(str(tmp_path / "checkpoint-000000009.h5"), state_of(tiny_model()))
+    holder = subprocess.Popen([sys.executable, "-c", "import h5py, sys, time\n"
+                               f"f = h5py.File({path!r}, 'r+')\nprint('open', flush=True)\n"
+                               "time.sleep(120)\n"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "open\n"
+        passed = []
+        assert checkpoint.latest(str(tmp_path), lambda *a: passed.append(a)) is None
+        (_, error), = passed
+        assert isinstance(error, checkpoint.CheckpointHeld) and str(error) == (
+            f"cannot read checkpoint {path}: another process holds it open for writing (HDF5 "
+            f"locks the file): close it there, then run again"), error
+    finally:
+        holder.kill()
+        holder.wait()
+    # root reads any file: the refusal of a file this user may not read, from its error
+    denied = checkpoint.unreadable(path, PermissionError(errno.EACCES, "Permission denied"))
+    assert isinstance(denied, checkpoint.CheckpointHeld) and "this user may not read it" \
+        in str(denied)
+    assert checkpoint.latest(str(tmp_path)) == path
+
+
 def test_latest_skips_a_torn_file_and_prune_keeps_k(tmp_path):
     model = tiny_model()
     paths = [checkpoint.write(str(tmp_path / checkpoint.PATTERN.format(global_step=g)),
