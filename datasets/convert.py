@@ -75,6 +75,11 @@ def list_imagefolder(src):
     if len(classes) == 1:
         raise ConvertError(f"{src}: one class folder ({classes[0]}), and a classifier needs "
                            f"two or more: put each class's images in a sub-folder of its own")
+    for name in classes:
+        if printable(name) != name:
+            raise ConvertError(f"{src}: the name of class folder {printable(name)} is not "
+                               f"UTF-8 text on one line, as a data file keeps its class names: "
+                               f"rename the folder")
     items, skipped = [], []
     for label, name in enumerate(classes):
         folder = os.path.join(src, name)
@@ -85,7 +90,7 @@ def list_imagefolder(src):
             if os.path.isfile(path):
                 items.append((rel, label))
             else:
-                skipped.append((rel, _not_a_file(path)))
+                skipped.append((printable(rel), _not_a_file(path)))
     if not items:
         raise ConvertError(f"{src}: its {len(classes)} class folder(s) hold no image files "
                            f"(expected SRC/<class>/<image>)")
@@ -95,6 +100,14 @@ def list_imagefolder(src):
                            f"so the network would have a class it never sees: put its images "
                            f"in, or remove the folder")
     return classes, items, skipped
+
+
+def printable(rel):
+    """A file's name as a data file stores it and the report lists it: bytes that are not
+    UTF-8 (an archive unpacked from another system) as \\xNN escapes, and the tabs and
+    line breaks of the report's lines escaped."""
+    text = os.fsencode(rel).decode("utf-8", "backslashreplace")
+    return text.translate({9: "\\t", 10: "\\n", 13: "\\r"})
 
 
 def _not_a_file(path):
@@ -226,7 +239,7 @@ def convert_imagefolder(src, dst, val_fraction=0.0, resize_short=None, seed=0, p
                 continue
             for j in range(start, min(start + block, len(items))):
                 label, data, h, reason = shares[(j - start) % size][(j - start) // size]
-                rel = items[j][0]
+                rel = printable(items[j][0])
                 if reason is None:
                     # a copy could stand in both splits, and be scored as an image trained on
                     digest = hashlib.blake2b(data, digest_size=16).digest()
@@ -234,7 +247,7 @@ def convert_imagefolder(src, dst, val_fraction=0.0, resize_short=None, seed=0, p
                         else None
                     first.setdefault(digest, rel)
                 if reason is not None:
-                    skipped.append((rel, reason))
+                    skipped.append((rel, printable(reason)))
                     continue
                 writers["val" if is_val[j] else "train"].add(label, data, rel)
                 if not is_val[j]:

@@ -29,6 +29,7 @@ Files are written to a temporary name in the destination's directory and
 renamed when complete, so an interrupted conversion never leaves a file that
 looks finished.
 """
+import errno
 import io
 import os
 import socket
@@ -287,7 +288,7 @@ def check_schema(f, path, num_classes=None):
         fail(f"not an mpitrain image file: attribute format is {fmt!r}, expected {FORMAT!r} "
              f"(make one with `python -m mpitrain convert`)")
     if version != VERSION:
-        fail(f"format version {version}, expected {VERSION}; convert the data again "
+        fail(f"format version {version!r}, expected {VERSION}; convert the data again "
              f"with this version of mpitrain")
     if storage not in STORAGES:
         fail(f"attribute storage is {storage!r}, expected one of {STORAGES}")
@@ -296,6 +297,10 @@ def check_schema(f, path, num_classes=None):
         if key not in f:
             fail(f"dataset {key!r} is missing")
 
+    names = f["class_names"]
+    if names.ndim != 1 or h5py.check_string_dtype(names.dtype) is None:
+        fail(f"class_names must be a 1-D dataset of strings, found {names.dtype} "
+             f"{names.shape}")
     labels = f["labels"]
     if labels.dtype.kind not in "iu" or labels.ndim != 1:
         fail(f"labels must be a 1-D integer dataset, found {labels.dtype} {labels.shape}")
@@ -311,12 +316,15 @@ def check_schema(f, path, num_classes=None):
     for key in ("mean", "std"):
         if f[key].shape != (3,):
             fail(f"{key} must have shape (3,), found {f[key].shape}")
-    if not np.all(np.isfinite(f["mean"][:])):
-        fail(f"mean must be finite, found {f['mean'][:]}: the file's statistics are damaged; "
-             f"convert the data again")
-    if not np.all((f["std"][:] > 0) & np.isfinite(f["std"][:])):
-        fail(f"std must be positive and finite, found {f['std'][:]}: the file's statistics "
-             f"are damaged; convert the data again")
+    # in float32, as the loader normalises: (pixel - mean) / std
+    with np.errstate(all="ignore"):
+        mean, std = (f[key][:].astype(np.float64).astype(np.float32) for key in ("mean", "std"))
+        if not np.all(np.isfinite(mean)):
+            fail(f"mean must be finite in float32, found {f['mean'][:]}: the file's statistics "
+                 f"are damaged; convert the data again")
+        if not np.all((std > 0) & np.isfinite(std) & np.isfinite(1 / std)):
+            fail(f"std must be positive, and it and its reciprocal finite in float32, found "
+                 f"{f['std'][:]}: the file's statistics are damaged; convert the data again")
     if storage == "encoded":
         images, offsets = f["images"], f["offsets"]
         if images.dtype != np.uint8 or images.ndim != 1:
@@ -337,12 +345,13 @@ def check_schema(f, path, num_classes=None):
             fail(f"its images are {pixels.shape[2]}x{pixels.shape[1]} pixels: nothing to "
                  f"train on; convert the data again")
 
-    classes = len(f["class_names"]) if num_classes is None else num_classes
+    classes = len(names) if num_classes is None else num_classes
     y = labels[:]
     if n and (y.min() < 0 or y.max() >= classes):
         bad = int(np.flatnonzero((y < 0) | (y >= classes))[0])
         fail(f"label {int(y[bad])} of record {bad} is outside 0..{classes - 1} "
-             f"(the model has {classes} classes)")
+             + ("(its class_names name " if num_classes is None else "(the model has ")
+             + f"{classes} classes)")
 
 
 def _plain(value):
@@ -386,10 +395,19 @@ def a_folder(path):
         first = next((f for f in held if f.endswith("_train.h5")), held[0])
         return (f"{path} is a folder of data files ({', '.join(held)}): name one, for "
                 f"example {os.path.join(path, first)}")
-    name = os.path.basename(os.path.normpath(path)) or "images"
+    name = os.path.basename(os.path.normpath(path)).removesuffix(".h5") or "images"
     return (f"{path} is a folder, and mpitrain reads HDF5 files made by `convert`: `python -m "
             f"mpitrain convert imagefolder {path} data/{name}.h5 --val-fraction 0.1` makes "
             f"data/{name}.h5 and data/{name}_val.h5 from its class folders")
+
+
+# why h5py could not open a data file, by errno
+UNOPENED = {
+    errno.EAGAIN: "another process holds it open for writing (HDF5 locks the file: a "
+                  "conversion still running, or an HDF5 viewer); wait for it, or close it",
+    errno.EACCES: "this user may not read it; let it read the file",
+    None: "cannot be opened as HDF5 ({e}); mpitrain reads the files that `python -m mpitrain "
+          "convert` makes"}
 
 
 class Reader:
@@ -409,13 +427,15 @@ class Reader:
         if os.path.isdir(path):
             raise FormatError(a_folder(path))
         if not os.path.exists(path):
-            raise FormatError(f"{path} does not exist; make it with `python -m mpitrain "
+            raise FormatError(f"{path} is a symbolic link to nothing (or a loop of links); "
+                              f"point it at a data file" if os.path.islink(path) else
+                              f"{path} does not exist; make it with `python -m mpitrain "
                               f"convert ...`")
         try:
             self.file = h5py.File(path, "r")
         except OSError as e:
-            raise FormatError(f"{path}: cannot be opened as HDF5 ({e}); mpitrain reads the "
-                              f"files that `python -m mpitrain convert` makes") from None
+            raise FormatError(f"{path}: {UNOPENED.get(e.errno, UNOPENED[None]).format(e=e)}") \
+                from None
         try:
             if check:
                 check_schema(self.file, path, num_classes)
@@ -435,8 +455,12 @@ class Reader:
                 self.image_shape = self.images.shape[1:]
             self.image_size = tuple(int(v) for v in f.attrs["image_size"]) \
                 if "image_size" in f.attrs else self.image_shape and self.image_shape[:2]
-        except BaseException:
+        except BaseException as e:
             self.file.close()
+            if isinstance(e, (TypeError, ValueError, AttributeError, KeyError)) \
+                    and not isinstance(e, FormatError):   # a part of another kind than convert's
+                raise FormatError(f"{path}: damaged ({type(e).__name__}: {e}); convert the "
+                                  f"data again") from None
             raise
 
     def __len__(self):

@@ -454,9 +454,11 @@ class Loader:
                 return r, attempt(r)
             except Exception as e:
                 if not self.skip_bad_records:
+                    # the loader of preview and bench data too, which skip none
                     raise DataError(f"{self.path}: record {r} cannot be decoded "
-                                    f"({type(e).__name__}: {e}); give --skip-bad-records "
-                                    f"to skip such records (they are counted and reported)") from e
+                                    f"({type(e).__name__}: {e}); train and eval skip such "
+                                    f"records with --skip-bad-records (each counted and "
+                                    f"reported)") from e
                 with self._lock:
                     self._slot_bad[slot] += tries == 0      # one per record replaced
                     self.bad_indices.add(r)

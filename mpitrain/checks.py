@@ -440,6 +440,9 @@ def describe_data(train_file, val_file, image_size, batch, workers, prefetch, dt
                 check_not_empty(reader, f"{what} file")
             names, val_names = train.class_names, val.class_names
             num_train, stored = len(train.labels), train.image_shape
+            # the largest encoded record either file declares, which a worker reads whole
+            largest = max((int(np.diff(r.offsets).max()) for r in (train, val)
+                           if r.storage == "encoded"), default=0)
             size = image_size or default_image_size(train)
             normalise = dict(mean=train.mean.tolist(), std=train.std.tolist(),
                              pixel_max=white_level(train))
@@ -458,12 +461,12 @@ def describe_data(train_file, val_file, image_size, batch, workers, prefetch, dt
     # the loader's ring of batches, for both loaders, plus one stored record per worker, on
     # each of the `ranks_here` ranks sharing this host's memory
     need = 2 * (prefetch + 1) * batch * size * size * 3 * np.dtype(dtype).itemsize
-    if stored:
-        need += (workers + 1) * int(np.prod(stored))
+    need += (workers + 1) * (int(np.prod(stored)) if stored else largest)
+    declared = f"images of {stored}" if stored else f"records of up to {largest:,} bytes"
     refuse_beyond_memory(need, ranks_here, f"{train_file}: {size}x{size} images in batches of "
                          f"{batch} need {need / 2**30:.1f} GiB of buffers",
                          f"give a smaller --image-size or --batch-size (or check the file: it "
-                         f"declares images of {stored or 'encoded'})")
+                         f"declares {declared})")
     return num_train, names, size, normalise, need
 
 

@@ -208,6 +208,21 @@ def test_a_file_declaring_huge_images_is_refused_before_allocating(tmp_path):
               "--batch-size", "16", "--run-dir", str(tmp_path / "run"))
     refused(r, "224x224 images in batches of 16 need", "GiB of buffers, more than the",
             "it declares images of (60000, 60000, 3)")
+    # an encoded file, 4 records of 64 GiB declared: each worker would read one whole
+    records = 64 << 30
+    with h5py.File(huge, "w") as f:
+        f.attrs.update(format="mpitrain-images", version=1, storage="encoded")
+        f.create_dataset("images", (4 * records,), np.uint8, chunks=(1 << 20,))
+        f["offsets"] = np.arange(5, dtype=np.int64) * records
+        f["labels"] = np.arange(4) % 2
+        f["class_names"] = np.array(["a", "b"], dtype=object).astype(h5py.string_dtype())
+        f["mean"], f["std"] = np.full(3, 128.0), np.full(3, 64.0)
+    assert os.path.getsize(huge) < 100_000
+    r = quick("train", "--data", str(huge), "--val-data", str(tmp_path / "huge_val.h5"),
+              "--batch-size", "2", "--run-dir", str(tmp_path / "run"))
+    refused(r, "GiB of buffers, more than the", "it declares records of up to 68,719,476,736 "
+                                                "bytes")
+    assert sorted(os.listdir(tmp_path)) == ["huge.h5", "huge_val.h5"]
 
 
 def with_bad_records(synth, tmp_path):

@@ -622,6 +622,68 @@ def test_reader_refuses_missing_keys_and_labels_out_of_range(tmp_path):
         Reader(path)
 
 
+def replace(f, key, value):
+    del f[key]
+    f[key] = value
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda f: replace(f, "class_names", np.arange(2)),
+     r"class_names must be a 1-D dataset of strings, found int64 \(2,\)"),
+    (lambda f: replace(f, "class_names", np.array([b"a"])),
+     r"label 1 of record 1 is outside 0..0 \(its class_names name 1 classes\)"),
+    (lambda f: f.attrs.__setitem__("version", "1"), "format version '1', expected 1"),
+    (lambda f: replace(f, "std", np.array([1e-300, 1.0, 1.0])),
+     "std must be positive, and it and its reciprocal finite in float32"),
+    (lambda f: replace(f, "mean", np.array([1e300, 1.0, 1.0])), "mean must be finite in float32"),
+    (lambda f: replace(f, "mean", np.array([b"a", b"b", b"c"])), r"damaged \(ValueError: "),
+    (lambda f: (f.__delitem__("labels"), f.create_group("labels")),
+     r"damaged \(AttributeError: "),
+    (lambda f: f.attrs.__setitem__("image_size", "big"), r"damaged \(ValueError: "),
+])
+def test_a_damaged_part_of_a_data_file_is_a_format_error(damage, message, tmp_path):
+    """Parts of another kind than convert writes were read as they came: integer class
+    names trained a whole epoch and then failed the checkpoint, a std of 1e-300 trained as
+    a divergence, and a group, a scalar or strings in place of a dataset ended in a
+    traceback. Each is a FormatError naming the file."""
+    path = jpeg_file(str(tmp_path / "d.h5"), n=4)
+    with h5py.File(path, "r+") as f:
+        damage(f)
+    with pytest.raises(FormatError, match=message) as info:
+        Reader(path).close()
+    assert str(info.value).startswith(f"{path}: "), info.value
+
+
+def test_a_data_file_that_cannot_be_opened_now_or_at_all_is_named_so(tmp_path):
+    """A file held open for writing (a conversion still running) was "cannot be opened as
+    HDF5 ... mpitrain reads the files that convert makes"; a link to nothing "does not
+    exist"; a folder named x.h5 was offered `convert ... data/x.h5.h5`."""
+    import subprocess
+    import sys
+    path = jpeg_file(str(tmp_path / "d.h5"), n=4)
+    holder = subprocess.Popen([sys.executable, "-c", "import h5py, time\n"
+                               f"f = h5py.File({path!r}, 'r+')\n"
+                               "print('open', flush=True)\ntime.sleep(120)\n"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "open\n"
+        with pytest.raises(FormatError) as info:
+            Reader(path)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert str(info.value) == (f"{path}: another process holds it open for writing (HDF5 "
+                               f"locks the file: a conversion still running, or an HDF5 "
+                               f"viewer); wait for it, or close it")
+    loop = tmp_path / "loop.h5"
+    loop.symlink_to(loop)
+    with pytest.raises(FormatError, match="is a symbolic link to nothing"):
+        Reader(str(loop))
+    (tmp_path / "x.h5").mkdir()
+    with pytest.raises(FormatError, match=r"convert imagefolder \S+/x.h5 data/x.h5 "):
+        Reader(str(tmp_path / "x.h5"))
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_corrupt_record_raises_naming_its_index(tmp_path, workers):
     path = jpeg_file(str(tmp_path / "corrupt.h5"), n=12, corrupt={7})
@@ -837,7 +899,7 @@ def test_validation_leaves_out_a_bad_record_and_its_stand_in(tmp_path):
         r.stdout
     r = evaluate("--no-skip-bad-records")
     assert r.returncode == 2 and "bad.h5: record 3 cannot be decoded" in r.stderr \
-        and "give --skip-bad-records" in r.stderr, r.stderr
+        and "train and eval skip such records with --skip-bad-records" in r.stderr, r.stderr
 
 
 def test_a_sixteen_bit_png_is_scaled_to_eight_bits_not_clipped(tmp_path):
@@ -856,6 +918,44 @@ def test_a_sixteen_bit_png_is_scaled_to_eight_bits_not_clipped(tmp_path):
     data, hist = encode_file(str(tmp_path / "a" / "ramp.png"))
     assert data == buf.getvalue()                       # kept as it is: decoding scales it
     np.testing.assert_array_equal(hist, histogram(expected))
+
+
+def test_file_names_that_are_not_utf8_or_break_a_line_are_kept_escaped(tmp_path):
+    """A file named in Latin-1 (an archive unpacked from another system) ended convert in a
+    UnicodeEncodeError once every image was decoded, and a name holding a line break split
+    its line of the skipped files' report in two. Such names are stored and listed
+    escaped; a class folder so named is refused before any work, as class names are kept."""
+    import subprocess
+    import sys
+    src, dst = tmp_path / "src", tmp_path / "d.h5"
+    images, _ = digit_images()
+    for c in ("a", "b"):
+        (src / c).mkdir(parents=True)
+        for i in range(3):
+            (src / c / f"{i}.png").write_bytes(encode(images[i + 3 * (c == "b")], "PNG"))
+    latin = os.fsencode(src / "a") + b"/caf\xe9.png"
+    with open(latin, "wb") as f:
+        f.write(encode(images[7], "PNG"))
+    (src / "b" / "two\nlines.png").write_bytes(b"not an image")
+
+    def convert():
+        return subprocess.run([sys.executable, "-m", "mpitrain", "convert", "imagefolder",
+                               str(src), str(dst)], capture_output=True, text=True, timeout=120)
+    r = convert()
+    assert r.returncode == 0, r.stdout + r.stderr
+    with Reader(str(dst)) as reader:
+        assert len(reader) == 7
+        names = {s.decode() for s in reader.file["filenames"][:]}
+    assert "a/caf\\xe9.png" in names
+    report = (tmp_path / "d.h5.skipped.txt").read_text().splitlines()
+    assert report[1:] == ["b/two\\nlines.png\tnot an image (no format Pillow reads)"], report
+    # a class folder of such a name
+    os.rename(os.fsencode(src / "b"), os.fsencode(src) + b"/caf\xe9")
+    os.remove(dst)
+    r = convert()
+    assert r.returncode == 2 and "the name of class folder caf\\xe9 is not UTF-8 text on one " \
+        "line, as a data file keeps its class names: rename the folder" in r.stderr, r.stderr
+    assert not dst.exists()
 
 
 def test_a_class_left_without_a_readable_training_image_is_refused(tmp_path):
