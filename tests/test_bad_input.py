@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 
-from test_checkpoint import environment, run
+from test_checkpoint import environment, held_open, run
 
 BATCH = ("--batch-size", "64")
 
@@ -637,19 +637,11 @@ def test_resume_auto_refuses_to_pass_over_a_checkpoint_held_open_or_every_one(on
     newest.write_bytes((run_dir / "checkpoint-000000022.h5").read_bytes())
     with h5py.File(newest, "r+") as f:
         f.attrs["global_step"], f.attrs["epoch"] = 44, 2
-    holder = subprocess.Popen([sys.executable, "-c", "import h5py, time\n"
-                               f"f = h5py.File({str(newest)!r}, 'r+')\n"
-                               "print('open', flush=True)\ntime.sleep(120)\n"],
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline() == "open\n"
+    with held_open(newest):
         before = {p: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
         r = quick("train", "--epochs", "3", *BATCH, "--data-dir", str(digits), "--run-dir",
                   str(run_dir), "--resume", "auto")
         after = {p: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
-    finally:
-        holder.kill()
-        holder.wait()
     refused(r, f"cannot read checkpoint {newest}: another process holds it open for writing "
                f"(HDF5 locks the file): close it there, then run again (passed over, an older "
                f"checkpoint would be resumed, and this one written over)")

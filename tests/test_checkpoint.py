@@ -1,6 +1,7 @@
 """Checkpoints: the file format, atomic writes, resume, and end to end under mpirun:
 an interrupted (SIGTERM) and resumed run equals an uninterrupted one bit for bit,
 its trace and metrics, and the `eval` command on its checkpoint."""
+import contextlib
 import json
 import os
 import re
@@ -62,6 +63,22 @@ def heartbeats(run_dir, ranks, proc, timeout=60):
         assert proc.poll() is None, f"the job ended ({proc.returncode}) before its heartbeats"
         assert time.monotonic() < end, f"no heartbeat files in {run_dir} after {timeout} s"
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def held_open(path):
+    """`path` held open for writing by another process, as an HDF5 viewer holds it (HDF5
+    locks the file), for the `with` block."""
+    holder = subprocess.Popen([sys.executable, "-c", "import h5py, time\n"
+                               f"f = h5py.File({str(path)!r}, 'r+')\n"
+                               "print('open', flush=True)\ntime.sleep(120)\n"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "open\n"
+        yield
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def tiny_model(classes=3, seed=0, dropout=True):
@@ -300,20 +317,13 @@ def test_a_checkpoint_that_cannot_be_read_now_is_held_not_torn(tmp_path):
     it."""
     import errno
     path = checkpoint.write(str(tmp_path / "checkpoint-000000009.h5"), state_of(tiny_model()))
-    holder = subprocess.Popen([sys.executable, "-c", "import h5py, sys, time\n"
-                               f"f = h5py.File({path!r}, 'r+')\nprint('open', flush=True)\n"
-                               "time.sleep(120)\n"], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline() == "open\n"
-        passed = []
+    passed = []
+    with held_open(path):
         assert checkpoint.latest(str(tmp_path), lambda *a: passed.append(a)) is None
-        (_, error), = passed
-        assert isinstance(error, checkpoint.CheckpointHeld) and str(error) == (
-            f"cannot read checkpoint {path}: another process holds it open for writing (HDF5 "
-            f"locks the file): close it there, then run again"), error
-    finally:
-        holder.kill()
-        holder.wait()
+    (_, error), = passed
+    assert isinstance(error, checkpoint.CheckpointHeld) and str(error) == (
+        f"cannot read checkpoint {path}: another process holds it open for writing (HDF5 "
+        f"locks the file): close it there, then run again"), error
     # root reads any file: the refusal of a file this user may not read, from its error
     denied = checkpoint.unreadable(path, PermissionError(errno.EACCES, "Permission denied"))
     assert isinstance(denied, checkpoint.CheckpointHeld) and "this user may not read it" \

@@ -658,20 +658,10 @@ def test_a_data_file_that_cannot_be_opened_now_or_at_all_is_named_so(tmp_path):
     """A file held open for writing (a conversion still running) was "cannot be opened as
     HDF5 ... mpitrain reads the files that convert makes"; a link to nothing "does not
     exist"; a folder named x.h5 was offered `convert ... data/x.h5.h5`."""
-    import subprocess
-    import sys
+    from test_checkpoint import held_open
     path = jpeg_file(str(tmp_path / "d.h5"), n=4)
-    holder = subprocess.Popen([sys.executable, "-c", "import h5py, time\n"
-                               f"f = h5py.File({path!r}, 'r+')\n"
-                               "print('open', flush=True)\ntime.sleep(120)\n"],
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline() == "open\n"
-        with pytest.raises(FormatError) as info:
-            Reader(path)
-    finally:
-        holder.kill()
-        holder.wait()
+    with held_open(path), pytest.raises(FormatError) as info:
+        Reader(path)
     assert str(info.value) == (f"{path}: another process holds it open for writing (HDF5 "
                                f"locks the file: a conversion still running, or an HDF5 "
                                f"viewer); wait for it, or close it")

@@ -1,6 +1,7 @@
 """Refusals of commands whose own test files lie elsewhere: eval's image size, plot's
-records, the all-reduce's polling variable, the kernels' BLAS and check-gpu's outputs. Each is one line
-naming the problem and the fix, with exit status 2, nothing written and no traceback."""
+records, the all-reduce's polling variable, the kernels' BLAS and check-gpu's outputs.
+Each is one line naming the problem and the fix, with exit status 2, nothing written and
+no traceback."""
 import json
 import os
 import subprocess
