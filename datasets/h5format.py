@@ -367,7 +367,7 @@ def encoded_shape(data):
     from PIL import Image, UnidentifiedImageError
     try:
         width, height = Image.open(io.BytesIO(bytes(data))).size
-    except (UnidentifiedImageError, OSError, ValueError):
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
         return None
     return height, width
 

@@ -622,6 +622,25 @@ def test_reader_refuses_missing_keys_and_labels_out_of_range(tmp_path):
         Reader(path)
 
 
+def test_a_record_declaring_a_decompression_bomb_has_no_shape(tmp_path):
+    """Writer.add reads a record's size from its header: a PNG declaring 60000x60000 (past
+    Pillow's limit) raised DecompressionBombError out of it; it is a record without a
+    shape, as one whose header Pillow cannot read, which the loader refuses or skips."""
+    import struct
+    import zlib
+    from mpitrain.datasets.h5format import encoded_shape
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(
+            ">I", zlib.crc32(kind + data))
+    bomb = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 60000, 60000, 8, 2,
+                                                              0, 0, 0)) + chunk(b"IEND", b"")
+    assert encoded_shape(bomb) is None
+    with Writer(str(tmp_path / "b.h5"), ["a", "b"]) as w:
+        w.add(0, bomb)
+        assert w.shapes == []
+
+
 def replace(f, key, value):
     del f[key]
     f[key] = value
