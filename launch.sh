@@ -206,7 +206,7 @@ step() {   # what, how long it usually takes, command...
     echo "launch.sh:   done in $((SECONDS - start)) s"
 }
 
-# MKL is installed where it will be the team's BLAS (kernels/gemm.py blas_choice):
+# MKL is installed where it will be the team's BLAS (kernels/blas_choice.py):
 # MPITRAIN_BLAS=mkl, or MPITRAIN_BLAS unset on Intel's CPUs. Elsewhere NumPy's OpenBLAS is
 # the team's BLAS and MKL's 700 MB would lie unused.
 cpu_vendor() { grep -m 1 '^vendor_id' /proc/cpuinfo 2>/dev/null | sed 's/.*: *//' || true; }

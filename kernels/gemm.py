@@ -27,7 +27,7 @@ OPENBLAS_ROW_BLOCKS; docs/benchmarks.md, "The BLAS by CPU").
 The BLAS the team calls (`team_blas`) is MKL's sequential library on Intel's CPUs where
 the mkl package is installed (the `mkl` extra, which launch.sh installs on those
 CPUs), else NumPy's own OpenBLAS, set to one thread (`blas_threads`); MPITRAIN_BLAS=mkl
-or openblas chooses (`blas_choice`). With MKL, products large enough for the team go to
+or openblas chooses (kernels/blas_choice.py). With MKL, products large enough for the team go to
 it on one thread too, so that their bits do not depend on the thread count; the smaller
 ones stay NumPy's. MKL runs in its reproducible mode (CBWR AUTO, STRICT), whose bits do
 not depend on where the operands lie in memory.
@@ -74,13 +74,14 @@ those to its small-matrix kernels, which crash inside a batch in some of its bui
 import ctypes
 import functools
 import os
-import sys
 
 import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
+
+from .blas_choice import blas_choice, blas_choice_problem
 
 FEW_ROWS = 32           # rows_dot_rows for a @ b with a.shape[0] <= FEW_ROWS and b = bt.T
 FEW_INNER = 16          # outer_sum for a @ b with a.shape[1] <= FEW_INNER
@@ -341,12 +342,6 @@ def _team_products(sgemm, blasint, ta, tb, m, n, k, a, lda, sa, b, ldb, sb, beta
 
 
 # ----- the team's BLAS: MKL on Intel's CPUs where installed, else NumPy's OpenBLAS -----
-# The CPU makers on which MKL is the team's BLAS unless MPITRAIN_BLAS says otherwise: MKL
-# picks its kernels by the CPU, and on an AMD EPYC its products ran at half the speed of
-# OpenBLAS's (docs/benchmarks.md, "The BLAS by CPU")
-MKL_VENDORS = ("GenuineIntel",)
-
-
 class _Blas:
     """A BLAS whose cblas_sgemm the team calls: its name and version, the library, the
     address of cblas_sgemm, its integer type (blasint), its thread count, whether it is
@@ -380,51 +375,9 @@ def team_blas():
     return mkl or openblas
 
 
-def blas_choice():
-    """"mkl" or "openblas": MPITRAIN_BLAS's choice, else MKL where the mkl package is
-    installed (`pip install mpitrain[mkl]`) and the CPU's maker is one of MKL_VENDORS."""
-    given = os.environ.get("MPITRAIN_BLAS", "").lower()
-    if given:
-        return given
-    return "mkl" if mkl_installed() and cpu_vendor() in MKL_VENDORS else "openblas"
-
-
-def cpu_vendor():
-    """The CPU's maker as the kernel names it (/proc/cpuinfo's vendor_id: GenuineIntel,
-    AuthenticAMD, ...); None where it does not say."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def blas_choice_problem():
-    """Why MPITRAIN_BLAS cannot be followed (None: it can), with the fix."""
-    given = os.environ.get("MPITRAIN_BLAS", "")
-    if given.lower() not in ("", "mkl", "openblas"):
-        return f"MPITRAIN_BLAS={given!r}: expected mkl or openblas (or unset)"
-    if given.lower() == "mkl" and not mkl_installed():
-        return (f"MPITRAIN_BLAS=mkl, but MKL is not installed here: `{sys.executable} -m pip "
-                "install mkl` installs it, or unset MPITRAIN_BLAS")
-    return None
-
-
 # MKL's constants (mkl_service.h)
 _MKL_INTERFACE_LP64, _MKL_THREADING_SEQUENTIAL = 0, 1
 _MKL_CBWR_AUTO, _MKL_CBWR_STRICT = 2, 0x10000
-
-
-def mkl_installed():
-    """Whether the mkl package (libmkl_rt) is installed, without loading it."""
-    import importlib.metadata
-    try:
-        return any(f.name.startswith("libmkl_rt.so") for f in importlib.metadata.files("mkl") or [])
-    except importlib.metadata.PackageNotFoundError:
-        return False
 
 
 def _mkl():

@@ -397,7 +397,7 @@ def check_threads():
     kernels' GEMMs need the BLAS that MPITRAIN_BLAS names."""
     from mpi4py import MPI
 
-    from mpitrain.kernels.gemm import blas_choice_problem
+    from mpitrain.kernels.blas_choice import blas_choice_problem
     problem = blas_choice_problem()
     if problem:
         raise ConfigError(problem)

@@ -1159,8 +1159,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.command in COMPUTING:
         # before any model is built: a product would fail in the middle of the command's
-        # own checks, which could then blame another option
-        from mpitrain.kernels.gemm import blas_choice_problem
+        # own checks, which could then blame another option (and without loading Numba,
+        # whose pools a rank sizes later: launcher.size_thread_pools)
+        from mpitrain.kernels.blas_choice import blas_choice_problem
         problem = blas_choice_problem()
         if problem:
             getattr(args, "command_parser", parser).error(problem)

@@ -186,6 +186,9 @@ def environment(comm, device):
     else:
         from mpitrain.kernels import gemm
         env["gemm"] = gemm.describe(numba.get_num_threads())
+        # fixed when Numba loaded: a pool larger than a rank's share of the host's cores
+        # slows every rank (launcher.size_thread_pools)
+        env["numba_pool"] = numba.config.NUMBA_NUM_THREADS
     return env
 
 

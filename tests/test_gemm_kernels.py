@@ -228,7 +228,7 @@ def needs_mkl():
 
 def cpu_maker():
     """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...), read here, apart from
-    kernels.gemm.cpu_vendor, which the tests check."""
+    kernels.blas_choice.cpu_vendor, which the tests check."""
     with open("/proc/cpuinfo") as f:
         return re.search(r"^vendor_id\s*:\s*(\S+)$", f.read(), re.M).group(1)
 
@@ -248,7 +248,7 @@ def choose_blas(name, monkeypatch):
 @pytest.fixture(params=["mkl", "openblas"])
 def each_blas(request, monkeypatch):
     """The test once with MKL as the team's BLAS, once with NumPy's OpenBLAS, whichever
-    this CPU takes by default (kernels.gemm.blas_choice)."""
+    this CPU takes by default (kernels.blas_choice)."""
     yield choose_blas(request.param, monkeypatch)
     gemm.team_blas.cache_clear()
 

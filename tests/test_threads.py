@@ -44,3 +44,17 @@ def test_each_ranks_pools_are_its_share_of_the_hosts_cores():
 
 def test_a_thread_count_the_user_chose_is_left_alone():
     assert pools(2, NUMBA_NUM_THREADS="1") == [[0, 1, None], [1, 1, None]]
+
+
+def test_train_sizes_its_pools_before_anything_loads_numba(digits, tmp_path):
+    """Through the command line: a check of the BLAS choice that loaded Numba before the
+    ranks sized their pools left each rank a pool of all the host's cores (the digits job
+    7 times slower)."""
+    env = {k: v for k, v in environment(2).items() if k not in THREAD_VARIABLES}
+    run_dir = tmp_path / "run"
+    r = subprocess.run(command(2, sys.executable, "-m", "mpitrain", "train", "--data-dir",
+                               str(digits), "--epochs", "1", "--run-dir", str(run_dir)),
+                       capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    recorded = json.loads((run_dir / "environment.json").read_text())
+    assert recorded["numba_pool"] == max(1, cores() // 2), recorded

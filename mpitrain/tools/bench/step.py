@@ -43,11 +43,11 @@ def blas_info():
     kernels.gemm.team_gemms says so, else BLAS's own threads."""
     import numba
 
-    from mpitrain.kernels import gemm
+    from mpitrain.kernels import blas_choice, gemm
     threads = numba.get_num_threads()
     team = gemm.team_blas()
-    passed_over = (team and team.name == "openblas" and gemm.blas_choice() == "openblas"
-                   and gemm.mkl_installed() and not os.environ.get("MPITRAIN_BLAS"))
+    passed_over = (team and team.name == "openblas" and blas_choice.blas_choice() == "openblas"
+                   and blas_choice.mkl_installed() and not os.environ.get("MPITRAIN_BLAS"))
     info = {"forced": {k: os.environ[k] for k in OPENBLAS_FORCING if k in os.environ},
             "thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
             "spin": {k: os.environ[k] for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
@@ -55,9 +55,9 @@ def blas_info():
             "threads": threads, "gemms_on_team": gemm.team_gemms(threads),
             "gemm_library": team and f"{team.name} {team.version}",
             "gemm_note": passed_over and (f"MKL is installed, but taken only on "
-                                          f"{' and '.join(gemm.MKL_VENDORS)} CPUs, and this "
-                                          f"one is {gemm.cpu_vendor()}: MPITRAIN_BLAS=mkl "
-                                          f"takes it")}
+                                          f"{' and '.join(blas_choice.MKL_VENDORS)} CPUs, and "
+                                          f"this one is {blas_choice.cpu_vendor()}: "
+                                          f"MPITRAIN_BLAS=mkl takes it")}
     try:
         from threadpoolctl import threadpool_info
     except ImportError:
