@@ -147,6 +147,21 @@ def thread_share(comm):
     return max(1, len(mine) // sharing)
 
 
+def set_threads(threads):
+    """From now on the kernels' OpenMP team (threadpoolctl's OpenMP and Numba's own
+    setting, at most the NUMBA_NUM_THREADS its pool started with) runs on `threads`
+    threads, and so do the GEMMs: cut among the team with BLAS on one thread, or on
+    BLAS's own threads where the team cannot run them (kernels.gemm.blas_threads). Loads
+    Numba: after size_thread_pools."""
+    import numba
+    from threadpoolctl import threadpool_limits
+
+    from mpitrain.kernels.gemm import blas_threads
+    threadpool_limits(threads, user_api="openmp")
+    threadpool_limits(blas_threads(threads), user_api="blas")
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+
+
 def size_thread_pools(comm):
     """Numba's and the OpenMP runtime's thread pools at this rank's share of its host's
     cores (thread_share), through NUMBA_NUM_THREADS and OMP_NUM_THREADS, before either

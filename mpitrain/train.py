@@ -45,10 +45,8 @@ import sys
 import time
 from typing import NamedTuple
 
-import numba
 import numpy as np
 from mpi4py import MPI
-from threadpoolctl import threadpool_limits
 
 from . import backend, checkpoint
 from .backend import array_module
@@ -65,8 +63,7 @@ from .control import Heartbeats, LauncherWatch, LossWatch, StopSignals, Watchdog
 from .datasets.loader import Loader, pinned_for
 from .files import save_json
 from .graph import StepGraph, refusal
-from .kernels.gemm import blas_threads
-from .launcher import thread_share
+from .launcher import set_threads, thread_share
 from .metrics import MetricsLog, StepProgress, Timeline, trace_path
 from .nets import build_model, describe_parameters
 from .nets.losses import accuracy_counts, nonfinite_rows, softmax_cross_entropy
@@ -112,16 +109,6 @@ def limit_threads(comm):
     share = thread_share(comm)
     if share is not None:
         set_threads(share)
-
-
-def set_threads(threads):
-    """From now on the kernels' OpenMP team (threadpoolctl's OpenMP and Numba's own
-    setting, at most the NUMBA_NUM_THREADS its pool started with) runs on `threads`
-    threads, and so do the GEMMs: cut among the team with BLAS on one thread, or on
-    BLAS's own threads where the team cannot run them (kernels.gemm.blas_threads)."""
-    threadpool_limits(threads, user_api="openmp")
-    threadpool_limits(blas_threads(threads), user_api="blas")
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 
 
 # The Neumann optimizer's reset period K starts at 10 epochs (Krishnan et al., Table 1)

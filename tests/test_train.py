@@ -163,7 +163,7 @@ def test_set_threads_sets_openmp_numba_and_blas():
     from threadpoolctl import threadpool_info, threadpool_limits
 
     from mpitrain.kernels import gemm
-    from mpitrain.train import set_threads
+    from mpitrain.launcher import set_threads
     before = numba.get_num_threads()
     with threadpool_limits(None):           # restores the pools' counts afterwards
         try:

@@ -52,7 +52,8 @@ def blas_info():
             "thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
             "spin": {k: os.environ[k] for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
                      if k in os.environ},
-            "threads": threads, "gemms_on_team": gemm.team_gemms(threads),
+            "threads": threads, "numba_pool": numba.config.NUMBA_NUM_THREADS,
+            "gemms_on_team": gemm.team_gemms(threads),
             "gemm_library": team and f"{team.name} {team.version}",
             "gemm_note": passed_over and (f"MKL is installed, but taken only on "
                                           f"{' and '.join(blas_choice.MKL_VENDORS)} CPUs, and "
@@ -523,9 +524,9 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
                         shard_update=False):
     """Under mpirun: N ranks x `batch` images each, with the gradient buckets summed during
     backward and after it (--no-overlap), against one rank with the same batch and the
-    threads of all the node's ranks, at most one per core (the other ranks sleep
-    meanwhile). The three take turns step by step, so that a change of load on a shared
-    machine hits them alike.
+    threads of all the node's ranks, at most one per core, timed first in a process of its
+    own (one_rank_baseline; the other ranks sleep meanwhile). The N-rank variants take
+    turns step by step, so that a change of load on a shared machine hits them alike.
     Scaling efficiency = N-rank images/s / one-rank images/s. hidden_fraction: the share
     of the all-reduce time that ran while backward was still running; saved_ms: how much
     shorter the overlapped step is than the --no-overlap one (medians). On GPUs each rank
@@ -535,14 +536,13 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
     shard_update: with the sharded update (train --shard-update, SGD on a second copy of
     the model), each against the dense, unsharded step training would take here (its
     --overlap auto): bytes sent per rank per step, times, optimizer state per rank."""
-    import numba
     import numpy as np
     from mpi4py import MPI
 
     from mpitrain import backend
     from mpitrain.comm import Communicator
     from mpitrain.comm.buckets import DEFAULT_THRESHOLD, bucket_bounds, share_gradients
-    from mpitrain.train import limit_threads, set_threads
+    from mpitrain.train import limit_threads
     world = MPI.COMM_WORLD
     comm = Communicator(world)
     backend.use_device(device, comm.host_rank, comm.host_size)
@@ -581,21 +581,13 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
         runs["default_threshold"] = ParallelSteps(
             model, (comm, DEFAULT_THRESHOLD, algorithm, wire, trained == "overlap"), world,
             precision=precision)
-    # one step object for all its steps: its loss scale goes on from step to step (a fresh
-    # one each step would overflow at 2^16 and skip every update)
-    one = OneStep(new_model(model_name, num_classes, seed, precision), precision) \
-        if world.rank == 0 else None
-    one_threads = min(threads * comm.host_size, os.cpu_count())    # no more than the cores
-    one_times, one_ran = [], one_threads
+    one = None
+    if world.rank == 0:         # one rank with the threads of all its node's ranks
+        one = one_rank_baseline(min(threads * comm.host_size, os.cpu_count()), device,
+                                model_name, image_size, batch, num_classes, seed, steps,
+                                warmup, precision)
+    _sleep_until(world.Ibarrier())
     for i in range(warmup + steps):
-        if world.rank == 0:      # one rank with the threads of all its node's ranks
-            set_threads(one_threads)
-            one_ran = numba.get_num_threads()    # fewer where NUMBA_NUM_THREADS caps the pool
-            t = one_step_ms(one, x, y)
-            set_threads(threads)
-            if i >= warmup:
-                one_times.append(t)
-        _sleep_until(world.Ibarrier())
         for key in (list(runs) if i % 2 else list(runs)[::-1]):
             runs[key].step(x, y, record=i >= warmup)
     if tuner:
@@ -618,9 +610,7 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
                               "default_buckets": len(bucket_bounds(model.arena,
                                                                    DEFAULT_THRESHOLD))}
     if world.rank == 0:
-        step = _median(one_times)
-        result["one_rank"] = {"threads": one_ran, "wanted_threads": one_threads,
-                              "images_per_s": 1e3 * batch / step, "step_ms": step}
+        result["one_rank"] = {key: one[key] for key in ("threads", "images_per_s", "step_ms")}
         for key in runs:
             result[key]["efficiency"] = (result[key]["images_per_s"]
                                          / result["one_rank"]["images_per_s"])
@@ -631,13 +621,37 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
     return result
 
 
-def one_step_ms(step, x, y):
-    """The milliseconds of one training step of OneStep `step` on (x, y)."""
-    t0 = _clock()
-    step.forward(x, y)
-    step.backward()
-    step.update()
-    return 1e3 * (_clock() - t0)
+def one_rank_baseline(threads, device, *figures_of):
+    """The figures of _time_fresh(*figures_of) on `device` and `threads` threads, in a
+    process of its own, without the launcher's variables: Numba and OpenMP fix their
+    pools' sizes when they load, and a rank's pools are its share of the host's cores
+    (launcher.size_thread_pools), where this process runs on those of all the node's
+    ranks ("threads": the threads it ran)."""
+    import subprocess
+
+    from mpitrain.launcher import outside_environment
+    env = {**outside_environment(), "NUMBA_NUM_THREADS": str(threads),
+           "OMP_NUM_THREADS": str(threads)}
+    r = subprocess.run([sys.executable, "-c", "from mpitrain.tools.bench.step import "
+                        "_one_rank; _one_rank()", json.dumps([threads, device, *figures_of])],
+                       capture_output=True, text=True, env=env)
+    if r.returncode:
+        raise RuntimeError(f"the one-rank baseline failed (status {r.returncode}):\n"
+                           f"{r.stdout[-2000:]}{r.stderr[-4000:]}")
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+def _one_rank():
+    """one_rank_baseline's process: its arguments the JSON list of sys.argv[1], its figures
+    a JSON line on stdout."""
+    import numba
+
+    from mpitrain import backend
+    from mpitrain.launcher import set_threads
+    threads, device, *figures_of = json.loads(sys.argv[1])
+    backend.use_device(device)
+    set_threads(threads)
+    print(json.dumps({**_time_fresh(*figures_of), "threads": numba.get_num_threads()}))
 
 
 def hidden_fraction(wait_ms, allreduce_ms):
@@ -669,12 +683,6 @@ def format_parallel(r):
              f"1 rank x {r['one_rank']['threads']} threads, batch {r['batch_per_rank']}: "
              f"{r['one_rank']['images_per_s']:.1f} images/s, step "
              f"{r['one_rank']['step_ms']:.1f} ms"]
-    one = r["one_rank"]
-    if one["threads"] < one["wanted_threads"]:
-        lines.append(f"warning: the one-rank baseline ran {one['threads']} thread(s), not the "
-                     f"{one['wanted_threads']} of the node's ranks together: NUMBA_NUM_THREADS="
-                     f"{one['threads']} caps Numba's pool, so the scaling efficiency below "
-                     f"overstates: unset it, or set it to {one['wanted_threads']} or more")
     for key, label in (("overlap", "overlapped"), ("no_overlap", "--no-overlap")):
         t = r[key]
         lines.append(f"{r['ranks']} ranks, {label}: {t['images_per_s']:.1f} images/s, step "
