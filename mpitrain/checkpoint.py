@@ -230,31 +230,47 @@ def read(path):
     import h5py
     try:
         with h5py.File(path, "r") as f:
-            if not _is_true(f.attrs.get("complete", False)):
-                raise CheckpointError(f"{path} is {INCOMPLETE}; {ANOTHER}")
-            version = _whole(f.attrs, "format_version")
-            if version != FORMAT_VERSION:
-                raise CheckpointError(f"{path} has format version {version}; this mpitrain "
-                                      f"reads version {FORMAT_VERSION}")
-            opt = f["optimizer"]
-            state = dict(
-                master=f["master"][...], momentum=f["momentum"][...], buffers=f["buffers"][...],
-                names=[n.decode() if isinstance(n, bytes) else n for n in f["params/name"][...]],
-                offsets=f["params/offset"][...].tolist(),
-                shapes=_json("params/shape", f["params/shape"][()]),
-                buffer_names=[n.decode() if isinstance(n, bytes) else n
-                              for n in f["buffer_names"][...]],
-                buffer_shapes=_json("buffer_shapes", f["buffer_shapes"][()]),
-                optimizer={**{k: opt[k][...] for k in opt}, **dict(opt.attrs)},
-                **{key: _whole(f.attrs, key)
-                   for key in ("epoch", "step", "global_step", "world_size")},
-                **{key: _json(key, f.attrs[key]) for key in ("config", "scaler", "rng")},
-                progress=_json("progress", f.attrs.get("progress", "{}")),
-                residual=f["residual"][...] if "residual" in f else None, path=path)
-            check_parts(state)
+            state = _parts(f, path)
+            for key in ARRAYS:
+                if state[key] is not None:
+                    state[key] = state[key][...]
+            state["optimizer"] = {k: v[...] if isinstance(v, h5py.Dataset) else v
+                                  for k, v in state["optimizer"].items()}
             return state
     except (OSError, KeyError, ValueError, TypeError) as e:
         raise unreadable(path, e) from e
+
+
+# the parts of a checkpoint that are arrays, read last (_parts)
+ARRAYS = ("master", "momentum", "buffers", "residual")
+
+
+def _parts(f, path):
+    """The state in the open checkpoint file `f` (of `path`), its ARRAYS and the
+    optimizer's as h5py datasets, not yet read, after checking every part against what
+    train writes (CheckpointError where incomplete or of another format version;
+    ValueError, TypeError or KeyError where a part is not train's)."""
+    if not _is_true(f.attrs.get("complete", False)):
+        raise CheckpointError(f"{path} is {INCOMPLETE}; {ANOTHER}")
+    version = _whole(f.attrs, "format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"{path} has format version {version}; this mpitrain reads "
+                              f"version {FORMAT_VERSION}")
+    opt = f["optimizer"]
+    state = dict(
+        master=f["master"], momentum=f["momentum"], buffers=f["buffers"],
+        residual=f["residual"] if "residual" in f else None,
+        names=[n.decode() if isinstance(n, bytes) else n for n in f["params/name"][...]],
+        offsets=f["params/offset"][...].tolist(),
+        shapes=_json("params/shape", f["params/shape"][()]),
+        buffer_names=[n.decode() if isinstance(n, bytes) else n for n in f["buffer_names"][...]],
+        buffer_shapes=_json("buffer_shapes", f["buffer_shapes"][()]),
+        optimizer={**{k: opt[k] for k in opt}, **dict(opt.attrs)},
+        **{key: _whole(f.attrs, key) for key in ("epoch", "step", "global_step", "world_size")},
+        **{key: _json(key, f.attrs[key]) for key in ("config", "scaler", "rng")},
+        progress=_json("progress", f.attrs.get("progress", "{}")), path=path)
+    check_parts(state)
+    return state
 
 
 def _is_true(value):
@@ -281,9 +297,9 @@ def _json(key, text):
 
 
 def check_parts(state):
-    """ValueError where the arrays of `state` (from read) do not have the shapes and
-    dtypes that its parameter and buffer tables give (a file changed since, or not
-    written by train)."""
+    """ValueError where the arrays of `state` (from _parts: arrays or h5py datasets) do not
+    have the shapes and dtypes that its parameter and buffer tables give (a file changed
+    since, or not written by train)."""
     params = sum(int(np.prod(s)) for s in state["shapes"])
     buffers = sum(int(np.prod(s)) for s in state["buffer_shapes"])
     tables = {len(state["names"]), len(state["shapes"]), len(state["offsets"])}
@@ -520,15 +536,14 @@ def checkpoints(directory):
 
 
 def latest(directory, passed_over=None):
-    """The newest checkpoint in `directory` that reads back complete, or None;
-    passed_over(path, error) is called for each newer one that does not, with its
+    """The newest checkpoint in `directory` whose every part is what train writes (read
+    as far as _parts reads: the arrays' checksums are checked when read), or None;
+    passed_over(path, error) is called for each newer one that is not, with its
     CheckpointError (a CheckpointHeld where it may be whole, but cannot be read now)."""
     for path in reversed(checkpoints(directory)):
         try:
-            read_config(path)
-            if _attribute(path, lambda f: _is_true(f.attrs.get("complete", False))):
-                return path
-            error = CheckpointError(INCOMPLETE)
+            _attribute(path, lambda f: _parts(f, path))
+            return path
         except CheckpointError as e:
             error = e
         if passed_over is not None:

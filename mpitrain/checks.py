@@ -691,8 +691,9 @@ def find_resume(cfg, comm, say, data=None):
 
         def passed_over(path, error):
             if isinstance(error, checkpoint.CheckpointHeld):
+                over = ", and this one written over" if cfg.resume == "auto" else ""
                 raise ConfigError(f"{error} (passed over, an older checkpoint would be "
-                                  f"resumed, and this one written over)")
+                                  f"resumed{over})")
             say(f"--resume {cfg.resume}: passing over {path}: {error}", flush=True)
             skipped.append(path)
         try:

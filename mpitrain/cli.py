@@ -1192,12 +1192,8 @@ def main(argv=None):
         from mpitrain.tools.check_gpu import run
         sys.exit(run(args))
     elif args.bench == "step":
-        from mpitrain.tools.bench.step import main_step, under_mpirun
+        from mpitrain.tools.bench.step import main_step
         from mpitrain.checks import ConfigError, check_options_used, check_topk_wire
-        if under_mpirun():          # each rank on its share of the cores, as train's ranks
-            from mpi4py import MPI
-            from mpitrain.launcher import size_thread_pools
-            size_thread_pools(MPI.COMM_WORLD)        # before Numba loads
         try:
             check_options_used(args)
             check_topk_wire(args.compress, args.comm_dtype)

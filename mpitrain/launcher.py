@@ -119,8 +119,24 @@ def mpiexec_family(mpiexec):
 
 
 def cores():
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    """The number of cores this process may run on."""
+    return len(affinity())
+
+
+def affinity():
+    """The cores this process may run on, sorted (all of them where the system does not
+    say)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else list(range(os.cpu_count()))
+
+
+def node_cores(comm):
+    """The cores that the ranks of this rank's host may run on, together. Collective over
+    `comm`."""
+    import socket
+    host = socket.gethostname()
+    return sorted(set().union(*(mine for h, mine in comm.allgather((host, affinity()))
+                                if h == host)))
 
 
 # the variables by which a user sets the threads of a rank (launch.sh sets them too)
@@ -137,8 +153,7 @@ def thread_share(comm):
     such as Slurm's tasks per node, may be unset). Collective over `comm` (an mpi4py
     communicator, or mpitrain's)."""
     import socket
-    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-        else list(range(os.cpu_count()))
+    mine = affinity()
     host = socket.gethostname()
     everyone = comm.allgather((host, mine))
     if any(v in os.environ and os.environ[v] != POOLS.get(v) for v in THREAD_VARIABLES):

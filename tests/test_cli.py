@@ -406,6 +406,7 @@ def test_bench_step_ranks_run_their_share_and_the_baseline_every_core():
     all the host's cores (their steps several times slower)."""
     import launcher
 
+    from mpitrain.launcher import affinity
     from mpitrain.tools.bench.step import format_parallel
     args = ["bench", "step", "--model", "resnet_small", "--image-size", "16", "--batch", "4",
             "--steps", "1", "--warmup", "0", "--json"]
@@ -422,6 +423,33 @@ def test_bench_step_ranks_run_their_share_and_the_baseline_every_core():
         assert result["blas"]["numba_pool"] == share, result["blas"]
         assert result["one_rank"]["threads"] == every, result["one_rank"]
         assert f"1 rank x {every} threads, batch 4" in format_parallel(result)
+    # each rank pinned to a core of its own (as Open MPI's mpirun and Slurm bind them): the
+    # baseline ran on rank 0's core alone, which it inherited
+    pinned = ("import os, sys\nfrom mpitrain.launcher import affinity, launched_rank\n"
+              "os.sched_setaffinity(0, {affinity()[launched_rank()]})\n"
+              "os.execv(sys.executable, [sys.executable, '-m', 'mpitrain', *sys.argv[1:]])\n")
+    r = subprocess.run(launcher.command(2, sys.executable, "-c", pinned, *args),
+                       capture_output=True, text=True, timeout=180, env=free)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["blas"]["numba_pool"] == 1 and result["one_rank"]["threads"] == 2 \
+        and result["one_rank"]["cores"] == affinity()[:2], \
+        (result["blas"], result["one_rank"])
+
+
+@pytest.mark.launches
+def test_native_openblas_reruns_each_rank_before_mpi_starts():
+    """Under mpirun each rank re-runs itself without the forcing variables before MPI
+    starts (a rank that started MPI first failed in the second MPI_Init)."""
+    import launcher
+    env = {**launcher.environment(2), "OPENBLAS_L2_SIZE": "262144"}
+    r = subprocess.run(launcher.mpitrain_command(
+        2, "bench", "step", "--model", "resnet_small", "--image-size", "16", "--batch", "4",
+        "--steps", "1", "--warmup", "0", "--native-openblas", "--json"),
+        capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout)["ranks"] == 2 and "--native-openblas: re-running without" \
+        in r.stderr, r.stdout + r.stderr
 
 
 def test_bench_step_profile_counts_every_gemm_of_a_training_step():

@@ -542,6 +542,8 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
     from mpitrain import backend
     from mpitrain.comm import Communicator
     from mpitrain.comm.buckets import DEFAULT_THRESHOLD, bucket_bounds, share_gradients
+    from mpitrain.checks import check_image_size
+    from mpitrain.launcher import node_cores
     from mpitrain.train import limit_threads
     world = MPI.COMM_WORLD
     comm = Communicator(world)
@@ -551,6 +553,7 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
     # the same weights on every rank, a different batch on each
     model, x, y = build_on_device(model_name, image_size, batch, num_classes, seed, precision,
                                   batch_seed=seed + world.rank)
+    check_image_size(model, model_name, image_size)     # on every rank alike, as train's
     result = {"model": model_name, "image_size": image_size, "batch_per_rank": batch,
               "ranks": world.size, "threads_per_rank": threads, "steps": steps, "warmup": warmup,
               "fusion_threshold": threshold, "allreduce": algorithm, "comm_dtype": comm_dtype,
@@ -581,9 +584,11 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
         runs["default_threshold"] = ParallelSteps(
             model, (comm, DEFAULT_THRESHOLD, algorithm, wire, trained == "overlap"), world,
             precision=precision)
+    # one rank with the threads of all its node's ranks, on the cores they may run on
+    cores = node_cores(world)
     one = None
-    if world.rank == 0:         # one rank with the threads of all its node's ranks
-        one = one_rank_baseline(min(threads * comm.host_size, os.cpu_count()), device,
+    if world.rank == 0:
+        one = one_rank_baseline(min(threads * comm.host_size, len(cores)), cores, device,
                                 model_name, image_size, batch, num_classes, seed, steps,
                                 warmup, precision)
     _sleep_until(world.Ibarrier())
@@ -610,7 +615,8 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
                               "default_buckets": len(bucket_bounds(model.arena,
                                                                    DEFAULT_THRESHOLD))}
     if world.rank == 0:
-        result["one_rank"] = {key: one[key] for key in ("threads", "images_per_s", "step_ms")}
+        result["one_rank"] = {key: one[key]
+                              for key in ("threads", "cores", "images_per_s", "step_ms")}
         for key in runs:
             result[key]["efficiency"] = (result[key]["images_per_s"]
                                          / result["one_rank"]["images_per_s"])
@@ -621,19 +627,20 @@ def bench_step_parallel(model_name, image_size=64, batch=32, steps=10, warmup=2,
     return result
 
 
-def one_rank_baseline(threads, device, *figures_of):
+def one_rank_baseline(threads, cores, device, *figures_of):
     """The figures of _time_fresh(*figures_of) on `device` and `threads` threads, in a
-    process of its own, without the launcher's variables: Numba and OpenMP fix their
-    pools' sizes when they load, and a rank's pools are its share of the host's cores
-    (launcher.size_thread_pools), where this process runs on those of all the node's
-    ranks ("threads": the threads it ran)."""
+    process of its own on `cores` (the cores of all the node's ranks, which a launcher
+    may have pinned each to its own), without the launcher's variables: Numba and OpenMP
+    fix their pools' sizes when they load, and a rank's pools are its share of the
+    host's cores (launcher.size_thread_pools). "threads" and "cores": those it ran on."""
     import subprocess
 
     from mpitrain.launcher import outside_environment
     env = {**outside_environment(), "NUMBA_NUM_THREADS": str(threads),
            "OMP_NUM_THREADS": str(threads)}
     r = subprocess.run([sys.executable, "-c", "from mpitrain.tools.bench.step import "
-                        "_one_rank; _one_rank()", json.dumps([threads, device, *figures_of])],
+                        "_one_rank; _one_rank()",
+                        json.dumps([threads, cores, device, *figures_of])],
                        capture_output=True, text=True, env=env)
     if r.returncode:
         raise RuntimeError(f"the one-rank baseline failed (status {r.returncode}):\n"
@@ -644,14 +651,17 @@ def one_rank_baseline(threads, device, *figures_of):
 def _one_rank():
     """one_rank_baseline's process: its arguments the JSON list of sys.argv[1], its figures
     a JSON line on stdout."""
+    threads, cores, device, *figures_of = json.loads(sys.argv[1])
+    if hasattr(os, "sched_setaffinity"):    # before Numba and OpenMP start their threads
+        os.sched_setaffinity(0, cores)
     import numba
 
     from mpitrain import backend
-    from mpitrain.launcher import set_threads
-    threads, device, *figures_of = json.loads(sys.argv[1])
+    from mpitrain.launcher import affinity, set_threads
     backend.use_device(device)
     set_threads(threads)
-    print(json.dumps({**_time_fresh(*figures_of), "threads": numba.get_num_threads()}))
+    print(json.dumps({**_time_fresh(*figures_of), "threads": numba.get_num_threads(),
+                      "cores": affinity()}))
 
 
 def hidden_fraction(wait_ms, allreduce_ms):
@@ -752,6 +762,11 @@ def main_step(args, argv):
     if args.native_openblas and REEXEC_MARK not in os.environ \
             and any(k in os.environ for k in OPENBLAS_FORCING):
         _reexec_without_openblas_forcing(argv, to_stderr=args.json)
+    if under_mpirun():          # each rank on its share of the cores, as train's ranks
+        from mpi4py import MPI      # (after the re-exec: MPI starts once in a process)
+
+        from mpitrain.launcher import size_thread_pools
+        size_thread_pools(MPI.COMM_WORLD)        # before Numba loads
     try:
         result = _run_step(args)
     except (DeviceError, OneProcessOnly, ConfigError) as e:   # every rank alike: rank 0 says it
