@@ -19,12 +19,17 @@ from mpitrain.backend import array_module
 from . import _im2col, cast, elementwise
 
 
+class WindowTooWide(ValueError):
+    """A sliding window wider than its padded input: a network's feature maps shrank to
+    nothing before that layer (checks.check_image_size names the image size)."""
+
+
 def conv_output_size(size, k, stride, pad):
     """Output length of a k-wide window sliding with `stride` over `size` + 2*pad elements."""
     out = (size + 2 * pad - k) // stride + 1
     if out < 1:
-        raise ValueError(f"a {k}-wide window with padding {pad} does not fit an input of "
-                         f"size {size}")
+        raise WindowTooWide(f"a {k}-wide window with padding {pad} does not fit an input of "
+                            f"size {size}")
     return out
 
 

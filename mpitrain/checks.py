@@ -501,9 +501,10 @@ def check_image_size(model, name, size, data=None):
     eval forward of a single image, before any work; returns its leaf_shapes. data: the
     file the size came from (None: --image-size gave it), which the refusal names with the
     option that changes it."""
+    from mpitrain.kernels.im2col import WindowTooWide
     try:
         return leaf_shapes(model, size)
-    except ValueError:
+    except WindowTooWide:       # nothing else: another failure is not the size's
         smallest = next((s for s in range(size + 1, 513) if _takes(model, s)), None)
         what = f"--image-size {size}" if data is None else \
             f"{size}x{size}, the image size of {data},"
@@ -573,10 +574,11 @@ def check_activations_fit(shapes, name, size, per_rank, ranks_here, itemsize, lo
 
 
 def _takes(model, size):
+    from mpitrain.kernels.im2col import WindowTooWide
     try:
         model.forward(backend.xp.zeros((1, size, size, 3), model.dtype), train=False)
         return True
-    except ValueError:
+    except WindowTooWide:
         return False
 
 

@@ -117,3 +117,25 @@ def test_memory_for_a_step_counts_every_rank_of_the_host_and_the_layers_outputs(
                                           r"loaders .* GiB on each of the 2 ranks of this host, "
                                           r"more than"):
         check_activations_fit(shapes, "resnet_small", 32, 16, 2, 4, have // 2)
+
+
+def test_only_a_window_wider_than_its_map_is_blamed_on_the_image_size(monkeypatch):
+    """check_image_size took any ValueError of its one-image forward for feature maps that
+    vanish: a bad MPITRAIN_BLAS, raised by the first product, was refused as an image
+    size too small."""
+    from mpitrain.checks import ConfigError, check_image_size
+    from mpitrain.kernels import gemm
+    from mpitrain.nets import build_model
+    model = build_model("alexnet", num_classes=10)
+    with pytest.raises(ConfigError, match="--image-size 32 is too small for alexnet: its "
+                                          "feature maps shrink to nothing; the smallest size "
+                                          "it takes is 63"):
+        check_image_size(model, "alexnet", 32)
+    monkeypatch.setenv("MPITRAIN_BLAS", "foo")
+    gemm.team_blas.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="MPITRAIN_BLAS='foo': expected mkl or openblas"):
+            check_image_size(model, "alexnet", 32)
+    finally:
+        monkeypatch.undo()
+        gemm.team_blas.cache_clear()
