@@ -173,10 +173,12 @@ def environment(comm, device):
     import numba
     import numpy
     from mpi4py import MPI
-    hosts = sorted(set(comm.allgather(platform.node())))
+    names = comm.allgather(platform.node())         # each rank's host
+    hosts = sorted(set(names))
     env = dict(source=comm.bcast(source_version() if comm.rank == 0 else None),
-               world_size=comm.size, nodes=len(hosts), ranks_per_node=comm.host_size,
+               world_size=comm.size, nodes=len(hosts),
                hosts=hosts[:16] + ([f"... {len(hosts) - 16} more"] if len(hosts) > 16 else []),
+               ranks_per_host=[names.count(h) for h in hosts[:16]],
                device=device, mpi_library=mpi_library(),
                mpi_standard=".".join(map(str, MPI.Get_version())), mpi4py=mpi4py.__version__,
                python=platform.python_version(), numpy=numpy.__version__,

@@ -77,7 +77,9 @@ class _Span:
         self.start = time.perf_counter()
         if threading.current_thread() is threading.main_thread():
             self.outer, self.timeline.current = self.timeline.current, self
-            if self.timeline.listener is not None:
+            # phases only: a rank with no validation images in a step runs no layers there,
+            # and its count of spans entered (the heartbeat's) would fall behind the others'
+            if self.timeline.listener is not None and self.cat not in Timeline.NESTED:
                 self.timeline.listener(self.name)
         return self
 
@@ -125,7 +127,7 @@ class Timeline:
         self.events = []
         self.tids = {}
         self.current = None
-        self.listener = None        # called with the name of each span the main thread enters
+        self.listener = None        # called with the name of each phase the main thread enters
         self._perf0 = time.perf_counter()
         self._wall0 = time.time()
         self._lock = threading.Lock()
@@ -197,6 +199,45 @@ class Timeline:
         save_json(self.path, {"traceEvents": events, "displayTimeUnit": "ms"}, sort_keys=False,
                   indent=None)
         return self.path
+
+
+class LossMean:
+    """A step record's training loss: the mean over the ranks and the steps since the
+    previous record. A rank's loss is the mean over its slice of the global batch, so it
+    weighs 1/ranks of its step, and a run resumed on another number of ranks (the sums
+    travel in its checkpoint) still weighs every step alike. Losses that are not finite
+    are left out of the mean, and counted."""
+
+    def __init__(self):
+        # the finite losses, each times its rank's share of the step; those shares summed;
+        # how many losses were finite; how many were not
+        self.sums = [0.0, 0.0, 0, 0]
+
+    def add(self, loss_sum, ranks, not_finite):
+        """One step: `loss_sum`, its `ranks` ranks' finite losses summed, and how many of
+        the ranks' losses were not finite."""
+        finite = ranks - not_finite
+        for i, value in enumerate((loss_sum / ranks, finite / ranks, finite, not_finite)):
+            self.sums[i] += value
+
+    def take(self):
+        """(the mean loss, None when no loss was finite; the finite losses; the others),
+        counted from zero again after."""
+        weighted, share, finite, not_finite = self.sums
+        self.sums = [0.0, 0.0, 0, 0]
+        return (weighted / share if finite else None), finite, not_finite
+
+    def state_dict(self):
+        return list(self.sums)
+
+    def load_state_dict(self, sums, world_size):
+        """`sums` from state_dict(), in a checkpoint of `world_size` ranks; an older
+        checkpoint's three numbers are the ranks' finite losses summed, their count and
+        the count of the others."""
+        if len(sums) == 3:
+            loss_sum, finite, not_finite = sums
+            sums = [loss_sum / world_size, finite / world_size, int(finite), int(not_finite)]
+        self.sums = list(sums) if sums else [0.0, 0.0, 0, 0]
 
 
 class MetricsLog:

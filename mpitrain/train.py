@@ -64,7 +64,7 @@ from .datasets.loader import Loader, pinned_for
 from .files import save_json
 from .graph import StepGraph, refusal
 from .launcher import set_threads, thread_share
-from .metrics import MetricsLog, StepProgress, Timeline, trace_path
+from .metrics import LossMean, MetricsLog, StepProgress, Timeline, trace_path
 from .nets import build_model, describe_parameters
 from .nets.losses import accuracy_counts, nonfinite_rows, softmax_cross_entropy
 from .nets.plain import PlainNetwork
@@ -499,9 +499,7 @@ class Run:
         self.saved_cfg = {**self.cfg.as_dict(), "num_classes": len(data.class_names),
                           "class_names": data.class_names, "image_size": data.image_size,
                           "start_dir": os.getcwd(), **data.normalise}
-        # since the last log line: the ranks' finite losses summed, how many they were, and
-        # how many were not finite (left out of the mean)
-        self.loss_sum = np.zeros(3)
+        self.losses = LossMean()                # since the last log line
         self.timed_steps = 0                    # steps this process ran since the last log
         self.loss_watch = LossWatch()
         # this rank's top-1 hits on the device and images counted since the last log line
@@ -584,7 +582,7 @@ class Run:
         self.progress = StepProgress(self.epochs * steps,
                                      position["epoch"] * steps + position["step"],
                                      stream=sys.stdout) if rank0 else None
-        self.log_every = cfg.log_every or (max(1, steps // 4) if steps >= 100 else steps)
+        self.log_every = cfg.log_every or (-(-steps // 4) if steps >= 100 else steps)
         self.signals = StopSignals(comm, grace=cfg.stop_grace, launcher=launcher)
         self.heartbeats = Heartbeats(os.path.join(self.run_dir, "heartbeat"), comm)
         self.position = "start"
@@ -609,9 +607,7 @@ class Run:
         self.train_data.load_state_dict({"epoch": meta["epoch"], "step": meta["step"]})
         self.skipped = self.skipped_before = meta["progress"].get("skipped", 0)
         self.skipped_logged = meta["progress"].get("skipped_logged", 0)
-        saved = meta["progress"].get("loss_sum", ())
-        self.loss_sum[:] = 0
-        self.loss_sum[:len(saved)] = saved
+        self.losses.load_state_dict(meta["progress"].get("loss_sum", ()), meta["world_size"])
         counts = meta["progress"].get("top1_counts")
         if counts and self.comm.rank == 0:     # all ranks' sums
             self.correct[...] = int(counts[0])
@@ -644,7 +640,7 @@ class Run:
         """The steps of `epoch` from the loader's position. Returns the name of the stop
         signal when the ranks agreed to stop after a step, else None."""
         cfg, comm, data, steps = self.cfg, self.comm, self.train_data, self.steps
-        self.epoch_start = self.last_log = time.perf_counter()
+        self.last_log = time.perf_counter()
         self.wait_start = data.wait_time
         self.line = ""
         self.reducer.start_epoch(epoch)         # top-k: dense sums for its warm-up epochs
@@ -683,7 +679,7 @@ class Run:
             mean_loss = agreed.loss_sum / comm.size
             if not agreed.not_finite and self.loss_watch.update(mean_loss, global_step):
                 raise TrainingError(self.diverged(mean_loss, epoch, s, "has exploded", False))
-            self.loss_sum += agreed.loss_sum, comm.size - agreed.not_finite, agreed.not_finite
+            self.losses.add(agreed.loss_sum, comm.size, agreed.not_finite)
             self.timed_steps += 1
             if (s + 1) % self.log_every == 0 or s + 1 == steps:
                 self.log_step(epoch, s, lr, global_step)
@@ -722,8 +718,7 @@ class Run:
         """The mean loss over the ranks and the steps since the last log, and the top-1
         accuracy of the images they trained on: the progress text and a metrics.jsonl
         record. Collective."""
-        finite, not_finite = int(self.loss_sum[1]), int(self.loss_sum[2])
-        loss = float(self.loss_sum[0] / finite) if finite else None
+        loss, finite, not_finite = self.losses.take()
         self.result["loss"] = loss
         top1 = self.training_accuracy()
         now = time.perf_counter()
@@ -732,14 +727,15 @@ class Run:
         steps = max(self.timed_steps, 1)
         images_per_s = self.timed_steps * self.batch / (now - self.last_log)
         phases = {k: v / steps for k, v in self.timeline.take_totals().items()}
-        wait = (self.train_data.wait_time - self.wait_start) / (now - self.epoch_start)
+        wait = (self.train_data.wait_time - self.wait_start) / (now - self.last_log)
+        self.wait_start = self.train_data.wait_time
         skipped = self.skipped - self.skipped_logged     # by every rank since the last log line
         self.skipped_logged = self.skipped
         loss_text = "loss not finite" if loss is None else f"loss {loss:.4f}" + (
             f" ({not_finite} of {finite + not_finite} not finite, left out)" if not_finite else "")
         self.line = (f"epoch {epoch + 1}/{self.epochs}  step {s + 1}/{self.steps}  {loss_text}"
                      + (f"  top1 {top1:.1%}" if top1 is not None else "")
-                     + f"  lr {lr:.4f}  {images_per_s:,.0f} images/s  data wait {wait:.0%}"
+                     + f"  lr {lr:.4g}  {images_per_s:,.0f} images/s  data wait {wait:.0%}"
                      + (f"  {skipped} bad record(s) skipped" if skipped else ""))
         if self.metrics:
             self.metrics.write(dict(kind="step", epoch=epoch + 1, step=s + 1,
@@ -748,7 +744,6 @@ class Run:
                                     **self.scaler_record(),
                                     images_per_s=images_per_s, skipped_records=skipped,
                                     time=phases))
-        self.loss_sum[:] = 0
         self.timed_steps = 0
         self.last_log = now
 
@@ -818,7 +813,7 @@ class Run:
         global_step = pos["epoch"] * self.steps + pos["step"]
         if global_step == self.saved_step:
             return
-        progress = {"loss_sum": self.loss_sum.tolist(), "skipped": self.skipped,
+        progress = {"loss_sum": self.losses.state_dict(), "skipped": self.skipped,
                     "skipped_logged": self.skipped_logged, **self.loss_watch.state_dict(),
                     "overflow_since": self.overflow_since, "nonfinite_since": self.nonfinite_since}
         progress["top1_counts"] = self.top1_counts().tolist()

@@ -467,7 +467,7 @@ def test_metrics_config_and_environment(straight_run):
     config = json.load(open(run_dir / "config.json"))
     assert config["batch_size"] == 64 and config["seed"] == 3
     env = json.load(open(run_dir / "environment.json"))
-    assert env["world_size"] == 2 and env["device"] == "cpu"
+    assert env["world_size"] == 2 and env["device"] == "cpu" and env["ranks_per_host"] == [2]
     assert mpi_family(env["mpi_library"]) == launcher.family(), env    # the venv's MPI
     root = Path(checkpoint.__file__).parents[1]
     head = subprocess.run(["git", "-C", root, "rev-parse", "--short=12", "HEAD"],

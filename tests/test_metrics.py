@@ -16,7 +16,8 @@ import pytest
 
 from launcher import BackgroundJob, JobEnded, environment, signal_as_step_starts
 from mpitrain.cli import apply_config_file, build_parser
-from mpitrain.metrics import MetricsLog, StepProgress, Timeline, read_metrics, trace_path
+from mpitrain.metrics import (LossMean, MetricsLog, StepProgress, Timeline, read_metrics,
+                              trace_path)
 
 
 # ----- timeline -----
@@ -88,6 +89,27 @@ def test_metrics_log_appends_and_reader_skips_a_torn_line(tmp_path):
     with open(path, "a") as f:
         f.write('{"kind": "st')                       # a crash in the middle of a line
     assert read_metrics(path) == [{"kind": "step", "loss": 1.5}, {"kind": "eval", "top1": 0.5}]
+
+
+def test_the_loss_mean_weighs_every_step_alike_across_a_resume_on_other_ranks():
+    """A rank's loss is the mean over its share of the global batch: on 2 ranks it weighs
+    half a step, on 1 a whole one, also when a record's steps ran partly before a resume
+    on another number of ranks (the sums travel in the checkpoint as JSON)."""
+    two = LossMean()
+    two.add(1.0 + 3.0, 2, 0)
+    two.add(5.0, 2, 1)                          # the other rank's loss was not finite
+    one = LossMean()
+    one.load_state_dict(json.loads(json.dumps(two.state_dict())), world_size=2)
+    one.add(8.0, 1, 0)
+    loss, finite, not_finite = one.take()
+    assert loss == pytest.approx((1.0 / 2 + 3.0 / 2 + 5.0 / 2 + 8.0) / (1 + 1 / 2 + 1))
+    assert (finite, not_finite) == (4, 1)
+    assert one.take() == (None, 0, 0)           # counted from zero again
+    # an older checkpoint's sums: the ranks' finite losses summed, their count, the others
+    old = LossMean()
+    old.load_state_dict([4.0, 2, 0], world_size=2)
+    old.add(8.0, 1, 0)
+    assert old.take() == (pytest.approx((2.0 + 8.0) / 2), 3, 0)
 
 
 def test_progress_prints_plain_lines_off_a_terminal():
@@ -217,18 +239,20 @@ def test_plot_draws_the_curves(tmp_path):
 
 def test_plot_says_which_curves_a_run_did_not_record(tmp_path, monkeypatch):
     """Records with a null training accuracy (an older run's CUDA graphs), an older
-    metrics.jsonl no field at all: the plot draws the rest and says why on the axes."""
+    metrics.jsonl no field at all, a run whose every loss was not finite: the plot draws
+    the rest and says why on the axes."""
     pytest.importorskip("matplotlib")
     from mpitrain.tools import plot
     said = []
     monkeypatch.setattr(plot, "missing", lambda ax, text: said.append(text))
-    for name, top1 in (("graphs", dict(top1=None)), ("older", {})):
+    for name, top1 in (("graphs", dict(top1=None)), ("older", {}),
+                       ("diverged", dict(top1=0.1, loss=None))):
         run_dir = tmp_path / name
         run_dir.mkdir()
         log = MetricsLog(str(run_dir / "metrics.jsonl"))
         for g in (5, 10):
-            log.write(dict(kind="step", epoch=1, step=g, global_step=g, loss=1.0 / g, lr=0.1,
-                           images_per_s=100.0, time={}, **top1))
+            log.write({**dict(kind="step", epoch=1, step=g, global_step=g, loss=1.0 / g,
+                              lr=0.1, images_per_s=100.0, time={}), **top1})
         log.write(dict(kind="eval", epoch=1, global_step=10, top1=0.5, top5=0.9,
                        **({"loss": None} if top1 else {})))
         log.close()
@@ -237,12 +261,13 @@ def test_plot_says_which_curves_a_run_did_not_record(tmp_path, monkeypatch):
                     "training accuracy not recorded: null in these records (an older run "
                     "with --cuda-graph)",
                     "validation loss not in this metrics.jsonl (an older run)",
-                    "training accuracy not recorded: not in this metrics.jsonl (an older run)"]
+                    "training accuracy not recorded: not in this metrics.jsonl (an older run)",
+                    "training loss not finite; validation loss not finite"]
 
 
 def test_throughput_stacks_the_phases_that_add_up_to_the_step():
-    """The all-reduce's own time ("bucket") runs behind backward; the step's wait for it
-    is "comm": stacking both would count the communication twice."""
+    """The all-reduce's own time ("bucket") runs behind backward, or within the step's
+    wait for it, "comm": stacking both would count the communication twice."""
     from mpitrain.tools.plot import stacked_phases
     steps = [dict(time=dict(forward=0.01, backward=0.02, comm=0.005, bucket=0.015,
                             update=0.001))]
@@ -361,6 +386,21 @@ def test_train_inspect_and_export_print_one_parameter_count(digits_run, digits, 
                        str(tmp_path / "m.safetensors"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"resnet_small, {count}, input 32x32" in r.stdout
+
+
+def test_an_epoch_of_many_steps_logs_four_lines_with_the_rate_it_applies(digits, tmp_path):
+    """Without --log-every an epoch of 100 steps or more writes 4 records (179 steps: 45,
+    90, 135 and the last); a small learning rate is printed as it is, not as 0.0000."""
+    run_dir = tmp_path / "run"
+    r = mpitrain_quick("train", "--batch-size", "8", "--epochs", "1", "--optimizer", "lamb",
+                       "--lr", "0.00004", "--schedule", "constant", "--data-dir", str(digits),
+                       "--run-dir", str(run_dir))
+    assert r.returncode == 0, r.stdout + r.stderr
+    steps = [rec for rec in read_metrics(str(run_dir / "metrics.jsonl"))
+             if rec["kind"] == "step"]
+    assert [rec["step"] for rec in steps] == [45, 90, 135, 179]
+    assert steps[-1]["lr"] == pytest.approx(4e-5)
+    assert re.search(r"step 179/179 .* lr 4e-05 ", r.stdout), r.stdout
 
 
 def test_a_stop_between_two_log_lines_resumes_with_the_same_training_accuracy(digits,

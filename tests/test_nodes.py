@@ -93,7 +93,8 @@ def test_default_job_on_2_hosts_of_2_trains_as_on_1_host_of_4(digits, tmp_path):
     assert ("4 rank(s) on 2 node(s)" in two.stdout and "node 0: 2 rank(s): 0-1" in two.stdout
             and "node 1: 2 rank(s): 2-3" in two.stdout), two.stdout
     env = json.loads((tmp_path / "two" / "environment.json").read_text())
-    assert (env["nodes"], env["hosts"]) == (2, ["nodeA", "nodeB"]), env
+    assert (env["nodes"], env["hosts"], env["ranks_per_host"]) == (2, ["nodeA", "nodeB"],
+                                                                    [2, 2]), env
     a, b = final_top1(one.stdout), final_top1(two.stdout)
     assert min(a, b) >= 95.0 and abs(a - b) <= 1.5, (a, b)
 

@@ -6,8 +6,9 @@
                     validation top-1 / top-5 per evaluation
     lr.png          learning rate (and the loss scale, when there is one)
     throughput.png  images/s, and the time per step of each phase stacked (the
-                    all-reduce's own time drawn beside them: it runs behind backward,
-                    and the step's wait for it is the "comm" phase)
+                    all-reduce's own time drawn beside them: it runs behind backward
+                    where it overlaps (on a GPU, or --overlap), else within the "comm"
+                    phase, the step's wait for it)
 
 and `plot_batch_study`: the large-batch study's top-1 against the global batch.
 """
@@ -19,7 +20,7 @@ from ..files import output_problem, write_atomic
 
 
 # phases of a step record that overlap the others: drawn as lines, not stacked
-BESIDE = {"bucket": "all-reduce (behind backward)"}
+BESIDE = {"bucket": "all-reduce (its own time)"}
 
 
 def stacked_phases(steps):
@@ -94,13 +95,16 @@ def plot_run(run_dir, out=None):
 
     def loss(ax):
         ax.plot(x, [r["loss"] for r in steps], marker=".", label=train_loss_label(run_dir))
+        notes = ["training loss not finite"] if all(r["loss"] is None for r in steps) else []
         scored = [r for r in evals if r.get("loss") is not None]
         if scored:
             ax.plot([r["epoch"] for r in scored], [r["loss"] for r in scored], marker="o",
                     label="val loss")
         elif evals:
-            missing(ax, "validation loss " + ("not finite" if any("loss" in r for r in evals)
-                                              else "not in this metrics.jsonl (an older run)"))
+            notes.append("validation loss " + ("not finite" if any("loss" in r for r in evals)
+                                               else "not in this metrics.jsonl (an older run)"))
+        if notes:
+            missing(ax, "; ".join(notes))
     figure("loss.png", "training and validation loss", "loss", loss)
 
     def accuracy(ax):
