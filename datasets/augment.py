@@ -30,7 +30,7 @@ chroma upsampling): the height in its frame header is lowered, and the decoder
 stops there; the rows it gives are those of the full decode, bit for bit.
 simplejpeg decodes into a buffer of each worker thread, which the resize reads.
 Training decodes with libjpeg-turbo's fast integer IDCT and plain chroma
-upsampling: within a few grey levels of the exact decode, and faster (the
+upsampling: a few grey levels from the exact decode on average, and faster (the
 measurements: docs/benchmarks-record.md, "Data pipeline").
 """
 import io

@@ -96,9 +96,14 @@ def list_imagefolder(src):
                            f"(expected SRC/<class>/<image>)")
     empty = sorted(set(classes) - {rel.split(os.sep, 1)[0] for rel, _ in items})
     if empty:
-        raise ConvertError(f"{src}: class folder(s) {', '.join(empty)} hold no image file, "
-                           f"so the network would have a class it never sees: put its images "
-                           f"in, or remove the folder")
+        # what they do hold: sub-folders, say, whose images are a level too deep
+        inside = [f"{rel} is {why}" for rel, why in skipped if rel.split(os.sep, 1)[0] in empty]
+        if len(inside) > 3:
+            inside[3:] = [f"{len(inside) - 3} more such"]
+        held = f": {'; '.join(inside)}" if inside else ""
+        raise ConvertError(f"{src}: class folder(s) {', '.join(empty)} hold no image file"
+                           f"{held}, so the network would have a class it never sees: put "
+                           f"its images in, or remove the folder")
     return classes, items, skipped
 
 

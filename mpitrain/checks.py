@@ -146,10 +146,13 @@ def check_milestones(cfg):
         raise ConfigError("--schedule step multiplies the learning rate by 0.1 at each of "
                           "--milestones, and none is given: add --milestones EPOCH "
                           "[EPOCH ...] (for example --milestones 30 60 80)")
+    # a milestone applies from the step that reaches it: one at --epochs to the last step only
     late = [m for m in cfg.milestones if m >= cfg.epochs]
     if late:
-        raise ConfigError(f"--milestones {' '.join(f'{m:g}' for m in late)} would never "
-                          f"apply: the run ends after --epochs {cfg.epochs}; drop "
+        what = ("would never apply" if min(late) > cfg.epochs else
+                "would apply to the run's last step at most")
+        raise ConfigError(f"--milestones {' '.join(f'{m:g}' for m in late)} {what}: the run "
+                          f"ends after --epochs {cfg.epochs}; drop "
                           f"{'it' if len(late) == 1 else 'them'} or raise --epochs")
 
 

@@ -738,9 +738,13 @@ def test_a_step_schedule_needs_milestones_the_run_reaches():
     refused(quick("train", "--schedule", "step"),
             "--schedule step multiplies the learning rate by 0.1 at each of --milestones, and "
             "none is given: add --milestones")
-    refused(quick("train", "--schedule", "step", "--milestones", "2", "8", "9.5", "--epochs", "8"),
-            "--milestones 8 9.5 would never apply: the run ends after --epochs 8; drop them or "
+    refused(quick("train", "--schedule", "step", "--milestones", "2", "9.5", "--epochs", "8"),
+            "--milestones 9.5 would never apply: the run ends after --epochs 8; drop it or "
             "raise --epochs")
+    # a milestone at the run's end applies from the step that reaches it: the last one
+    refused(quick("train", "--schedule", "step", "--milestones", "2", "8", "9.5", "--epochs", "8"),
+            "--milestones 8 9.5 would apply to the run's last step at most: the run ends after "
+            "--epochs 8; drop them or raise --epochs")
 
 
 def test_crop_options_without_augmentation_are_refused_not_ignored(digits):
@@ -943,12 +947,12 @@ def test_a_named_data_set_converts_into_a_folder_which_as_data_is_answered_with_
 
 
 @pytest.mark.parametrize("case", ["no class folders", "one class folder", "no images",
-                                  "a class without images", "a class without training images",
-                                  "no validation image"])
+                                  "a class without images", "a class's images a level down",
+                                  "a class without training images", "no validation image"])
 def test_converting_a_folder_without_images_is_refused(tmp_path, case):
     """Before any work, nothing written: a folder with no class folders, one, or no
-    images, a class folder without images (a class the network would never see), a --val-fraction
-    that takes all of a class's images, or none of any."""
+    images, a class folder without images (a class the network would never see; what it holds
+    instead named), a --val-fraction that takes all of a class's images, or none of any."""
     src = tmp_path / "src"
     src.mkdir()
     options = ()
@@ -964,14 +968,22 @@ def test_converting_a_folder_without_images_is_refused(tmp_path, case):
         png(src / "cat" / "0.png")
         expect = f"{src}: one class folder (cat), and a classifier needs two or more"
     else:
-        empty = case == "a class without images"
+        empty = case in ("a class without images", "a class's images a level down")
         for c, count in (("cat", 5), ("dog", 7), ("empty", 0 if empty else 5)):
             (src / c).mkdir()
             for i in range(count):
                 png(src / c / f"{i}.png", 20 * i)
+        deep = src / "empty" / "2024"
+        if case == "a class's images a level down":
+            deep.mkdir()
+            png(deep / "0.png")
         options, expect = {
             "a class without images": ((), f"{src}: class folder(s) empty hold no image file, "
                                            f"so the network would have a class it never sees"),
+            "a class's images a level down": (
+                (), f"{src}: class folder(s) empty hold no image file: empty{os.sep}2024 is "
+                    f"a folder (images are read one level below SRC only), so the network "
+                    f"would have a class it never sees"),
             "a class without training images": (
                 ("--val-fraction", "0.95"), "--val-fraction 0.95 takes every image of class cat "
                                             "(5) into the validation split, leaving it none to "

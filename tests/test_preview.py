@@ -81,6 +81,22 @@ def test_a_whole_square_crop_is_the_validation_image_or_its_mirror(square, tmp_p
     assert 0 < flips < 12
 
 
+def test_validation_images_are_shown_at_the_training_files_size(square, tmp_path):
+    """Without --image-size train and eval take the training file's size for both splits,
+    and so does the preview of the validation split, whose own file stores larger images."""
+    val, out = tmp_path / "large_val.h5", tmp_path / "v.png"
+    convert_synthetic(str(val), 6, (64, 64), classes=3)
+    r = mpitrain("preview", "--data", str(square), "--val-data", str(val), "--split", "val",
+                 "--batch", "6", "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"6 val images of {val} at 48x48" in r.stdout, r.stdout
+    with Loader(str(val), 6, train=False, image_size=48, workers=0) as loader:
+        x, _ = next(iter(loader))
+        want = np.round(np.clip((x * loader.std + loader.mean) / 255, 0, 1) * 255)
+    for got, expect in zip(tiles(out, 6, 48), want):
+        np.testing.assert_array_equal(got, expect.astype(np.uint8))
+
+
 @pytest.mark.parametrize("option,values,message", [
     ("--crop-scale", ("0.5", "2"), "0 < MIN <= MAX <= 1"),
     ("--crop-scale", ("0.6", "0.3"), "0 < MIN <= MAX <= 1"),

@@ -56,8 +56,9 @@ def preview(cfg, split, batch, out, say=print):
                           "train shows augmented training images (random crops), which do "
                           "not use it: drop --crop-fraction, or show --split val")
     path = train_file if split == "train" else val_file
-    count, _, stored_size = describe_file(path)
-    size = cfg.image_size or stored_size
+    count = describe_file(path)[0]
+    # the training file's size, as train and eval take it for both splits
+    size = cfg.image_size or describe_file(train_file)[2]
     batch = min(batch, count)
     options = transform if split == "train" else dict(crop_fraction=transform["crop_fraction"])
     with Reader(path) as reader:
