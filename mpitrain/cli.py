@@ -412,7 +412,7 @@ def add_bench_comm(benches):
         description="Under mpirun: time one step's gradient sum of a model's arena for each "
                     "all-reduce algorithm, as one buffer, as fusion buckets and per tensor, "
                     "with fp32 and fp16 on the wire, and a sweep of buffer sizes; reports "
-                    "milliseconds and algorithmic bus bandwidth.")
+                    "milliseconds and bus bandwidth (NCCL's busbw).")
     comm.add_argument("--model", choices=MODELS, default="resnet50",
                       help="the network whose gradients are summed")
     algorithms = BY_NAME["allreduce"].choices

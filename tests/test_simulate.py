@@ -231,7 +231,11 @@ def test_calibrate_measures_fits_and_feeds_the_model(tmp_path):
     # each algorithm's fit predicts the sums it was fitted to (bench comm's medians at the
     # buckets' sizes) within a factor of 2, in the median
     from mpitrain.tools.simulate import FIT_RANGE, coefficients
-    sweep = json.loads((out / "comm-2ranks.json").read_text())["sweep"]
+    comm = json.loads((out / "comm-2ranks.json").read_text())
+    sweep = comm["sweep"]
+    sizes = [s["bytes"] for s in sweep]         # each once, up to the fp32 arena's whole
+    assert {s["wire"] for s in sweep} == {"fp32"}
+    assert sizes == sorted(set(sizes)) and sizes[-1] == comm["values"] * 4, sizes
     rows = [s for s in sweep if s["bytes"] >= (4 << 20) // FIT_RANGE]
     for algorithm in ("flat", "hierarchical", "2d", "shm"):
         fit = cal["links"][algorithm]["2"]

@@ -113,9 +113,10 @@ class Communicator:
         algorithm: "flat", "hierarchical", "2d", "shm" or "hybrid" (see algorithms.py).
         wire_dtype: send the values in this dtype (np.float16 halves the bytes
         of a float32 buffer): `buf` is cast into a reused wire buffer, summed
-        there (in the wire dtype, so partial sums round to it) and cast back.
-        A float16 sum that exceeds 65504 becomes inf on every rank, which the
-        overflow check then sees.
+        there and cast back. MPI's sums (flat, hierarchical, 2d, and shm across
+        nodes) add in the wire dtype, so partial sums round to it; shm adds a
+        node's copies in float32 and rounds once. A float16 sum that exceeds
+        65504 becomes inf on every rank, which the overflow check then sees.
         prescale: multiply by this first (in the cast, when there is one): with
         1 / size the result is the mean, whose range does not grow with the
         number of ranks (what float16 on the wire needs).

@@ -14,10 +14,11 @@ The arena is allocated as training allocates it, in the node's shared memory
 ignore. With the values on the wire in fp32 and in fp16 (an fp16 arena; "fp16+cast"
 adds the casts from and back to an fp32 arena that training pays), and a sweep
 of single buffers from 4 KiB to 64 MiB per algorithm (each call at a new offset of
-the arena, so read from memory as a bucket is), the data behind the `hybrid` rule.
+the arena, so read from memory as a bucket is; a smaller arena's sweep ends at its
+whole), the data behind the `hybrid` rule.
 Each time is the slowest rank's, the median of `repeats` runs after one warm-up.
-Bandwidth is the algorithmic bus bandwidth 2 (p-1)/p * bytes / time (p ranks), the
-rate each rank's link must sustain.
+Bandwidth is the bus bandwidth, NCCL's busbw: 2 (p-1)/p * bytes / time (p ranks), the
+rate each rank's link must sustain (bytes / time is NCCL's algorithm bandwidth).
 
 Top-k sparsification (`densities`, mpitrain.comm.topk) against dense sums, over the
 model's own bucket layout as training builds it (the Reducer on the arena, 4 MiB
@@ -173,8 +174,9 @@ def run(model="resnet50", algorithms=("flat", "hierarchical", "2d", "shm", "hybr
     if sweep:
         for wire in wires:
             x = grads[wire]
-            for nbytes in [4096 * 4 ** k for k in range(8)]:        # 4 KiB .. 64 MiB
-                count = min(nbytes // x.itemsize, n)
+            # 4 KiB .. 64 MiB; a smaller arena's whole once, in place of the sizes beyond it
+            for count in sorted({min(4096 * 4 ** k // x.itemsize, n) for k in range(8)}):
+                nbytes = count * x.itemsize
                 reps = max(repeats, int(min(200, 2e7 / nbytes)))
                 t = _time(comm, {a: _rotating(comm, x, count, a)
                                  for a in ("flat", "hierarchical", "2d", "shm")}, reps)
