@@ -149,11 +149,12 @@ def check_milestones(cfg):
     # a milestone applies from the step that reaches it: one at --epochs to the last step only
     late = [m for m in cfg.milestones if m >= cfg.epochs]
     if late:
-        what = ("would never apply" if min(late) > cfg.epochs else
-                "would apply to the run's last step at most")
-        raise ConfigError(f"--milestones {' '.join(f'{m:g}' for m in late)} {what}: the run "
-                          f"ends after --epochs {cfg.epochs}; drop "
-                          f"{'it' if len(late) == 1 else 'them'} or raise --epochs")
+        said = [f"{' '.join(f'{m:g}' for m in group)} {what}" for group, what in (
+            ([m for m in late if m == cfg.epochs], "would apply to the run's last step only"),
+            ([m for m in late if m > cfg.epochs], "would never apply")) if group]
+        raise ConfigError(f"--milestones {' and '.join(said)}: the run ends after --epochs "
+                          f"{cfg.epochs}; drop {'it' if len(late) == 1 else 'them'} or raise "
+                          f"--epochs")
 
 
 def check_never_used(cfg):

@@ -232,10 +232,10 @@ class LossMean:
 
     def load_state_dict(self, sums, world_size):
         """`sums` from state_dict(), in a checkpoint of `world_size` ranks; an older
-        checkpoint's three numbers are the ranks' finite losses summed, their count and
-        the count of the others."""
-        if len(sums) == 3:
-            loss_sum, finite, not_finite = sums
+        checkpoint's two or three numbers are the ranks' finite losses summed, their
+        count and (the later ones) the count of the others."""
+        if 0 < len(sums) < 4:
+            loss_sum, finite, not_finite = (*sums, 0)[:3]
             sums = [loss_sum / world_size, finite / world_size, int(finite), int(not_finite)]
         self.sums = list(sums) if sums else [0.0, 0.0, 0, 0]
 

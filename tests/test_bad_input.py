@@ -743,8 +743,8 @@ def test_a_step_schedule_needs_milestones_the_run_reaches():
             "raise --epochs")
     # a milestone at the run's end applies from the step that reaches it: the last one
     refused(quick("train", "--schedule", "step", "--milestones", "2", "8", "9.5", "--epochs", "8"),
-            "--milestones 8 9.5 would apply to the run's last step at most: the run ends after "
-            "--epochs 8; drop them or raise --epochs")
+            "--milestones 8 would apply to the run's last step only and 9.5 would never apply: "
+            "the run ends after --epochs 8; drop them or raise --epochs")
 
 
 def test_crop_options_without_augmentation_are_refused_not_ignored(digits):
