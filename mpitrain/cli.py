@@ -638,8 +638,8 @@ def add_study(commands):
                        help="MPI ranks of each run (a divisor of 32)")
     large.add_argument("--resume", action="store_true",
                        help="keep the results of runs that ended in an earlier study into the "
-                            "same --out with the same options, and run only the others (a "
-                            "study stopped halfway goes on where it stopped)")
+                            "same --out with the same options and --ranks-per-run, and run only "
+                            "the others (a study stopped halfway goes on where it stopped)")
     large.set_defaults(command_parser=large)
 
 

@@ -255,7 +255,9 @@ class MetricsLog:
     on overflow under loss scaling, so far), "top1", "top5", "loss" (the validation
     set's mean cross-entropy, without label smoothing; null when some logits were not
     finite), "nonfinite" (images whose logits were not finite), "bad_records"
-    (bad validation records, left out of the scores)}.
+    (bad validation records, left out of the scores)}. A run that a divergence ends (its
+    loss not finite or exploding, its loss scale at the floor) ends the file with
+    {"kind": "diverged", "global_step", "since" (the step where the divergence began)}.
 
     A record that the file system has no room for is left out whole (the file is cut
     back to its last complete line) and said once on `stream`: the run goes on, and the

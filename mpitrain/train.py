@@ -659,6 +659,7 @@ class Run:
                                   self.correct)
             except LossScaleError as e:         # on every rank alike: the flag is agreed
                 last = self.set_aside(self.overflow_since or global_step)
+                self.record_divergence(global_step, self.overflow_since or global_step)
                 raise TrainingError(f"{e}. Nothing was saved after the overflows began (step "
                                     f"{self.overflow_since or global_step}); the last good "
                                     f"checkpoint is {last or 'none'}") from None
@@ -886,11 +887,20 @@ class Run:
         began = [step for step in (self.loss_watch.since, self.overflow_since,
                                    self.nonfinite_since) if step is not None]
         last = self.set_aside(min(began) if began else None)
+        global_step = epoch * self.steps + s + 1
+        self.record_divergence(global_step, min(began, default=global_step))
         shown = f" ({loss:.4g})" if not bad else ""
         return (f"the training loss {how}{shown} at epoch {epoch + 1}, step {s + 1}{where}: "
                 f"training diverged (try a lower --lr or more --warmup-epochs). Nothing was "
                 f"saved after the divergence began; the last good checkpoint is "
                 f"{last or 'none'}")
+
+    def record_divergence(self, global_step, since):
+        """Rank 0: the last record of a run that a divergence ends, {"kind": "diverged",
+        global_step (where it ended), since (where it began)}: what a program reads (the
+        study), where the error's words are for people."""
+        if self.metrics:
+            self.metrics.write(dict(kind="diverged", global_step=global_step, since=since))
 
     def set_aside(self, since):
         """Rank 0: the checkpoints written at or after global step `since` (None: none)

@@ -172,6 +172,18 @@ def test_non_finite_loss_stops_and_saves_nothing(digits, tmp_path):
     assert "the last good checkpoint is none" in r.stderr
     assert not [p for p in os.listdir(run_dir) if "checkpoint" in p]
     assert "Traceback" not in r.stderr
+    assert_diverged_for_the_study(run_dir, r, since=2)
+
+
+def assert_diverged_for_the_study(run_dir, r, since):
+    """metrics.jsonl ends in the divergence's record, which the study reads as diverged."""
+    from mpitrain.metrics import read_metrics
+    from mpitrain.tools.study import read_result
+    last = read_metrics(str(run_dir / "metrics.jsonl"))[-1]
+    assert (last["kind"], last["since"]) == ("diverged", since), last
+    log = run_dir / "log.txt"
+    log.write_text(r.stdout + r.stderr)
+    assert read_result(str(run_dir), str(log), r.returncode) == dict(diverged=True)
 
 
 def test_checkpoints_of_a_model_diverged_unseen_by_the_loss_are_set_aside(digits, tmp_path):
@@ -191,6 +203,7 @@ def test_checkpoints_of_a_model_diverged_unseen_by_the_loss_are_set_aside(digits
            "is none" in r.stderr
     assert sorted(p for p in os.listdir(fp16) if "checkpoint" in p) \
         == ["diverged-checkpoint-000000022.h5"]
+    assert_diverged_for_the_study(fp16, r, since=2)
     # stopped during the overflows and resumed: the resumed run knows where they began
     resumed = tmp_path / "resumed"
     r = run_quick(*base, "--epochs", "1", "--batch-size", "256", "--precision", "fp16",
@@ -209,6 +222,7 @@ def test_checkpoints_of_a_model_diverged_unseen_by_the_loss_are_set_aside(digits
     assert "the last good checkpoint is none" in r.stderr
     assert sorted(p for p in os.listdir(fp32) if "checkpoint" in p) \
         == ["diverged-checkpoint-000000001.h5"]
+    assert_diverged_for_the_study(fp32, r, since=1)
 
 
 # ----- invalid inputs, refused before any work -----

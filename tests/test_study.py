@@ -61,6 +61,10 @@ def test_summary_mean_and_sample_sd_over_seeds_leave_diverged_runs_out():
     assert lamb["skipped_steps"] == [1, 3] and lamb["steps"] == 20
     table = study.table_markdown([lamb, sgd])
     assert "| 64 | sgd | sgd | fp32 | 0.2 | 10 | 60.0% ± 14.1% | 3 (1 diverged) | — |" in table
+    # the plot says so beside the point, whose mean is over the seeds left
+    from mpitrain.tools.plot import diverged_notes
+    assert diverged_notes([lamb, sgd], "sgd") == [(64, pytest.approx(60.0), "1/3 diverged")]
+    assert diverged_notes([lamb, sgd], "lamb") == []
 
 
 def test_fashion_mnist_plan_sweeps_learning_rates_at_batches_128_to_4096():
@@ -153,6 +157,33 @@ def test_summary_reports_the_chosen_rate_and_keeps_the_sweep():
     rows = list(csv.DictReader(study.sweep_csv([row]).splitlines()))
     assert [(r["lr_factor"], r["top1"], r["chosen"]) for r in rows] == \
         [("0.5", "0.7000", "0"), ("1", "0.8000", "1"), ("2", "diverged", "0")]
+    # every rate diverged: no rate chosen, none named as the point's, drawn at 0
+    results = dict(results, l0=dict(diverged=True), l1=dict(diverged=True))
+    (row,) = study.summarise({("lars", 4096): ["l0"]}, results, {("lars", 4096): None}, sweeps)
+    assert (row["lr_factor"], row["peak_lr"], row["diverged"]) == (None, None, 1)
+    assert "| 4096 | lars | lars | fp32 | — | — | — | 1 (1 diverged) | — |" in \
+        study.table_markdown([row])
+    assert "**" not in study.sweep_markdown([row])
+    assert [r["chosen"] for r in csv.DictReader(study.sweep_csv([row]).splitlines())] == \
+        ["0", "0", "0"]
+    assert list(csv.DictReader(study.table_csv([row]).splitlines()))[0]["peak_lr"] == ""
+    from mpitrain.tools.plot import diverged_notes
+    assert diverged_notes([row], "lars") == [(4096, 0.0, "1/1 diverged")]
+
+
+def test_resume_keeps_a_run_of_the_same_options_and_ranks_wherever_out_was_spelled(tmp_path):
+    """A run's record is compared by its options, not by how --out named its directory,
+    and by the ranks its environment.json records, which --ranks-per-run sets."""
+    run_dir = tmp_path / "out" / "runs" / "sgd-b32-s0"
+    run_dir.mkdir(parents=True)
+    options = study.train_options("sgd", 32, 0, 4, "digits", str(run_dir))
+    earlier = dict(options, run_dir="out/runs/sgd-b32-s0")        # --out out, from tmp_path
+    (run_dir / study.RESULT_FILE).write_text(json.dumps(dict(options=earlier,
+                                                             result=dict(top1=0.9))))
+    (run_dir / "environment.json").write_text(json.dumps(dict(world_size=2)))
+    assert study.kept_result(options, 2) == dict(top1=0.9)
+    assert study.kept_result(options, 1) is None                   # another --ranks-per-run
+    assert study.kept_result(dict(options, epochs=5), 2) is None   # other options
 
 
 def test_time_left_guesses_each_run_from_runs_of_its_batch_size():
@@ -225,6 +256,11 @@ def test_an_out_of_an_earlier_or_a_running_study_is_refused_with_nothing_removed
     assert r.returncode == 2, r.stdout + r.stderr
     assert f"--out {fresh} is in use by a running job (host " in r.stderr, r.stderr
     assert "give another --out" in r.stderr and not (fresh / "runs").exists()
+    # the runs of a study still running are not an earlier study's
+    with RunLock(str(out), flag="--out"):
+        r = run_study("--quick", "--out", str(out), "--data-dir", str(digits))
+    assert r.returncode == 2 and f"--out {out} is in use by a running job" in r.stderr, r.stderr
+    assert kept.read_text() == "{}\n"
 
 
 @pytest.mark.launches

@@ -254,18 +254,33 @@ def _steps_of_data(run_dir):
         return None
 
 
+def diverged_notes(rows, config):
+    """(batch, top-1 in %, "k/n diverged") of each point of `config` with diverged runs:
+    its mean is over the others; a point with none left is drawn at 0."""
+    return [(r["batch"], 100 * r["top1_mean"] if r["top1_runs"] else 0.0,
+             f"{r['diverged']}/{r['runs']} diverged")
+            for r in rows if r["config"] == config and r["diverged"]]
+
+
 def plot_batch_study(rows, path, title, chance):
-    """Top-1 (mean over seeds, bars: one standard deviation) against the global batch,
-    one line per recipe of mpitrain.tools.study; `rows` as study.summarise makes them. The
-    PNG is written under a temporary name and renamed."""
+    """Top-1 (mean over the seeds that did not diverge, bars: one standard deviation)
+    against the global batch, one line per recipe of mpitrain.tools.study, each point with
+    diverged runs marked how many; `rows` as study.summarise makes them. The PNG is written
+    under a temporary name and renamed."""
     plt = pyplot()
     from matplotlib.ticker import ScalarFormatter
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     for config in dict.fromkeys(r["config"] for r in rows):
         points = [r for r in rows if r["config"] == config and r["top1_runs"]]
-        ax.errorbar([r["batch"] for r in points], [100 * r["top1_mean"] for r in points],
-                    yerr=[0 if math.isnan(r["top1_sd"]) else 100 * r["top1_sd"]
-                          for r in points], marker="o", capsize=3, label=config)
+        bars = ax.errorbar([r["batch"] for r in points], [100 * r["top1_mean"] for r in points],
+                           yerr=[0 if math.isnan(r["top1_sd"]) else 100 * r["top1_sd"]
+                                 for r in points], marker="o", capsize=3, label=config)
+        color = bars.lines[0].get_color()
+        for batch, y, text in diverged_notes(rows, config):
+            if y == 0:
+                ax.plot([batch], [y], marker="x", color=color, clip_on=False)
+            ax.annotate(text, (batch, y), textcoords="offset points", xytext=(4, 4),
+                        fontsize="x-small", color=color, annotation_clip=False)
     ax.axhline(100 * chance, color="grey", linestyle=":", label="chance")
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted({r["batch"] for r in rows}))
@@ -275,7 +290,7 @@ def plot_batch_study(rows, path, title, chance):
     ax.set_xlabel("global batch size")
     ax.set_ylabel("validation top-1 (%)")
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower left")
+    ax.legend(loc="best")
     fig.tight_layout()
     write_atomic(path, lambda tmp: fig.savefig(tmp, format="png"))
     plt.close(fig)

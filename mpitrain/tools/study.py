@@ -184,20 +184,19 @@ def flags(options):
 
 
 # ----- checks before any run -----
-def check_inputs(data, val_data, data_dir, out, resume=False):
+def check_inputs(data, val_data, data_dir, out):
     """(training file, number of training images, number of classes, the image size a
     run takes from the file: checks.describe_file); refuses
     (StudyError) a data file that is missing or not mpitrain's format, a validation file
-    that is the training file, too few images,
-    an --out that cannot be written and, without resume, one that holds an earlier
-    study's runs, before anything is written."""
+    that is the training file, too few images and an --out that cannot be written, before
+    anything is written."""
     from mpitrain.checks import ConfigError, check_validation_file, describe_file, resolve_data
     from mpitrain.datasets.h5format import FormatError
     from mpitrain.options import Config
     if find_spec("matplotlib") is None:
         raise StudyError("the study plots its results with matplotlib: pip install matplotlib "
                          "(or pip install -e '.[plot]' in the checkout)")
-    problem = writable_problem(out) or (None if resume else earlier_study(out))
+    problem = writable_problem(out)
     if problem:
         raise StudyError(problem)
     try:        # a named data set is converted here, on first use
@@ -265,6 +264,7 @@ class Launcher:
         if mpiexec is None:
             raise StudyError("no mpiexec found: run ./launch.sh setup")
         family = mpiexec_family(mpiexec)
+        self.ranks = ranks_per_run
         self.prefix = [mpiexec, *launch_options(ranks_per_run, family), "-np",
                        str(ranks_per_run), sys.executable, "-m", "mpitrain", "train"]
         self.env = job_environment(family, threads)
@@ -295,20 +295,23 @@ def run_name(config, batch, seed, factor=None):
 
 
 def read_result(run_dir, log, status):
-    """{top1, steps, skipped_steps} of a finished run, or {diverged: True} for one that
-    stopped on a non-finite or exploding loss. Raises RuntimeError for any other failure."""
+    """{top1, steps, skipped_steps} of a finished run, or {diverged: True} for one that a
+    divergence ended (its metrics.jsonl ends in a "diverged" record: a loss not finite or
+    exploding, the loss scale at its floor; or in a final evaluation whose logits were not
+    finite). Raises RuntimeError for any other failure."""
     from mpitrain.metrics import read_metrics
-    evals = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-             if r.get("kind") == "eval"] if os.path.exists(os.path.join(run_dir, "metrics.jsonl")) \
-        else []
+    path = os.path.join(run_dir, "metrics.jsonl")
+    records = read_metrics(path) if os.path.exists(path) else []
+    evals = [r for r in records if r.get("kind") == "eval"]
     if status == 0 and evals:
-        last = evals[-1]
-        return dict(top1=last["top1"], steps=last["global_step"],
-                    skipped_steps=last.get("skipped_steps", 0))
+        return dict(top1=evals[-1]["top1"], steps=evals[-1]["global_step"],
+                    skipped_steps=evals[-1].get("skipped_steps", 0))
+    last = records[-1] if records else {}
+    if status != 0 and (last.get("kind") == "diverged" or
+                        last.get("kind") == "eval" and last.get("nonfinite")):
+        return dict(diverged=True)
     with open(log) as f:
         text = f.read()
-    if status != 0 and "training diverged" in text:
-        return dict(diverged=True)
     raise RuntimeError(f"run {run_dir} failed (exit status {status}); its output, "
                        f"{log}, ends:\n{text[-2000:]}")
 
@@ -333,25 +336,29 @@ def time_left(took, pending, running, parallel):
 RESULT_FILE = "study-result.json"     # in a run's directory once the study has read it
 
 
-def kept_result(options):
-    """The result of a run that ended in an earlier study with the same options (None:
-    there is none), read from the RESULT_FILE it wrote then."""
-    path = os.path.join(options["run_dir"], RESULT_FILE)
+def kept_result(options, ranks):
+    """The result of a run that ended in an earlier study with the same options on as
+    many ranks (None: there is none), read from the RESULT_FILE it wrote then. Its
+    directory is where the file lies, however --out was spelled then or now; its ranks
+    are those its environment.json records."""
     try:
-        with open(path) as f:
+        with open(os.path.join(options["run_dir"], RESULT_FILE)) as f:
             record = json.load(f)
-    except (OSError, ValueError):
+        earlier = dict(record["options"], run_dir=options["run_dir"])
+    except (OSError, ValueError, TypeError, KeyError):
         return None
-    return record["result"] if record.get("options") == options else None
+    same = earlier == options and recorded(options["run_dir"]).get("world_size") == ranks
+    return record.get("result") if same else None
 
 
-def recorded_source(run_dir):
-    """The code a run was made by, as its environment.json records it (None: not recorded)."""
+def recorded(run_dir):
+    """A run's environment.json ({} where there is none): the code that made it, its
+    world size, ..."""
     try:
         with open(os.path.join(run_dir, "environment.json")) as f:
-            return json.load(f).get("source")
+            return json.load(f)
     except (OSError, ValueError):
-        return None
+        return {}
 
 
 def other_code(results):
@@ -374,15 +381,22 @@ def run_all(runs, launcher, parallel, say=print, resume=False):
         points.setdefault(name.rsplit("-s", 1)[0], []).append(name)
     pending, running, results, took = [], {}, {}, {}
     for name, options in runs:
-        kept = kept_result(options) if resume else None
+        kept = kept_result(options, launcher.ranks) if resume else None
         if kept is None:
             pending.append((name, options))
         else:
-            results[name] = dict(kept, kept=True, source=recorded_source(options["run_dir"]))
+            results[name] = dict(kept, kept=True,
+                                 source=recorded(options["run_dir"]).get("source"))
     if results:
         say(f"study: {len(results)} of {len(runs)} runs ended in an earlier study with the "
             f"same options; their results are kept (--resume){other_code(results)}",
             flush=True)
+    redone = [name for name, options in pending
+              if os.path.exists(os.path.join(options["run_dir"], RESULT_FILE))]
+    if resume and redone:
+        say(f"study: {len(redone)} run(s) ended in an earlier study with other options or "
+            f"another --ranks-per-run ({', '.join(redone[:3])}{', ...' * (len(redone) > 3)}): "
+            f"they run again, in place of those", flush=True)
     start = time.monotonic()
     try:
         while pending or running:
@@ -428,7 +442,7 @@ def summarise(grid, results, factors=None, sweeps=None):
     {factor: run name}}, each factor's seed-0 top-1 (None: diverged) kept in the row."""
     rows = []
     for (config, batch), names in grid.items():
-        factor = (factors or {}).get((config, batch)) or 1.0
+        factor = (factors or {}).get((config, batch), 1.0)     # None: every rate diverged
         sweep = {f: results[n].get("top1") for f, n in (sweeps or {}).get((config, batch),
                                                                           {}).items()}
         done = [results[n] for n in names if not results[n].get("diverged")]
@@ -438,7 +452,8 @@ def summarise(grid, results, factors=None, sweeps=None):
             if len(accs) > 1 else float("nan")
         c = CONFIGS[config]
         rows.append(dict(config=config, batch=batch, optimizer=c["optimizer"],
-                         precision=c["precision"], peak_lr=peak_lr(config, batch, factor),
+                         precision=c["precision"],
+                         peak_lr=None if factor is None else peak_lr(config, batch, factor),
                          lr_factor=factor, sweep=sweep,
                          steps=done[0]["steps"] if done else None,
                          top1_mean=mean, top1_sd=sd, runs=len(names),
@@ -456,7 +471,7 @@ def table_csv(rows):
     writer.writeheader()
     for r in rows:
         writer.writerow({**{k: r[k] for k in fields},
-                         "peak_lr": f"{r['peak_lr']:.4g}",
+                         "peak_lr": "" if r["peak_lr"] is None else f"{r['peak_lr']:.4g}",
                          "top1_mean": f"{r['top1_mean']:.4f}", "top1_sd": f"{r['top1_sd']:.4f}",
                          "top1_runs": " ".join(f"{a:.4f}" for a in r["top1_runs"]),
                          "skipped_steps": " ".join(map(str, r["skipped_steps"]))})
@@ -471,9 +486,11 @@ def table_markdown(rows):
         top1 = "—" if math.isnan(r["top1_mean"]) else f"{r['top1_mean']:.1%}" + \
             ("" if math.isnan(r["top1_sd"]) else f" ± {r['top1_sd']:.1%}")
         runs = f"{r['runs']}" + (f" ({r['diverged']} diverged)" if r["diverged"] else "")
-        skipped = ", ".join(map(str, r["skipped_steps"])) if r["precision"] == "fp16" else "—"
+        skipped = ", ".join(map(str, r["skipped_steps"])) \
+            if r["precision"] == "fp16" and r["skipped_steps"] else "—"
         lines.append(f"| {r['batch']} | {r['config']} | {r['optimizer']} | {r['precision']} | "
-                     f"{r['peak_lr']:.4g} | {r['steps'] if r['steps'] is not None else '—'} | "
+                     f"{'—' if r['peak_lr'] is None else format(r['peak_lr'], '.4g')} | "
+                     f"{r['steps'] if r['steps'] is not None else '—'} | "
                      f"{top1} | {runs} | {skipped} |")
     return "\n".join(lines) + "\n"
 
@@ -574,9 +591,12 @@ def large_batch(data="digits", data_dir="data", out="runs/study-large-batch", qu
                          f"{SMALLEST_BATCH}; use 1, 2, 4, 8, 16 or 32")
     if ranks < ranks_per_run:
         raise StudyError(f"--ranks {ranks} is fewer than --ranks-per-run {ranks_per_run}")
-    train_file, num_train, num_classes, data_size = check_inputs(data, val_data, data_dir, out,
-                                                                  resume)
+    train_file, num_train, num_classes, data_size = check_inputs(data, val_data, data_dir, out)
     with study_lock(out):
+        # under the lock: a study running into --out is refused as such, not as an earlier one
+        problem = None if resume else earlier_study(out)
+        if problem:
+            raise StudyError(problem)
         size = f"{image_size}x{image_size}" if image_size else \
             f"{data_size}x{data_size} from the data"
         parallel = ranks // ranks_per_run
