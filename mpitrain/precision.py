@@ -30,7 +30,12 @@ import numbers
 
 
 class LossScaleError(RuntimeError):
-    """The gradients keep overflowing at the smallest loss scale: training has diverged."""
+    """The gradients keep overflowing at the smallest loss scale: training has diverged
+    (`diverged`), or a static scale above 1 is too large for them."""
+
+    def __init__(self, message, diverged):
+        super().__init__(message)
+        self.diverged = diverged
 
 
 class LossScaler:
@@ -81,14 +86,19 @@ class LossScaler:
         if self.scale <= self.min_scale:
             self.stuck += 1
             if self.stuck >= self.patience:
-                raise LossScaleError(self._stuck_message())
+                raise LossScaleError(self._stuck_message(), self._diverged())
         if self.dynamic:
             self.scale = max(0.5 * self.scale, self.min_scale)
         return False
 
+    def _diverged(self):
+        """Overflows at the floor are the gradients' own (a dynamic scale's floor, or a
+        static 1), not a static scale's, which may just be too large."""
+        return self.dynamic or self.scale == 1.0
+
     def _stuck_message(self):
         said = f"the gradients overflowed (inf or NaN) in {self.stuck} steps in a row at "
-        if self.dynamic or self.scale == 1.0:
+        if self._diverged():
             return (said + f"the smallest loss scale {self.scale:g}: training has diverged; "
                     f"lower the learning rate (under --precision fp16, a run in fp32 shows "
                     f"where it breaks)")

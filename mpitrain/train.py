@@ -659,7 +659,8 @@ class Run:
                                   self.correct)
             except LossScaleError as e:         # on every rank alike: the flag is agreed
                 last = self.set_aside(self.overflow_since or global_step)
-                self.record_divergence(global_step, self.overflow_since or global_step)
+                if e.diverged:                  # else a static scale too large: said so
+                    self.record_divergence(global_step, self.overflow_since or global_step)
                 raise TrainingError(f"{e}. Nothing was saved after the overflows began (step "
                                     f"{self.overflow_since or global_step}); the last good "
                                     f"checkpoint is {last or 'none'}") from None

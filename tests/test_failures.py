@@ -215,6 +215,8 @@ def test_checkpoints_of_a_model_diverged_unseen_by_the_loss_are_set_aside(digits
            "is none" in r.stderr, r.stdout + r.stderr
     assert sorted(p for p in os.listdir(resumed) if "checkpoint" in p) \
         == ["diverged-checkpoint-000000005.h5"]
+    from mpitrain.metrics import read_metrics                 # a static scale too large for
+    assert read_metrics(str(resumed / "metrics.jsonl"))[-1]["kind"] != "diverged"  # them
     fp32 = tmp_path / "fp32"
     r = run_quick(*base, "--epochs", "3", "--batch-size", "1438", "--run-dir", str(fp32))
     assert r.returncode == 1, r.stdout + r.stderr

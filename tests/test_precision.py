@@ -56,11 +56,14 @@ def test_static_scaler_keeps_its_scale_and_skips_overflows():
     s.update(True)
     # a static scale above 1 may be too large: the fix is a smaller one, not a lower lr
     with pytest.raises(LossScaleError, match="2 steps in a row at the static loss scale 1024: "
-                                             ".* lower --loss-scale, or give --loss-scale dynamic"):
+                                             ".* lower --loss-scale, or give --loss-scale dynamic"
+                       ) as too_large:
         s.update(True)
     one = LossScaler(1.0, patience=1, check=True)   # at 1 there is no smaller scale to try
-    with pytest.raises(LossScaleError, match="smallest loss scale 1: training has diverged"):
+    with pytest.raises(LossScaleError, match="smallest loss scale 1: training has diverged") \
+            as diverged:
         one.update(True)
+    assert (too_large.value.diverged, diverged.value.diverged) == (False, True)
     assert not LossScaler(1.0).check                # fp32 default: no checks unless asked
     with pytest.raises(ValueError, match="positive number or 'dynamic'"):
         LossScaler(-1.0)

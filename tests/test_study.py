@@ -4,6 +4,7 @@ line of a run, the table's statistics, refused inputs, and the --quick study end
 import csv
 import json
 import math
+import os
 import re
 import shlex
 import subprocess
@@ -63,7 +64,7 @@ def test_summary_mean_and_sample_sd_over_seeds_leave_diverged_runs_out():
     assert "| 64 | sgd | sgd | fp32 | 0.2 | 10 | 60.0% ± 14.1% | 3 (1 diverged) | — |" in table
     # the plot says so beside the point, whose mean is over the seeds left
     from mpitrain.tools.plot import diverged_notes
-    assert diverged_notes([lamb, sgd], "sgd") == [(64, pytest.approx(60.0), "1/3 diverged")]
+    assert diverged_notes([lamb, sgd], "sgd") == [(64, pytest.approx(60.0), "sgd: 1/3 diverged")]
     assert diverged_notes([lamb, sgd], "lamb") == []
 
 
@@ -168,22 +169,29 @@ def test_summary_reports_the_chosen_rate_and_keeps_the_sweep():
         ["0", "0", "0"]
     assert list(csv.DictReader(study.table_csv([row]).splitlines()))[0]["peak_lr"] == ""
     from mpitrain.tools.plot import diverged_notes
-    assert diverged_notes([row], "lars") == [(4096, 0.0, "1/1 diverged")]
+    assert diverged_notes([row], "lars") == [(4096, 0.0, "lars: 1/1 diverged")]
 
 
-def test_resume_keeps_a_run_of_the_same_options_and_ranks_wherever_out_was_spelled(tmp_path):
-    """A run's record is compared by its options, not by how --out named its directory,
-    and by the ranks its environment.json records, which --ranks-per-run sets."""
+def test_resume_keeps_a_run_of_the_same_options_and_ranks_however_its_paths_were_spelled(
+        tmp_path, monkeypatch):
+    """A run's record is compared by the files its paths name, from the directory the
+    study ran in, not by how they were spelled, and by the ranks its environment.json
+    records, which --ranks-per-run sets."""
     run_dir = tmp_path / "out" / "runs" / "sgd-b32-s0"
     run_dir.mkdir(parents=True)
-    options = study.train_options("sgd", 32, 0, 4, "digits", str(run_dir))
-    earlier = dict(options, run_dir="out/runs/sgd-b32-s0")        # --out out, from tmp_path
-    (run_dir / study.RESULT_FILE).write_text(json.dumps(dict(options=earlier,
-                                                             result=dict(top1=0.9))))
+    (tmp_path / "other").mkdir()
+    earlier = study.train_options("sgd", 32, 0, 4, "digits", "out/runs/sgd-b32-s0")
+    earlier["data_dir"] = "data"
+    (run_dir / study.RESULT_FILE).write_text(json.dumps(dict(
+        options=earlier, cwd=str(tmp_path), result=dict(top1=0.9))))
     (run_dir / "environment.json").write_text(json.dumps(dict(world_size=2)))
-    assert study.kept_result(options, 2) == dict(top1=0.9)
+    options = dict(earlier, run_dir=str(run_dir), data_dir=str(tmp_path / "data"))
+    monkeypatch.chdir(tmp_path / "other")
+    assert study.kept_result(options, 2) == dict(top1=0.9)          # absolute paths now
     assert study.kept_result(options, 1) is None                   # another --ranks-per-run
     assert study.kept_result(dict(options, epochs=5), 2) is None   # other options
+    # the same words from another directory name other data
+    assert study.kept_result(dict(options, data_dir="data"), 2) is None
 
 
 def test_time_left_guesses_each_run_from_runs_of_its_batch_size():
@@ -244,11 +252,13 @@ def test_an_out_of_an_earlier_or_a_running_study_is_refused_with_nothing_removed
     kept = out / "runs" / "sgd-b32-s0" / "metrics.jsonl"
     kept.parent.mkdir(parents=True)
     kept.write_text("{}\n")
-    r = run_study("--quick", "--out", str(out), "--data-dir", str(digits))
+    r = run_study("--quick", "--out", str(out), "--data-dir", str(tmp_path / "data"))
     assert r.returncode == 2, r.stdout + r.stderr
     assert f"--out {out} holds an earlier study's runs (1 under {out / 'runs'}): keep the " \
            f"results of those with the same options with --resume" in r.stderr, r.stderr
     assert kept.read_text() == "{}\n"
+    assert not (tmp_path / "data").exists()            # refused before the digits' conversion
+    assert sorted(os.listdir(out)) == ["runs"]
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     with RunLock(str(fresh), flag="--out"):
@@ -258,8 +268,9 @@ def test_an_out_of_an_earlier_or_a_running_study_is_refused_with_nothing_removed
     assert "give another --out" in r.stderr and not (fresh / "runs").exists()
     # the runs of a study still running are not an earlier study's
     with RunLock(str(out), flag="--out"):
-        r = run_study("--quick", "--out", str(out), "--data-dir", str(digits))
+        r = run_study("--quick", "--out", str(out), "--data-dir", str(tmp_path / "data"))
     assert r.returncode == 2 and f"--out {out} is in use by a running job" in r.stderr, r.stderr
+    assert not (tmp_path / "data").exists()
     assert kept.read_text() == "{}\n"
 
 

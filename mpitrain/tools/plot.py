@@ -255,10 +255,11 @@ def _steps_of_data(run_dir):
 
 
 def diverged_notes(rows, config):
-    """(batch, top-1 in %, "k/n diverged") of each point of `config` with diverged runs:
-    its mean is over the others; a point with none left is drawn at 0."""
+    """(batch, top-1 in %, "config: k/n diverged") of each point of `config` with
+    diverged runs: its mean is over the others; a point with none left is drawn at 0 (the
+    recipes' notes there one above the other)."""
     return [(r["batch"], 100 * r["top1_mean"] if r["top1_runs"] else 0.0,
-             f"{r['diverged']}/{r['runs']} diverged")
+             f"{config}: {r['diverged']}/{r['runs']} diverged")
             for r in rows if r["config"] == config and r["diverged"]]
 
 
@@ -270,7 +271,7 @@ def plot_batch_study(rows, path, title, chance):
     plt = pyplot()
     from matplotlib.ticker import ScalarFormatter
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    for config in dict.fromkeys(r["config"] for r in rows):
+    for i, config in enumerate(dict.fromkeys(r["config"] for r in rows)):
         points = [r for r in rows if r["config"] == config and r["top1_runs"]]
         bars = ax.errorbar([r["batch"] for r in points], [100 * r["top1_mean"] for r in points],
                            yerr=[0 if math.isnan(r["top1_sd"]) else 100 * r["top1_sd"]
@@ -279,7 +280,7 @@ def plot_batch_study(rows, path, title, chance):
         for batch, y, text in diverged_notes(rows, config):
             if y == 0:
                 ax.plot([batch], [y], marker="x", color=color, clip_on=False)
-            ax.annotate(text, (batch, y), textcoords="offset points", xytext=(4, 4),
+            ax.annotate(text, (batch, y), textcoords="offset points", xytext=(4, 4 + 9 * i),
                         fontsize="x-small", color=color, annotation_clip=False)
     ax.axhline(100 * chance, color="grey", linestyle=":", label="chance")
     ax.set_xscale("log", base=2)

@@ -184,19 +184,20 @@ def flags(options):
 
 
 # ----- checks before any run -----
-def check_inputs(data, val_data, data_dir, out):
+def check_inputs(data, val_data, data_dir, out, resume=False):
     """(training file, number of training images, number of classes, the image size a
     run takes from the file: checks.describe_file); refuses
     (StudyError) a data file that is missing or not mpitrain's format, a validation file
-    that is the training file, too few images and an --out that cannot be written, before
-    anything is written."""
+    that is the training file, too few images,
+    an --out that cannot be written and, without resume, one that holds an earlier or a
+    running study's runs, before anything is written (a named data set converted)."""
     from mpitrain.checks import ConfigError, check_validation_file, describe_file, resolve_data
     from mpitrain.datasets.h5format import FormatError
     from mpitrain.options import Config
     if find_spec("matplotlib") is None:
         raise StudyError("the study plots its results with matplotlib: pip install matplotlib "
                          "(or pip install -e '.[plot]' in the checkout)")
-    problem = writable_problem(out)
+    problem = writable_problem(out) or (None if resume else earlier_study(out))
     if problem:
         raise StudyError(problem)
     try:        # a named data set is converted here, on first use
@@ -212,12 +213,20 @@ def check_inputs(data, val_data, data_dir, out):
     return train_file, num_train, len(classes), size
 
 
-def earlier_study(out):
+def earlier_study(out, held=False):
     """The refusal of a fresh study into `out` where an earlier study's runs are (it would
-    remove them to run its own of the same names), else None."""
+    remove them to run its own of the same names), else None; where those are a study's
+    running now (it holds --out: config.RunLock), its refusal. held: this study holds
+    --out already."""
+    from mpitrain.config import RunDirInUse, RunLock
     runs = os.path.join(out, "runs")
     found = [n for n in os.listdir(runs) if os.path.isdir(os.path.join(runs, n))] \
         if os.path.isdir(runs) else []
+    if found and not held:
+        try:
+            RunLock(out, flag="--out").release()
+        except RunDirInUse as e:
+            return str(e)
     if found:
         return (f"--out {out} holds an earlier study's runs ({len(found)} under {runs}): "
                 f"keep the results of those with the same options with --resume (a stopped "
@@ -336,18 +345,33 @@ def time_left(took, pending, running, parallel):
 RESULT_FILE = "study-result.json"     # in a run's directory once the study has read it
 
 
+PATHS = ("data", "data_dir", "val_data", "run_dir")      # a run's options that name files
+
+
+def resolved(options, cwd):
+    """`options` with the paths among them (not a named data set) made absolute from
+    `cwd`, the directory the study ran in: a relative path means another file there."""
+    from mpitrain.checks import PRESETS
+    return {k: os.path.realpath(os.path.join(cwd, v))
+            if k in PATHS and isinstance(v, str) and v not in PRESETS else v
+            for k, v in options.items()}
+
+
 def kept_result(options, ranks):
     """The result of a run that ended in an earlier study with the same options on as
-    many ranks (None: there is none), read from the RESULT_FILE it wrote then. Its
-    directory is where the file lies, however --out was spelled then or now; its ranks
-    are those its environment.json records."""
+    many ranks (None: there is none), read from the RESULT_FILE it wrote then: its paths
+    compared as the files they name, however they were spelled (a record of an older
+    study, without its directory, as written), its ranks those its environment.json
+    records."""
     try:
         with open(os.path.join(options["run_dir"], RESULT_FILE)) as f:
             record = json.load(f)
-        earlier = dict(record["options"], run_dir=options["run_dir"])
-    except (OSError, ValueError, TypeError, KeyError):
+        cwd = record.get("cwd")
+        earlier, now = ((resolved(record["options"], cwd), resolved(options, os.getcwd()))
+                        if cwd else (record["options"], options))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
-    same = earlier == options and recorded(options["run_dir"]).get("world_size") == ranks
+    same = earlier == now and recorded(options["run_dir"]).get("world_size") == ranks
     return record.get("result") if same else None
 
 
@@ -415,7 +439,8 @@ def run_all(runs, launcher, parallel, say=print, resume=False):
                 del running[name]
                 results[name] = result = read_result(options["run_dir"], log, status)
                 save_json(os.path.join(options["run_dir"], RESULT_FILE),
-                          dict(options=options, result=result), sort_keys=False)
+                          dict(options=options, cwd=os.getcwd(), result=result),
+                          sort_keys=False)
                 took[name] = (options["batch_size"], time.monotonic() - began)
                 done = len(results)
                 elapsed = time.monotonic() - start
@@ -591,10 +616,11 @@ def large_batch(data="digits", data_dir="data", out="runs/study-large-batch", qu
                          f"{SMALLEST_BATCH}; use 1, 2, 4, 8, 16 or 32")
     if ranks < ranks_per_run:
         raise StudyError(f"--ranks {ranks} is fewer than --ranks-per-run {ranks_per_run}")
-    train_file, num_train, num_classes, data_size = check_inputs(data, val_data, data_dir, out)
+    train_file, num_train, num_classes, data_size = check_inputs(data, val_data, data_dir, out,
+                                                                  resume)
     with study_lock(out):
-        # under the lock: a study running into --out is refused as such, not as an earlier one
-        problem = None if resume else earlier_study(out)
+        # again under the lock: another study may have left runs there since
+        problem = None if resume else earlier_study(out, held=True)
         if problem:
             raise StudyError(problem)
         size = f"{image_size}x{image_size}" if image_size else \
