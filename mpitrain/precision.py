@@ -93,8 +93,8 @@ class LossScaler:
 
     def _diverged(self):
         """Overflows at the floor are the gradients' own (a dynamic scale's floor, or a
-        static 1), not a static scale's, which may just be too large."""
-        return self.dynamic or self.scale == 1.0
+        static scale of 1 or less), not a static scale's above 1, which may be too large."""
+        return self.dynamic or self.scale <= 1.0
 
     def _stuck_message(self):
         said = f"the gradients overflowed (inf or NaN) in {self.stuck} steps in a row at "

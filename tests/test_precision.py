@@ -64,6 +64,11 @@ def test_static_scaler_keeps_its_scale_and_skips_overflows():
             as diverged:
         one.update(True)
     assert (too_large.value.diverged, diverged.value.diverged) == (False, True)
+    half = LossScaler(0.5, patience=1, check=True)  # below 1 the gradients overflow at 1 too
+    with pytest.raises(LossScaleError, match="smallest loss scale 0.5: training has diverged") \
+            as diverged:
+        half.update(True)
+    assert diverged.value.diverged
     assert not LossScaler(1.0).check                # fp32 default: no checks unless asked
     with pytest.raises(ValueError, match="positive number or 'dynamic'"):
         LossScaler(-1.0)

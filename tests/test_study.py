@@ -174,24 +174,30 @@ def test_summary_reports_the_chosen_rate_and_keeps_the_sweep():
 
 def test_resume_keeps_a_run_of_the_same_options_and_ranks_however_its_paths_were_spelled(
         tmp_path, monkeypatch):
-    """A run's record is compared by the files its paths name, from the directory the
-    study ran in, not by how they were spelled, and by the ranks its environment.json
-    records, which --ranks-per-run sets."""
-    run_dir = tmp_path / "out" / "runs" / "sgd-b32-s0"
+    """A run's record is compared by the files its data options named when it ran and
+    name now, not by how they are spelled, wherever its --out lies now, and by the ranks
+    its environment.json records, which --ranks-per-run sets."""
+    run_dir = tmp_path / "moved" / "runs" / "sgd-b32-s0"        # the study's --out, renamed
     run_dir.mkdir(parents=True)
-    (tmp_path / "other").mkdir()
+    for d in ("full", "part", "other"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "data").symlink_to(tmp_path / "full")
+    monkeypatch.chdir(tmp_path)
     earlier = study.train_options("sgd", 32, 0, 4, "digits", "out/runs/sgd-b32-s0")
     earlier["data_dir"] = "data"
     (run_dir / study.RESULT_FILE).write_text(json.dumps(dict(
-        options=earlier, cwd=str(tmp_path), result=dict(top1=0.9))))
+        options=earlier, files=study.files(earlier), result=dict(top1=0.9))))
     (run_dir / "environment.json").write_text(json.dumps(dict(world_size=2)))
-    options = dict(earlier, run_dir=str(run_dir), data_dir=str(tmp_path / "data"))
+    options = dict(earlier, run_dir=str(run_dir), data_dir=str(tmp_path / "full"))
     monkeypatch.chdir(tmp_path / "other")
-    assert study.kept_result(options, 2) == dict(top1=0.9)          # absolute paths now
+    assert study.kept_result(options, 2) == dict(top1=0.9)          # the same folder
     assert study.kept_result(options, 1) is None                   # another --ranks-per-run
     assert study.kept_result(dict(options, epochs=5), 2) is None   # other options
-    # the same words from another directory name other data
+    # the same words from another directory, or a link since pointed elsewhere: other data
     assert study.kept_result(dict(options, data_dir="data"), 2) is None
+    (tmp_path / "data").unlink()
+    (tmp_path / "data").symlink_to(tmp_path / "part")
+    assert study.kept_result(dict(options, data_dir=str(tmp_path / "data")), 2) is None
 
 
 def test_time_left_guesses_each_run_from_runs_of_its_batch_size():

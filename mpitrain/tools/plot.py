@@ -271,16 +271,19 @@ def plot_batch_study(rows, path, title, chance):
     plt = pyplot()
     from matplotlib.ticker import ScalarFormatter
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    for i, config in enumerate(dict.fromkeys(r["config"] for r in rows)):
+    at_zero = {}                    # batch: the notes of points drawn at 0 there so far
+    for config in dict.fromkeys(r["config"] for r in rows):
         points = [r for r in rows if r["config"] == config and r["top1_runs"]]
         bars = ax.errorbar([r["batch"] for r in points], [100 * r["top1_mean"] for r in points],
                            yerr=[0 if math.isnan(r["top1_sd"]) else 100 * r["top1_sd"]
                                  for r in points], marker="o", capsize=3, label=config)
         color = bars.lines[0].get_color()
         for batch, y, text in diverged_notes(rows, config):
-            if y == 0:
+            above = 0
+            if y == 0:              # several recipes' notes there: one above another
                 ax.plot([batch], [y], marker="x", color=color, clip_on=False)
-            ax.annotate(text, (batch, y), textcoords="offset points", xytext=(4, 4 + 9 * i),
+                above = at_zero[batch] = at_zero.get(batch, -1) + 1
+            ax.annotate(text, (batch, y), textcoords="offset points", xytext=(4, 4 + 9 * above),
                         fontsize="x-small", color=color, annotation_clip=False)
     ax.axhline(100 * chance, color="grey", linestyle=":", label="chance")
     ax.set_xscale("log", base=2)

@@ -348,30 +348,33 @@ RESULT_FILE = "study-result.json"     # in a run's directory once the study has 
 PATHS = ("data", "data_dir", "val_data", "run_dir")      # a run's options that name files
 
 
-def resolved(options, cwd):
-    """`options` with the paths among them (not a named data set) made absolute from
-    `cwd`, the directory the study ran in: a relative path means another file there."""
+def files(options):
+    """The files and folders a run's data options name now (symbolic links followed;
+    a named data set by its name), as a study records them beside the options."""
     from mpitrain.checks import PRESETS
-    return {k: os.path.realpath(os.path.join(cwd, v))
-            if k in PATHS and isinstance(v, str) and v not in PRESETS else v
-            for k, v in options.items()}
+    return {k: v if v in PRESETS else os.path.realpath(v) for k, v in options.items()
+            if k in PATHS and k != "run_dir" and isinstance(v, str)}
 
 
 def kept_result(options, ranks):
     """The result of a run that ended in an earlier study with the same options on as
-    many ranks (None: there is none), read from the RESULT_FILE it wrote then: its paths
-    compared as the files they name, however they were spelled (a record of an older
-    study, without its directory, as written), its ranks those its environment.json
-    records."""
+    many ranks (None: there is none), read from the RESULT_FILE it wrote then: its data
+    options compared as the files they named then and name now, however they are spelled
+    (a record of an older study, without them, as written), its directory where the
+    record lies, its ranks those its environment.json records."""
     try:
         with open(os.path.join(options["run_dir"], RESULT_FILE)) as f:
             record = json.load(f)
-        cwd = record.get("cwd")
-        earlier, now = ((resolved(record["options"], cwd), resolved(options, os.getcwd()))
-                        if cwd else (record["options"], options))
+        earlier = dict(record["options"], run_dir=options["run_dir"])
+        if "files" in record:
+            same = ({k: v for k, v in earlier.items() if k not in PATHS} ==
+                    {k: v for k, v in options.items() if k not in PATHS}
+                    and record["files"] == files(options))
+        else:
+            same = earlier == options
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
-    same = earlier == now and recorded(options["run_dir"]).get("world_size") == ranks
+    same = same and recorded(options["run_dir"]).get("world_size") == ranks
     return record.get("result") if same else None
 
 
@@ -419,8 +422,8 @@ def run_all(runs, launcher, parallel, say=print, resume=False):
               if os.path.exists(os.path.join(options["run_dir"], RESULT_FILE))]
     if resume and redone:
         say(f"study: {len(redone)} run(s) ended in an earlier study with other options or "
-            f"another --ranks-per-run ({', '.join(redone[:3])}{', ...' * (len(redone) > 3)}): "
-            f"they run again, in place of those", flush=True)
+            f"data, or another --ranks-per-run ({', '.join(redone[:3])}"
+            f"{', ...' * (len(redone) > 3)}): they run again, in place of those", flush=True)
     start = time.monotonic()
     try:
         while pending or running:
@@ -439,7 +442,7 @@ def run_all(runs, launcher, parallel, say=print, resume=False):
                 del running[name]
                 results[name] = result = read_result(options["run_dir"], log, status)
                 save_json(os.path.join(options["run_dir"], RESULT_FILE),
-                          dict(options=options, cwd=os.getcwd(), result=result),
+                          dict(options=options, files=files(options), result=result),
                           sort_keys=False)
                 took[name] = (options["batch_size"], time.monotonic() - began)
                 done = len(results)
