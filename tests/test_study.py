@@ -183,6 +183,10 @@ def test_resume_keeps_a_run_of_the_same_options_and_ranks_however_its_paths_were
         (tmp_path / d).mkdir()
     (tmp_path / "data").symlink_to(tmp_path / "full")
     monkeypatch.chdir(tmp_path)
+    # a data set by its name; a folder (or file) by what it is, whatever it is called
+    (tmp_path / "digits").symlink_to(tmp_path / "full")
+    assert study.files(dict(data="digits", data_dir="digits", epochs=4)) == \
+        dict(data="digits", data_dir=str(tmp_path / "full"))
     earlier = study.train_options("sgd", 32, 0, 4, "digits", "out/runs/sgd-b32-s0")
     earlier["data_dir"] = "data"
     (run_dir / study.RESULT_FILE).write_text(json.dumps(dict(

@@ -256,8 +256,7 @@ def _steps_of_data(run_dir):
 
 def diverged_notes(rows, config):
     """(batch, top-1 in %, "config: k/n diverged") of each point of `config` with
-    diverged runs: its mean is over the others; a point with none left is drawn at 0 (the
-    recipes' notes there one above the other)."""
+    diverged runs: its mean is over the others; a point with none left is drawn at 0."""
     return [(r["batch"], 100 * r["top1_mean"] if r["top1_runs"] else 0.0,
              f"{config}: {r['diverged']}/{r['runs']} diverged")
             for r in rows if r["config"] == config and r["diverged"]]
@@ -265,25 +264,25 @@ def diverged_notes(rows, config):
 
 def plot_batch_study(rows, path, title, chance):
     """Top-1 (mean over the seeds that did not diverge, bars: one standard deviation)
-    against the global batch, one line per recipe of mpitrain.tools.study, each point with
-    diverged runs marked how many; `rows` as study.summarise makes them. The PNG is written
-    under a temporary name and renamed."""
+    against the global batch, one line per recipe of mpitrain.tools.study, the points with
+    diverged runs noted at the foot of their batch; `rows` as study.summarise makes them.
+    The PNG is written under a temporary name and renamed."""
     plt = pyplot()
     from matplotlib.ticker import ScalarFormatter
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    at_zero = {}                    # batch: the notes of points drawn at 0 there so far
+    notes = {}                      # batch: the divergence notes drawn there so far
     for config in dict.fromkeys(r["config"] for r in rows):
         points = [r for r in rows if r["config"] == config and r["top1_runs"]]
         bars = ax.errorbar([r["batch"] for r in points], [100 * r["top1_mean"] for r in points],
                            yerr=[0 if math.isnan(r["top1_sd"]) else 100 * r["top1_sd"]
                                  for r in points], marker="o", capsize=3, label=config)
         color = bars.lines[0].get_color()
+        # each batch's notes at the foot of its column, one above another, in their colours
         for batch, y, text in diverged_notes(rows, config):
-            above = 0
-            if y == 0:              # several recipes' notes there: one above another
+            if y == 0:
                 ax.plot([batch], [y], marker="x", color=color, clip_on=False)
-                above = at_zero[batch] = at_zero.get(batch, -1) + 1
-            ax.annotate(text, (batch, y), textcoords="offset points", xytext=(4, 4 + 9 * above),
+            above = notes[batch] = notes.get(batch, -1) + 1
+            ax.annotate(text, (batch, 0), textcoords="offset points", xytext=(4, 4 + 9 * above),
                         fontsize="x-small", color=color, annotation_clip=False)
     ax.axhline(100 * chance, color="grey", linestyle=":", label="chance")
     ax.set_xscale("log", base=2)

@@ -352,8 +352,8 @@ def files(options):
     """The files and folders a run's data options name now (symbolic links followed;
     a named data set by its name), as a study records them beside the options."""
     from mpitrain.checks import PRESETS
-    return {k: v if v in PRESETS else os.path.realpath(v) for k, v in options.items()
-            if k in PATHS and k != "run_dir" and isinstance(v, str)}
+    return {k: v if k == "data" and v in PRESETS else os.path.realpath(v)
+            for k, v in options.items() if k in PATHS and k != "run_dir" and isinstance(v, str)}
 
 
 def kept_result(options, ranks):
