@@ -1082,8 +1082,9 @@ def out_of_memory(e, argv):
 
 
 # one-process commands that write files: SIGTERM unwinds them as Ctrl-C does, so that
-# files.write_atomic removes its temporary file (the signal's default action leaves it)
-UNWOUND_BY_SIGTERM = {"export", "plot", "preview"}
+# files.write_atomic removes its temporary file (the signal's default action leaves it),
+# and the study ends its runs, each with a checkpoint, and says so
+UNWOUND_BY_SIGTERM = {"export", "plot", "preview", "study"}
 
 
 class Terminated(BaseException):

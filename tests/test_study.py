@@ -285,6 +285,30 @@ def test_an_out_of_an_earlier_or_a_running_study_is_refused_with_nothing_removed
 
 
 @pytest.mark.launches
+def test_sigterm_ends_a_study_and_its_runs_as_ctrl_c_does(tmp_path):
+    """SIGTERM (scancel, kill) to a study: it ends its runs, which stop with a checkpoint,
+    says so, and exits 143, where it died without a word and its runs found it gone."""
+    from launcher import BackgroundJob
+    from test_openmpi import wait_until_gone
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "mpitrain", "study", "large-batch", "--quick", "--ranks", "1",
+           "--epochs", "50", "--out", str(out), "--data-dir", str(tmp_path / "data")]
+    job = BackgroundJob(cmd, out / "runs" / "sgd-b32-s0", tmp_path / "log", ranks=1,
+                        env=launcher.environment())
+    try:
+        board = job.running()
+        job.proc.terminate()
+        status, _, said = job.finish(timeout=60)
+        assert status == 143 and said.endswith("mpitrain: terminated, ending the job\n"), \
+            (status, said)
+        assert wait_until_gone([board[0]["pid"]], timeout=30) < 15
+        assert "SIGTERM: stopped at epoch " in (out / "runs" / "sgd-b32-s0" /
+                                                "log.txt").read_text()
+    finally:
+        job.cleanup()
+
+
+@pytest.mark.launches
 def test_the_runs_of_a_killed_study_end(tmp_path):
     """kill -9 of a study: its runs' ranks see it gone and end their jobs."""
     from launcher import BackgroundJob
