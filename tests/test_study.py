@@ -7,6 +7,7 @@ import math
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 
@@ -285,9 +286,14 @@ def test_an_out_of_an_earlier_or_a_running_study_is_refused_with_nothing_removed
 
 
 @pytest.mark.launches
-def test_sigterm_ends_a_study_and_its_runs_as_ctrl_c_does(tmp_path):
-    """SIGTERM (scancel, kill) to a study: it ends its runs, which stop with a checkpoint,
-    says so, and exits 143, where it died without a word and its runs found it gone."""
+@pytest.mark.parametrize("sig, status, run_says", [
+    (signal.SIGTERM, 143, "SIGTERM: stopped at epoch "),       # scancel, kill
+    (signal.SIGKILL, -signal.SIGKILL, "MPITRAIN_LAUNCHER_PID) is gone"),
+], ids=["sigterm", "kill-9"])
+def test_the_runs_of_a_stopped_study_end(tmp_path, sig, status, run_says):
+    """SIGTERM to a study ends it as Ctrl-C does: its runs stop with a checkpoint, and it
+    says so and exits 143 (it died without a word). After kill -9, which it cannot catch,
+    its runs' ranks see it gone and end their jobs."""
     from launcher import BackgroundJob
     from test_openmpi import wait_until_gone
     out = tmp_path / "out"
@@ -297,34 +303,12 @@ def test_sigterm_ends_a_study_and_its_runs_as_ctrl_c_does(tmp_path):
                         env=launcher.environment())
     try:
         board = job.running()
-        job.proc.terminate()
-        status, _, said = job.finish(timeout=60)
-        assert status == 143 and said.endswith("mpitrain: terminated, ending the job\n"), \
-            (status, said)
+        job.proc.send_signal(sig)
+        ended, _, said = job.finish(timeout=60)
+        assert ended == status, (ended, said)
+        assert ("mpitrain: terminated, ending the job" in said) == (sig == signal.SIGTERM), said
         assert wait_until_gone([board[0]["pid"]], timeout=30) < 15
-        assert "SIGTERM: stopped at epoch " in (out / "runs" / "sgd-b32-s0" /
-                                                "log.txt").read_text()
-    finally:
-        job.cleanup()
-
-
-@pytest.mark.launches
-def test_the_runs_of_a_killed_study_end(tmp_path):
-    """kill -9 of a study: its runs' ranks see it gone and end their jobs."""
-    from launcher import BackgroundJob
-    from test_openmpi import wait_until_gone
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "mpitrain", "study", "large-batch", "--quick", "--ranks", "1",
-           "--epochs", "50", "--out", str(out), "--data-dir", str(tmp_path / "data")]
-    job = BackgroundJob(cmd, out / "runs" / "sgd-b32-s0", tmp_path / "log", ranks=1,
-                        env=launcher.environment())
-    try:
-        board = job.running()
-        job.proc.kill()
-        job.proc.wait()
-        assert wait_until_gone([board[0]["pid"]], timeout=30) < 15
-        assert "MPITRAIN_LAUNCHER_PID) is gone" in (out / "runs" / "sgd-b32-s0" /
-                                                    "log.txt").read_text()
+        assert run_says in (out / "runs" / "sgd-b32-s0" / "log.txt").read_text()
     finally:
         job.cleanup()
 
