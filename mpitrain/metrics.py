@@ -256,7 +256,8 @@ class MetricsLog:
     set's mean cross-entropy, without label smoothing; null when some logits were not
     finite), "nonfinite" (images whose logits were not finite), "bad_records"
     (bad validation records, left out of the scores)}. A run that a divergence ends (its
-    loss not finite or exploding, its loss scale at the floor) ends the file with
+    loss not finite or exploding, its overflows going on at the loss scale's floor
+    where that is dynamic or a static 1 or less) ends the file with
     {"kind": "diverged", "global_step", "since" (the step where the divergence began)}.
 
     A record that the file system has no room for is left out whole (the file is cut

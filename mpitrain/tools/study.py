@@ -305,9 +305,9 @@ def run_name(config, batch, seed, factor=None):
 
 def read_result(run_dir, log, status):
     """{top1, steps, skipped_steps} of a finished run, or {diverged: True} for one that a
-    divergence ended (its metrics.jsonl ends in a "diverged" record: a loss not finite or
-    exploding, the loss scale at its floor; or in a final evaluation whose logits were not
-    finite). Raises RuntimeError for any other failure."""
+    divergence ended (its metrics.jsonl ends in a "diverged" record, MetricsLog's; or in a
+    final evaluation whose logits were not finite). Raises RuntimeError for any other
+    failure."""
     from mpitrain.metrics import read_metrics
     path = os.path.join(run_dir, "metrics.jsonl")
     records = read_metrics(path) if os.path.exists(path) else []
